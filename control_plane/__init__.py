@@ -1,0 +1,1 @@
+"""InferMesh xDS control plane (see issue 3)."""

@@ -1,0 +1,3 @@
+from model_server.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,255 @@
+"""One model version's life: INITIALIZING -> LOADING -> WARMING -> READY (or FAILED) -> UNLOADING.
+
+Loading and warm-up run in a worker thread, never on the event loop. Inference runs through a
+fixed number of execution slots (the instance_group count) on a thread pool of the same size;
+requests waiting for a slot are the queue. Unloading waits for the requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tritonclient.grpc import model_config_pb2
+
+from model_server.datatypes import BY_CONFIG_TYPE, Datatype, to_onnx_strings
+from model_server.errors import ModelUnavailable
+from model_server.memory import MemoryGuard, estimate_model_bytes, process_rss
+from model_server.metrics import ServerMetrics
+from model_server.model_config import ModelSpec, TensorSpec, complete_spec, instance_count
+from model_server.runtime import DeviceChoice, OnnxSession
+
+log = logging.getLogger(__name__)
+
+
+class ModelState(enum.StrEnum):
+    INITIALIZING = "INITIALIZING"
+    LOADING = "LOADING"
+    WARMING = "WARMING"
+    READY = "READY"
+    FAILED = "FAILED"
+    UNLOADING = "UNLOADING"
+    UNAVAILABLE = "UNAVAILABLE"  # unloaded, or present on disk and never loaded
+
+
+@dataclass
+class DurationStat:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, ns: int) -> None:
+        self.count += 1
+        self.ns += ns
+
+
+@dataclass
+class VersionStats:
+    """Counters behind ModelStatistics (Triton's semantics)."""
+
+    success: DurationStat = field(default_factory=DurationStat)
+    fail: DurationStat = field(default_factory=DurationStat)
+    queue: DurationStat = field(default_factory=DurationStat)
+    compute_input: DurationStat = field(default_factory=DurationStat)
+    compute_infer: DurationStat = field(default_factory=DurationStat)
+    compute_output: DurationStat = field(default_factory=DurationStat)
+    inference_count: int = 0  # samples (batch elements)
+    execution_count: int = 0  # model executions
+    last_inference_ms: int = 0
+
+
+class ModelVersion:
+    """A loadable, servable version of a model. Owned by the repository; not thread-safe."""
+
+    def __init__(
+        self,
+        name: str,
+        version: int,
+        path: Path,
+        declared: model_config_pb2.ModelConfig,
+        fingerprint: str,
+        device: DeviceChoice,
+        metrics: ServerMetrics,
+    ) -> None:
+        self.name = name
+        self.version = version
+        self.path = path
+        self.declared = declared
+        self.fingerprint = fingerprint
+        self.device = device
+        self.metrics = metrics
+        self.state = ModelState.INITIALIZING
+        self.reason = ""
+        self.spec: ModelSpec | None = None
+        self.session: OnnxSession | None = None
+        self.stats = VersionStats()
+        self.memory_bytes = 0
+        self.load_ms = 0.0
+        self.slots_total = instance_count(declared)
+        self._slots = asyncio.Semaphore(self.slots_total)
+        self._executor: ThreadPoolExecutor | None = None
+        self.in_flight = 0
+        self.waiting = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._set_state(ModelState.INITIALIZING)
+
+    @property
+    def label(self) -> str:
+        return f"model {self.name!r} version {self.version}"
+
+    def _set_state(self, state: ModelState, reason: str = "") -> None:
+        self.state = state
+        self.reason = reason
+        shown = None if state is ModelState.UNAVAILABLE else state.value
+        self.metrics.set_model_state(self.name, str(self.version), shown)
+        log.info("%s: %s%s", self.label, state.value, f" ({reason})" if reason else "")
+
+    async def load(self, guard: MemoryGuard) -> None:
+        """Loads and warms the version; on any error it ends FAILED with the reason."""
+        started = time.monotonic()
+        self._set_state(ModelState.LOADING)
+        expected = 0
+        try:
+            expected = estimate_model_bytes(self.path)
+            guard.reserve(self.label, expected)
+            before = process_rss()
+            self._executor = ThreadPoolExecutor(
+                max_workers=self.slots_total, thread_name_prefix=f"{self.name}-v{self.version}"
+            )
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._executor, self._open_session)
+            self.memory_bytes = max(0, process_rss() - before)
+            self._set_state(ModelState.WARMING)
+            await loop.run_in_executor(self._executor, self._warm_up)
+        except Exception as exc:
+            self._close()
+            self._set_state(ModelState.FAILED, f"{type(exc).__name__}: {exc}")
+            return
+        finally:
+            guard.release(expected)
+        self.load_ms = (time.monotonic() - started) * 1000
+        self.metrics.model_load_time.labels(self.name).observe(self.load_ms)
+        assert self.session is not None
+        self.metrics.model_info.labels(self.name, str(self.version), self.session.provider).set(1)
+        self._set_state(ModelState.READY, f"on {self.session.provider}")
+
+    def _open_session(self) -> None:
+        parameters = {k: v.string_value for k, v in self.declared.parameters.items()}
+        session = OnnxSession(self.path, self.device, parameters)
+        self.spec = complete_spec(self.declared, session.inputs, session.outputs)
+        self.session = session
+
+    def _warm_up(self) -> None:
+        assert self.session is not None and self.spec is not None
+        for feeds, count in warmup_inputs(self.spec, self.path.parent.parent):
+            outputs = [o.name for o in self.spec.outputs]
+            for _ in range(count):
+                self.session.run(outputs, feeds)
+
+    async def execute(
+        self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str], batch: int
+    ) -> list[np.ndarray]:
+        """Runs one request in an execution slot; the caller holds it via ``track``."""
+        if self.session is None or self._executor is None:
+            raise ModelUnavailable(f"{self.label} is {self.state.value}")
+        session = self.session
+        queued = time.monotonic_ns()
+        self.waiting += 1
+        self.metrics.queue_depth.labels(self.name).inc()
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+            self.metrics.queue_depth.labels(self.name).dec()
+        try:
+            started = time.monotonic_ns()
+            self.stats.queue.add(started - queued)
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(self._executor, session.run, outputs, feeds)
+        finally:
+            self._slots.release()
+        self.stats.compute_infer.add(time.monotonic_ns() - started)
+        self.stats.execution_count += 1
+        self.stats.inference_count += batch
+        self.stats.last_inference_ms = int(time.time() * 1000)
+        return result
+
+    def begin_request(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def end_request(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def unload(self) -> None:
+        """Stops taking work (the repository already routes elsewhere), waits, frees."""
+        if self.state is ModelState.READY:
+            self._set_state(ModelState.UNLOADING)
+        await self._idle.wait()
+        self._close()
+        self._set_state(ModelState.UNAVAILABLE, "unloaded")
+
+    def _close(self) -> None:
+        if self.session is not None:
+            with contextlib.suppress(KeyError):
+                self.metrics.model_info.remove(self.name, str(self.version), self.session.provider)
+        self.session = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+
+
+def _synthetic(spec: TensorSpec, batch_dims: list[int], zero: bool, seed: int) -> np.ndarray:
+    shape = batch_dims + [d if d > 0 else 1 for d in spec.dims]
+    return _fill(spec.datatype, shape, zero, seed)
+
+
+def _fill(datatype: Datatype, shape: list[int], zero: bool, seed: int) -> np.ndarray:
+    if datatype.is_bytes:
+        return np.full(shape, "" if zero else "warmup", dtype=object)
+    if zero:
+        return np.zeros(shape, dtype=datatype.numpy)
+    rng = np.random.default_rng(seed)
+    if datatype.numpy.kind == "f":
+        return rng.random(shape).astype(datatype.numpy)
+    if datatype.numpy.kind == "b":
+        return rng.integers(0, 2, shape).astype(bool)
+    return rng.integers(0, 100, shape).astype(datatype.numpy)
+
+
+def warmup_inputs(spec: ModelSpec, model_dir: Path) -> list[tuple[dict[str, np.ndarray], int]]:
+    """Feeds for warm-up: the config's model_warmup entries, else one sample of zeros."""
+    batch_dims = [1] if spec.max_batch_size > 0 else []
+    warmups = list(spec.config.model_warmup)
+    if not warmups:
+        feeds = {t.name: _synthetic(t, batch_dims, True, 0) for t in spec.inputs}
+        return [({k: _onnx_ready(v) for k, v in feeds.items()}, 1)]
+    runs = []
+    for index, warmup in enumerate(warmups):
+        batch = [max(1, warmup.batch_size)] if spec.max_batch_size > 0 else []
+        feeds = {}
+        for name, source in warmup.inputs.items():
+            datatype = BY_CONFIG_TYPE[source.data_type]
+            shape = batch + list(source.dims)
+            choice = source.WhichOneof("input_data_type")
+            if choice == "input_data_file":
+                raw = (model_dir / "warmup" / source.input_data_file).read_bytes()
+                feeds[name] = np.frombuffer(raw, dtype=datatype.numpy).reshape(shape)
+            else:
+                feeds[name] = _fill(datatype, shape, choice != "random_data", index)
+        runs.append(({k: _onnx_ready(v) for k, v in feeds.items()}, max(1, warmup.count)))
+    return runs
+
+
+def _onnx_ready(array: np.ndarray) -> np.ndarray:
+    return to_onnx_strings(array) if array.dtype == object else array

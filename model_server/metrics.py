@@ -1,0 +1,92 @@
+"""Every instrument the model server exports, defined once.
+
+Served as Prometheus text on --metrics-port. The OTLP export of the same instruments (the
+telemetry issue) reads the same objects, so names, labels and buckets live only here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Fine enough for a P99 of sub-millisecond calls, wide enough for multi-second ones.
+LATENCY_BUCKETS_S = (
+    0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075,
+    0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+LOAD_BUCKETS_MS = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000)
+MODEL_STATES = ("INITIALIZING", "LOADING", "WARMING", "READY", "FAILED", "UNLOADING")
+
+
+class ServerMetrics:
+    """The model server's instruments, registered in their own registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "inference_requests",
+            "ModelInfer requests answered, by gRPC status code",
+            ["model", "version", "code"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "inference_request_duration_seconds",
+            "ModelInfer time from receipt to answer (validation, queue, compute, encoding)",
+            ["model", "version"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "inference_queue_depth",
+            "Requests validated and waiting for an execution slot",
+            ["model"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "inference_in_flight_requests",
+            "ModelInfer requests received and not yet answered",
+            registry=r,
+        )
+        self.model_load_time = Histogram(
+            "model_load_time_ms",
+            "Time to load and warm one model version, in milliseconds",
+            ["model"],
+            buckets=LOAD_BUCKETS_MS,
+            registry=r,
+        )
+        self.model_state = Gauge(
+            "model_state",
+            "1 for the state each loaded model version is in, 0 for the others",
+            ["model", "version", "state"],
+            registry=r,
+        )
+        self.model_info = Gauge(
+            "model_execution_provider_info",
+            "1 per loaded model version, labelled with the execution provider that runs it",
+            ["model", "version", "provider"],
+            registry=r,
+        )
+        self.memory_used = Gauge(
+            "accelerator_memory_used_bytes",
+            "Memory in use on the device (NVML) or by this process (CPU host)",
+            ["device", "source"],
+            registry=r,
+        )
+        self.memory_total = Gauge(
+            "accelerator_memory_total_bytes",
+            "Device memory (NVML) or this process's memory budget (CPU host)",
+            ["device", "source"],
+            registry=r,
+        )
+        self.draining = Gauge("server_draining", "1 once the server has begun to drain", registry=r)
+
+    def set_model_state(self, model: str, version: str, state: str | None) -> None:
+        """Marks ``state`` (None once unloaded) as the one state of a model version."""
+        for name in MODEL_STATES:
+            if state is None:
+                with contextlib.suppress(KeyError):
+                    self.model_state.remove(model, version, name)
+            else:
+                self.model_state.labels(model, version, name).set(1 if name == state else 0)

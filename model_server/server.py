@@ -1,0 +1,283 @@
+"""Assembles the model server: gRPC services, health, metrics, startup loading, polling, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from prometheus_client import start_http_server
+from tritonclient.grpc import service_pb2_grpc
+
+from model_server.memory import (
+    MemoryGuard,
+    MemorySource,
+    NvmlMemory,
+    ProcessMemory,
+    default_memory_budget,
+    format_bytes,
+)
+from model_server.metrics import ServerMetrics
+from model_server.repository import ModelRepository
+from model_server.runtime import DeviceChoice, choose_device
+from model_server.service import InferenceService, ServingGate
+
+log = logging.getLogger("model_server")
+
+HEALTH_SERVICES = ("", "inference.GRPCInferenceService")
+MEMORY_SAMPLE_INTERVAL_S = 1.0
+GRPC_HEADROOM_BYTES = 16 * 1024 * 1024  # tensors are checked in code; gRPC's cap sits above
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8001
+    metrics_port: int | None = None  # None: port + 1000 (0 when port is 0); -1 disables
+    model_repository: Path = Path("models")
+    models: tuple[str, ...] | None = None  # None: every model in the repository
+    device: str = "auto"
+    memory_budget: int | None = None
+    drain_delay: float = 2.0
+    drain_timeout: float = 30.0
+    advertise_address: str | None = None
+    max_request_bytes: int = 64 * 1024 * 1024
+    repository_poll_interval: float = 0.0
+
+    def resolved_metrics_port(self) -> int:
+        if self.metrics_port is not None:
+            return self.metrics_port
+        return 0 if self.port == 0 else self.port + 1000
+
+
+def memory_source(device: DeviceChoice, budget: int | None) -> MemorySource:
+    if device.kind == "cuda":
+        return NvmlMemory(device.index)
+    return ProcessMemory(budget or default_memory_budget())
+
+
+class ModelServer:
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.metrics = ServerMetrics()
+        self.device = choose_device(settings.device)
+        self.memory = memory_source(self.device, settings.memory_budget)
+        self.repository = ModelRepository(
+            settings.model_repository.resolve(),
+            self.device,
+            MemoryGuard(self.memory),
+            self.metrics,
+        )
+        self.required: set[str] = set(settings.models or ())
+        self.startup_done = False
+        self.draining = False
+        self.gate = ServingGate(ready=self.is_ready)
+        self.health = HealthServicer()
+        self.grpc_server: grpc.aio.Server | None = None
+        self.port = 0
+        self.metrics_port = -1
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._http: object | None = None
+
+    def is_ready(self) -> bool:
+        return (
+            self.startup_done
+            and not self.draining
+            and all(self.repository.is_ready(name) for name in self.required)
+        )
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def refresh_health(self) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if self.is_ready()
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in HEALTH_SERVICES:
+            await self.health.set(service, status)
+
+    def on_repository_change(self, name: str, loaded: bool) -> None:
+        """A model was loaded or unloaded through the API: it is (no longer) required."""
+        if loaded and self.repository.is_ready(name):
+            self.required.add(name)
+        elif not loaded:
+            self.required.discard(name)
+        self._spawn(self.refresh_health())
+
+    async def start(self) -> None:
+        s = self.settings
+        limit = s.max_request_bytes + GRPC_HEADROOM_BYTES
+        self.grpc_server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        service = InferenceService(
+            self.repository, self.metrics, self.gate, s.max_request_bytes, self.on_repository_change
+        )
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, self.grpc_server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
+        await self.refresh_health()  # NOT_SERVING until the models are READY
+        self.port = self.grpc_server.add_insecure_port(f"{s.host}:{s.port}")
+        await self.grpc_server.start()
+        if s.resolved_metrics_port() >= 0:
+            httpd, _ = start_http_server(
+                s.resolved_metrics_port(), addr=s.host, registry=self.metrics.registry
+            )
+            self._http = httpd
+            self.metrics_port = httpd.server_address[1]
+        reading = self.memory.read()
+        log.info(
+            "model server listening: grpc=%s:%d metrics=%s advertise=%s device=%s memory=%s "
+            "(%s of %s)",
+            s.host,
+            self.port,
+            f"{s.host}:{self.metrics_port}" if self.metrics_port >= 0 else "off",
+            s.advertise_address or f"{s.host}:{self.port}",
+            self.device.label,
+            reading.source,
+            format_bytes(reading.used_bytes),
+            format_bytes(reading.total_bytes),
+        )
+        self._spawn(self._load_at_start())
+        self._spawn(self._sample_memory())
+
+    async def _load_at_start(self) -> None:
+        names = self.settings.models
+        if names is None:
+            names = tuple(self.repository.names_on_disk())
+            self.required = set(names)
+        for name in names:
+            try:
+                await self.repository.load(name)
+            except Exception as exc:  # the others still load; the reason is in the index
+                log.error("model %r did not load: %s", name, exc)
+        self.startup_done = True
+        await self.refresh_health()
+        log.info("startup loading done: ready=%s (%s)", self.is_ready(), ", ".join(names) or "none")
+        if self.settings.repository_poll_interval > 0:
+            self._spawn(self._poll_repository())
+
+    async def _poll_repository(self) -> None:
+        known = {
+            name: await asyncio.to_thread(self.repository.model_fingerprint, name)
+            for name in self.repository.names_on_disk()
+        }
+        while not self.draining:
+            await asyncio.sleep(self.settings.repository_poll_interval)
+            on_disk = set(await asyncio.to_thread(self.repository.names_on_disk))
+            for name in sorted(on_disk | set(known)):
+                if self.draining:
+                    return
+                if name not in on_disk:
+                    known.pop(name, None)
+                    if name in self.repository.loaded_names():
+                        log.info("poll: model %r left the repository; unloading", name)
+                        await self.repository.unload(name)
+                        self.on_repository_change(name, False)
+                    continue
+                fingerprint = await asyncio.to_thread(self.repository.model_fingerprint, name)
+                if known.get(name) == fingerprint:
+                    continue
+                known[name] = fingerprint
+                wanted = self.settings.models is None or name in self.repository.loaded_names()
+                if wanted:
+                    log.info("poll: model %r changed on disk; reloading", name)
+                    with contextlib.suppress(Exception):  # the reason is in the index and log
+                        await self.repository.load(name)
+                    self.on_repository_change(name, True)
+
+    async def _sample_memory(self) -> None:
+        while True:
+            reading = await asyncio.to_thread(self.memory.read)
+            self.metrics.memory_used.labels(reading.device, reading.source).set(reading.used_bytes)
+            self.metrics.memory_total.labels(reading.device, reading.source).set(
+                reading.total_bytes
+            )
+            await asyncio.sleep(MEMORY_SAMPLE_INTERVAL_S)
+
+    async def drain(self) -> int:
+        """NOT_SERVING at once, accept for the drain delay, refuse new work, finish, stop."""
+        s = self.settings
+        started = time.monotonic()
+        self.draining = True
+        self.metrics.draining.set(1)
+        await self.health.enter_graceful_shutdown()  # every service NOT_SERVING, watchers told
+        log.info(
+            "drain 1/3: health NOT_SERVING; still accepting for %.1fs (%d in flight)",
+            s.drain_delay,
+            self.gate.in_flight,
+        )
+        await asyncio.sleep(min(s.drain_delay, s.drain_timeout))  # let balancers see it first
+        self.gate.refusing = True
+        remaining = max(0.0, s.drain_timeout - (time.monotonic() - started))
+        log.info(
+            "drain 2/3: refusing new requests; finishing %d in flight (%.1fs left)",
+            self.gate.in_flight,
+            remaining,
+        )
+        exit_code = 0
+        try:
+            await asyncio.wait_for(self.gate.idle.wait(), timeout=remaining)
+        except TimeoutError:
+            log.error(
+                "drain: --drain-timeout reached with %d requests in flight", self.gate.in_flight
+            )
+            exit_code = 1
+        log.info("drain 3/3: stopping after %.2fs", time.monotonic() - started)
+        await self.stop(grace=0.5)
+        return exit_code
+
+    async def stop(self, grace: float | None = None) -> None:
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace)
+        for task in list(self._tasks):
+            task.cancel()
+        if self._http is not None:
+            self._http.shutdown()  # type: ignore[attr-defined]
+            self._http = None
+
+
+async def serve(settings: ServerSettings) -> int:
+    """Runs a server until SIGTERM/SIGINT, then drains; returns the exit code."""
+    server = ModelServer(settings)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()
+    signals_seen = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals_seen
+        name = signal.Signals(signum).name
+        signals_seen += 1
+        if signals_seen == 1:
+            log.info("received %s: draining", name)
+            stop_requested.set()
+        elif signum == signal.SIGINT:  # a second Ctrl-C: the operator wants out now
+            log.warning("received %s again: exiting now", name)
+            os._exit(1)
+        else:  # supervisors often repeat SIGTERM; the drain already under way goes on
+            log.info("received %s again: drain already in progress", name)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    await stop_requested.wait()
+    code = await server.drain()
+    log.info("model server exited with code %d", code)
+    return code

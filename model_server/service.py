@@ -1,0 +1,298 @@
+"""The KServe v2 / Triton GRPCInferenceService, on the stubs that ship in tritonclient.grpc."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from model_server import __version__
+from model_server.errors import (
+    InferenceError,
+    InvalidInput,
+    ModelConfigError,
+    ModelNotFound,
+    ModelUnavailable,
+)
+from model_server.lifecycle import DurationStat, ModelState, ModelVersion
+from model_server.metrics import ServerMetrics
+from model_server.model_config import parse_config_override
+from model_server.repository import ModelRepository
+from model_server.validation import decode_request, encode_response
+
+log = logging.getLogger(__name__)
+
+SERVER_NAME = "infermesh"
+EXTENSIONS = ("model_repository", "model_configuration", "statistics", "binary_tensor_data")
+UNKNOWN_MODEL_LABEL = "_unknown"  # never a client-chosen string: label sets stay bounded
+
+
+@dataclass
+class ServingGate:
+    """Server-wide admission: readiness flags and the requests in flight (for the drain)."""
+
+    ready: Callable[[], bool]
+    refusing: bool = False
+    in_flight: int = 0
+
+    def __post_init__(self) -> None:
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def enter(self) -> None:
+        if self.refusing:
+            raise ModelUnavailable("server is draining and takes no new requests")
+        self.in_flight += 1
+        self.idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.idle.set()
+
+
+class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(
+        self,
+        repository: ModelRepository,
+        metrics: ServerMetrics,
+        gate: ServingGate,
+        max_request_bytes: int,
+        on_repository_change: Callable[[str, bool], None],
+    ) -> None:
+        self.repository = repository
+        self.metrics = metrics
+        self.gate = gate
+        self.max_request_bytes = max_request_bytes
+        self.on_repository_change = on_repository_change
+
+    # -- health and metadata ------------------------------------------------------------------
+    async def ServerLive(self, request: object, context: grpc.aio.ServicerContext) -> object:
+        return service_pb2.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: object, context: grpc.aio.ServicerContext) -> object:
+        return service_pb2.ServerReadyResponse(ready=self.gate.ready())
+
+    async def ModelReady(
+        self, request: service_pb2.ModelReadyRequest, context: grpc.aio.ServicerContext
+    ) -> object:
+        try:
+            self.repository.resolve(request.name, request.version)
+        except InferenceError:
+            return service_pb2.ModelReadyResponse(ready=False)
+        return service_pb2.ModelReadyResponse(ready=True)
+
+    async def ServerMetadata(self, request: object, context: grpc.aio.ServicerContext) -> object:
+        return service_pb2.ServerMetadataResponse(
+            name=SERVER_NAME, version=__version__, extensions=list(EXTENSIONS)
+        )
+
+    async def ModelMetadata(
+        self, request: service_pb2.ModelMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> object:
+        version = await self._resolve_or_abort(request.name, request.version, context)
+        assert version.spec is not None
+        entry = self.repository.models[request.name]
+        ready = sorted(v.version for v in entry.serving.values() if v.state is ModelState.READY)
+        response = service_pb2.ModelMetadataResponse(
+            name=request.name, versions=[str(v) for v in ready], platform="onnxruntime_onnx"
+        )
+        for tensors, target in (
+            (version.spec.inputs, response.inputs),
+            (version.spec.outputs, response.outputs),
+        ):
+            for tensor in tensors:
+                target.add(
+                    name=tensor.name,
+                    datatype=tensor.datatype.name,
+                    shape=tensor.shape_with_batch(version.spec.max_batch_size),
+                )
+        return response
+
+    async def ModelConfig(
+        self, request: service_pb2.ModelConfigRequest, context: grpc.aio.ServicerContext
+    ) -> object:
+        version = await self._resolve_or_abort(request.name, request.version, context)
+        assert version.spec is not None and version.session is not None
+        response = service_pb2.ModelConfigResponse()
+        response.config.CopyFrom(version.spec.config)
+        # Report what really runs the model, not what was asked for.
+        response.config.parameters["execution_provider"].string_value = version.session.provider
+        return response
+
+    async def ModelStatistics(
+        self, request: service_pb2.ModelStatisticsRequest, context: grpc.aio.ServicerContext
+    ) -> object:
+        versions = [
+            v
+            for v in self.repository.all_versions()
+            if (not request.name or v.name == request.name)
+            and (not request.version or str(v.version) == request.version)
+        ]
+        if request.name and not versions:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no statistics for model {request.name!r} version {request.version or 'any'}",
+            )
+        response = service_pb2.ModelStatisticsResponse()
+        for v in sorted(versions, key=lambda v: (v.name, v.version)):
+            _add_statistics(response, v)
+        return response
+
+    # -- repository ---------------------------------------------------------------------------
+    async def RepositoryIndex(
+        self, request: service_pb2.RepositoryIndexRequest, context: grpc.aio.ServicerContext
+    ) -> object:
+        response = service_pb2.RepositoryIndexResponse()
+        for row in self.repository.index(ready_only=request.ready):
+            response.models.add(
+                name=row.name, version=row.version, state=row.state, reason=row.reason
+            )
+        return response
+
+    async def RepositoryModelLoad(
+        self, request: service_pb2.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
+    ) -> object:
+        try:
+            if self.gate.refusing:
+                raise ModelUnavailable("server is draining; no model loads")
+            if request.repository_name:
+                raise InvalidInput(
+                    f"repository_name {request.repository_name!r}: one repository only"
+                )
+            files = [k for k in request.parameters if k.startswith("file:")]
+            if files:
+                raise InvalidInput(f"parameters {files}: file overrides are not supported")
+            override = None
+            if "config" in request.parameters:
+                try:
+                    override = parse_config_override(
+                        request.parameters["config"].string_param, request.model_name
+                    )
+                except ModelConfigError as exc:
+                    raise InvalidInput(f"model {request.model_name!r}: {exc}") from exc
+            await self.repository.load(request.model_name, override)
+        except InferenceError as exc:
+            await context.abort(exc.code, exc.message)
+        finally:
+            self.on_repository_change(request.model_name, True)
+        return service_pb2.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(
+        self, request: service_pb2.RepositoryModelUnloadRequest, context: grpc.aio.ServicerContext
+    ) -> object:
+        try:
+            await self.repository.unload(request.model_name)
+        except InferenceError as exc:
+            await context.abort(exc.code, exc.message)
+        self.on_repository_change(request.model_name, False)
+        return service_pb2.RepositoryModelUnloadResponse()
+
+    # -- inference ----------------------------------------------------------------------------
+    async def ModelInfer(
+        self, request: service_pb2.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> object:
+        try:
+            return await self._infer(request)
+        except InferenceError as exc:
+            await context.abort(exc.code, exc.message)
+        raise AssertionError("unreachable")
+
+    async def ModelStreamInfer(
+        self,
+        request_iterator: AsyncIterator[service_pb2.ModelInferRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
+        """Each request on the stream gets one response (or an error message) in order."""
+        async for request in request_iterator:
+            try:
+                response = await self._infer(request)
+            except InferenceError as exc:
+                yield service_pb2.ModelStreamInferResponse(error_message=exc.message)
+                continue
+            yield service_pb2.ModelStreamInferResponse(infer_response=response)
+
+    async def _infer(self, request: service_pb2.ModelInferRequest) -> object:
+        started = time.monotonic_ns()
+        self.gate.enter()
+        self.metrics.in_flight.inc()
+        version: ModelVersion | None = None
+        code = grpc.StatusCode.OK
+        try:
+            version = self.repository.resolve(request.model_name, request.model_version)
+            version.begin_request()
+            try:
+                assert version.spec is not None
+                decoded = decode_request(request, version.spec, self.max_request_bytes)
+                arrays = await version.execute(decoded.feeds, decoded.outputs, decoded.batch)
+                return encode_response(
+                    request, version.spec, version.version, decoded.outputs, arrays
+                )
+            finally:
+                version.end_request()
+        except InferenceError as exc:
+            code = exc.code
+            raise
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:
+            code = grpc.StatusCode.INTERNAL
+            log.exception("model %r: inference failed", request.model_name)
+            raise InferenceError(
+                f"model {request.model_name!r}: inference failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            elapsed = time.monotonic_ns() - started
+            self.gate.leave()
+            self.metrics.in_flight.dec()
+            self._record(version, code, elapsed)
+
+    def _record(self, version: ModelVersion | None, code: grpc.StatusCode, elapsed_ns: int) -> None:
+        model = version.name if version else UNKNOWN_MODEL_LABEL
+        label = str(version.version) if version else ""
+        self.metrics.requests.labels(model, label, code.name).inc()
+        if version is None:
+            return
+        self.metrics.request_duration.labels(model, label).observe(elapsed_ns / 1e9)
+        (version.stats.success if code is grpc.StatusCode.OK else version.stats.fail).add(
+            elapsed_ns
+        )
+
+    async def _resolve_or_abort(
+        self, name: str, version: str, context: grpc.aio.ServicerContext
+    ) -> ModelVersion:
+        try:
+            return self.repository.resolve(name, version)
+        except (ModelNotFound, ModelUnavailable, InvalidInput) as exc:
+            await context.abort(exc.code, exc.message)
+        raise AssertionError("unreachable")
+
+
+def _duration(target: service_pb2.StatisticDuration, source: DurationStat) -> None:
+    target.count = source.count
+    target.ns = source.ns
+
+
+def _add_statistics(response: service_pb2.ModelStatisticsResponse, v: ModelVersion) -> None:
+    stats = response.model_stats.add(
+        name=v.name,
+        version=str(v.version),
+        last_inference=v.stats.last_inference_ms,
+        inference_count=v.stats.inference_count,
+        execution_count=v.stats.execution_count,
+    )
+    inference = stats.inference_stats
+    for field in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output"):
+        _duration(getattr(inference, field), getattr(v.stats, field))
+    if v.memory_bytes:
+        stats.memory_usage.add(
+            type="CPU" if v.device.kind == "cpu" else "GPU",
+            id=v.device.index,
+            byte_size=v.memory_bytes,
+        )

