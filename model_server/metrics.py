@@ -90,3 +90,13 @@ class ServerMetrics:
                     self.model_state.remove(model, version, name)
             else:
                 self.model_state.labels(model, version, name).set(1 if name == state else 0)
+
+    def requests_by_code(self) -> dict[str, int]:
+        """Total ModelInfer answers per gRPC status code since start (for the exit summary)."""
+        totals: dict[str, int] = {}
+        for metric in self.requests.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    code = sample.labels["code"]
+                    totals[code] = totals.get(code, 0) + int(sample.value)
+        return totals

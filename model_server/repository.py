@@ -59,12 +59,22 @@ class ModelEntry:
     config: model_config_pb2.ModelConfig | None = None
     serving: dict[int, ModelVersion] = field(default_factory=dict)
     failed: dict[int, ModelVersion] = field(default_factory=dict)
+    loading: dict[int, ModelVersion] = field(default_factory=dict)  # not routed to yet
     error: str = ""  # a model-level failure (bad config, no versions)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def visible(self) -> list[ModelVersion]:
+        """One version object per number, as clients see it: serving, else loading, else failed."""
+        shown = {**self.failed, **self.loading, **self.serving}
+        return [shown[v] for v in sorted(shown)]
 
     def newest_ready(self) -> ModelVersion | None:
         ready = [v for v in self.serving.values() if v.state is ModelState.READY]
         return max(ready, key=lambda v: v.version, default=None)
+
+
+def _is_number(text: str) -> bool:
+    return text.isascii() and text.isdigit()
 
 
 def _fingerprint(paths: Iterable[Path]) -> str:
@@ -98,7 +108,7 @@ class ModelRepository:
     def _version_dirs(self, model_dir: Path, filename: str) -> dict[int, Path]:
         found = {}
         for child in model_dir.iterdir():
-            if child.is_dir() and child.name.isdigit() and (child / filename).is_file():
+            if child.is_dir() and _is_number(child.name) and (child / filename).is_file():
                 found[int(child.name)] = child / filename
         return found
 
@@ -154,8 +164,10 @@ class ModelRepository:
             candidates.append(candidate)
         failures = []
         out_of_memory = False
+        entry.loading = {c.version: c for c in candidates}
         for candidate in candidates:  # one at a time: each load is checked against memory
             await candidate.load(self.guard)
+            entry.loading.pop(candidate.version, None)
             if candidate.state is ModelState.READY:
                 entry.failed.pop(candidate.version, None)
                 self._retire(entry.serving.get(candidate.version))
@@ -199,12 +211,12 @@ class ModelRepository:
     def resolve(self, name: str, version: str) -> ModelVersion:
         """The version that serves a request: the newest READY one when ``version`` is empty."""
         entry = self.models.get(name)
-        if entry is None or (not entry.serving and not entry.failed and not entry.error):
+        if entry is None or (not entry.visible() and not entry.error):
             raise ModelNotFound(f"model {name!r} is not loaded (loaded: {self.loaded_names()})")
         if version:
-            if not version.isdigit():
+            if not _is_number(version):
                 raise InvalidInput(f"model {name!r}: version {version!r} is not a number")
-            chosen = entry.serving.get(int(version)) or entry.failed.get(int(version))
+            chosen = next((v for v in entry.visible() if v.version == int(version)), None)
             if chosen is None:
                 raise ModelNotFound(
                     f"model {name!r} has no version {version} "
@@ -233,11 +245,7 @@ class ModelRepository:
         rows: list[IndexEntry] = []
         for name in sorted(set(self.names_on_disk()) | set(self.models)):
             entry = self.models.get(name)
-            versions = (
-                sorted([*entry.serving.values(), *entry.failed.values()], key=lambda v: v.version)
-                if entry
-                else []
-            )
+            versions = entry.visible() if entry else []
             if entry is not None and entry.error:
                 rows.append(IndexEntry(name, "", ModelState.FAILED.value, entry.error))
             elif not versions:

@@ -36,6 +36,7 @@ log = logging.getLogger("model_server")
 
 HEALTH_SERVICES = ("", "inference.GRPCInferenceService")
 MEMORY_SAMPLE_INTERVAL_S = 1.0
+DRAIN_QUIET_S = 0.2  # no arrivals for this long before the listener closes
 GRPC_HEADROOM_BYTES = 16 * 1024 * 1024  # tensors are checked in code; gRPC's cap sits above
 
 
@@ -240,8 +241,20 @@ class ModelServer:
                 "drain: --drain-timeout reached with %d requests in flight", self.gate.in_flight
             )
             exit_code = 1
+        # Direct clients may still be sending: stop once arrivals pause, so no request is
+        # caught half-received by the shutdown (it would see CANCELLED instead of UNAVAILABLE).
+        while time.monotonic() - self.gate.last_arrival < DRAIN_QUIET_S:
+            if time.monotonic() - started >= s.drain_timeout:
+                log.warning("drain: clients still sending at --drain-timeout; stopping anyway")
+                break
+            await asyncio.sleep(DRAIN_QUIET_S / 4)
         log.info("drain 3/3: stopping after %.2fs", time.monotonic() - started)
         await self.stop(grace=0.5)
+        answered = self.metrics.requests_by_code()
+        log.info(
+            "requests answered since start: %s",
+            ", ".join(f"{code}={n}" for code, n in sorted(answered.items())) or "none",
+        )
         return exit_code
 
     async def stop(self, grace: float | None = None) -> None:

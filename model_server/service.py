@@ -39,12 +39,14 @@ class ServingGate:
     ready: Callable[[], bool]
     refusing: bool = False
     in_flight: int = 0
+    last_arrival: float = 0.0
 
     def __post_init__(self) -> None:
         self.idle = asyncio.Event()
         self.idle.set()
 
     def enter(self) -> None:
+        self.last_arrival = time.monotonic()
         if self.refusing:
             raise ModelUnavailable("server is draining and takes no new requests")
         self.in_flight += 1
@@ -219,10 +221,14 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def _infer(self, request: service_pb2.ModelInferRequest) -> object:
         started = time.monotonic_ns()
-        self.gate.enter()
-        self.metrics.in_flight.inc()
         version: ModelVersion | None = None
         code = grpc.StatusCode.OK
+        try:
+            self.gate.enter()
+        except InferenceError as exc:
+            self._record(None, exc.code, 0)
+            raise
+        self.metrics.in_flight.inc()
         try:
             version = self.repository.resolve(request.model_name, request.model_version)
             version.begin_request()

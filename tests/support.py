@@ -1,0 +1,240 @@
+"""Helpers for tests that run real server processes on loopback ports.
+
+Every process is started here, stopped by its own PID, and waited for with deadlines.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import numpy as np
+import tritonclient.grpc as grpcclient
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+LISTENING = re.compile(r"model server listening: grpc=[\d.]+:(\d+) metrics=(?:[\d.]+:(\d+)|off)")
+T = TypeVar("T")
+
+
+def wait_for(
+    condition: Callable[[], T | None], timeout: float, what: str, interval: float = 0.05
+) -> T:
+    """Polls ``condition`` until it returns a truthy value; fails after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    port: int = 0
+    metrics_port: int = 0
+    _channels: list[grpc.Channel] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def client(self) -> grpcclient.InferenceServerClient:
+        return grpcclient.InferenceServerClient(self.url)
+
+    def stub(self) -> service_pb2_grpc.GRPCInferenceServiceStub:
+        channel = grpc.insecure_channel(self.url)
+        self._channels.append(channel)
+        return service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+    def health(self, service: str = "") -> int:
+        with grpc.insecure_channel(self.url) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            request = health_pb2.HealthCheckRequest(service=service)
+            return int(stub.Check(request, timeout=5).status)
+
+    def is_ready(self) -> bool:
+        try:
+            return bool(self.client().is_server_ready())
+        except Exception:
+            return False
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        wait_for(
+            lambda: self.is_ready() or self._dead(), timeout, f"server ready; log:\n{self.log()}"
+        )
+        assert self.proc.poll() is None, f"server exited early; log:\n{self.log()}"
+
+    def _dead(self) -> bool:
+        return self.proc.poll() is not None
+
+    def signal(self, signum: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(signum)
+
+    def wait_exit(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self) -> None:
+        for channel in self._channels:
+            channel.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+def start_server(
+    repository: Path, log_dir: Path, *args: str, wait_ready: bool = True, timeout: float = 60
+) -> ServerProcess:
+    """Starts ``python -m model_server`` on a free port; waits until it listens (and is ready)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"server-{time.monotonic_ns()}.log"
+    command = [
+        sys.executable, "-m", "model_server",
+        "--model-repository", str(repository),
+        "--port", "0", "--metrics-port", "0",
+        "--drain-delay", "0.2",
+        *args,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(
+            command, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT, env=env
+        )
+    server = ServerProcess(proc, log_path)
+
+    def listening() -> re.Match[str] | None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
+        return LISTENING.search(server.log())
+
+    try:
+        match = wait_for(listening, timeout, "the server to listen")
+        server.port = int(match.group(1))
+        server.metrics_port = int(match.group(2) or 0)
+        if wait_ready:
+            server.wait_ready(timeout)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def classifier_request(
+    images: np.ndarray, version: str = "", request_id: str = ""
+) -> service_pb2.ModelInferRequest:
+    """A raw-contents ModelInfer request for the demo classifier."""
+    request = service_pb2.ModelInferRequest(
+        model_name="classifier", model_version=version, id=request_id
+    )
+    tensor = request.inputs.add(name="input", datatype="FP32")
+    tensor.shape.extend(images.shape)
+    request.raw_input_contents.append(np.ascontiguousarray(images, dtype=np.float32).tobytes())
+    return request
+
+
+def infer_classifier(
+    client: grpcclient.InferenceServerClient, images: np.ndarray, version: str = ""
+) -> grpcclient.InferResult:
+    tensor = grpcclient.InferInput("input", list(images.shape), "FP32")
+    tensor.set_data_from_numpy(images.astype(np.float32))
+    return client.infer("classifier", [tensor], model_version=version)
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sums the Prometheus samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        head, _, value = line.rpartition(" ")
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+class Traffic:
+    """Steady ModelInfer load from ``clients`` threads until stopped; records every outcome."""
+
+    def __init__(
+        self,
+        url: str,
+        clients: int,
+        version: str = "",
+        deadline_s: float = 60.0,
+        leave_when_draining: bool = False,
+    ) -> None:
+        self.url = url
+        self.clients = clients
+        self.version = version
+        self.deadline_s = deadline_s  # a bound on the whole run, whatever happens
+        # A client told "draining" goes elsewhere, as a client behind a balancer would.
+        self.leave_when_draining = leave_when_draining
+        self.ok = 0
+        self.versions: dict[str, int] = {}
+        self.errors: list[tuple[grpc.StatusCode, str]] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def __enter__(self) -> Traffic:
+        for index in range(self.clients):
+            thread = threading.Thread(target=self._run, args=(index,), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=30)
+
+    def wait_ok(self, count: int, timeout: float = 30) -> None:
+        start = self.ok
+        wait_for(lambda: self.ok >= start + count, timeout, f"{count} more OK responses")
+
+    def _run(self, index: int) -> None:
+        images = np.random.default_rng(index).random((1, 3, 32, 32), dtype=np.float32)
+        request = classifier_request(images, version=self.version)
+        ends = time.monotonic() + self.deadline_s
+        with grpc.insecure_channel(self.url) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            while not self._stop.is_set() and time.monotonic() < ends:
+                try:
+                    response = stub.ModelInfer(request, timeout=10)
+                except grpc.RpcError as error:
+                    with self._lock:
+                        self.errors.append((error.code(), error.details() or ""))
+                    if error.code() == grpc.StatusCode.UNAVAILABLE:
+                        if self.leave_when_draining and "draining" in (error.details() or ""):
+                            return
+                        time.sleep(0.01)  # a refusing server: do not spin
+                    continue
+                with self._lock:
+                    self.ok += 1
+                    key = response.model_version
+                    self.versions[key] = self.versions.get(key, 0) + 1
