@@ -18,8 +18,11 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 "${pip[@]}" install -U pip
-echo "install: installing infermesh[dev] (onnxruntime-gpu is ~255 MB the first time)"
-"${pip[@]}" install -e "$root[dev]"
+# INFERMESH_INSTALL overrides what is installed (the container image installs "$root" alone).
+target="${INFERMESH_INSTALL:--e $root[dev]}"
+echo "install: installing $target (onnxruntime-gpu is ~255 MB the first time)"
+# shellcheck disable=SC2086  # the target is one or two words on purpose
+"${pip[@]}" install $target
 
 echo "install: restoring files that xds-protos overwrote"
 owners=()
