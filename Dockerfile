@@ -7,6 +7,7 @@ COPY pyproject.toml README.md ./
 COPY model_server model_server
 COPY control_plane control_plane
 COPY tools tools
+COPY infermesh infermesh
 RUN INFERMESH_VENV=/opt/infermesh INFERMESH_INSTALL=/src bash tools/install.sh \
  && /opt/infermesh/bin/python -m model_server.demo_models --out /models
 

@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml tools/install.sh
 	touch $(STAMP)
 
 doctor: $(STAMP)
-	$(PY) -m tools.doctor
+	$(PY) -m infermesh.doctor
 
 models: $(STAMP)
 	$(PY) -m model_server.demo_models --out $(MODELS)

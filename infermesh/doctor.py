@@ -1,6 +1,6 @@
 """Checks that the environment can run InferMesh and fails loudly when it cannot.
 
-Run it with ``python -m tools.doctor`` (the install step runs it for you). Each check imports
+Run it with ``python -m infermesh.doctor`` (the install step runs it for you). Each check imports
 or runs the real thing; a failed check prints what is wrong and how to repair it, and the
 process exits 1.
 """

@@ -1,0 +1,1 @@
+"""InferMesh project-wide helpers (environment doctor)."""

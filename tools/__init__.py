@@ -1,1 +1,0 @@
-"""Developer tooling: environment install checks (doctor)."""
