@@ -8,11 +8,10 @@ requests waiting for a slot are the queue. Unloading waits for the requests in f
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +76,7 @@ class ModelVersion:
         fingerprint: str,
         device: DeviceChoice,
         metrics: ServerMetrics,
+        on_state_change: Callable[[], None] = lambda: None,
     ) -> None:
         self.name = name
         self.version = version
@@ -85,6 +85,7 @@ class ModelVersion:
         self.fingerprint = fingerprint
         self.device = device
         self.metrics = metrics
+        self.on_state_change = on_state_change  # the repository republishes what clients see
         self.state = ModelState.INITIALIZING
         self.reason = ""
         self.spec: ModelSpec | None = None
@@ -108,8 +109,7 @@ class ModelVersion:
     def _set_state(self, state: ModelState, reason: str = "") -> None:
         self.state = state
         self.reason = reason
-        shown = None if state is ModelState.UNAVAILABLE else state.value
-        self.metrics.set_model_state(self.name, str(self.version), shown)
+        self.on_state_change()
         log.info("%s: %s%s", self.label, state.value, f" ({reason})" if reason else "")
 
     async def load(self, guard: MemoryGuard) -> None:
@@ -138,7 +138,6 @@ class ModelVersion:
         self.load_ms = (time.monotonic() - started) * 1000
         self.metrics.model_load_time.labels(self.name).observe(self.load_ms)
         assert self.session is not None
-        self.metrics.model_info.labels(self.name, str(self.version), self.session.provider).set(1)
         self._set_state(ModelState.READY, f"on {self.session.provider}")
 
     def _open_session(self) -> None:
@@ -200,9 +199,6 @@ class ModelVersion:
         self._set_state(ModelState.UNAVAILABLE, "unloaded")
 
     def _close(self) -> None:
-        if self.session is not None:
-            with contextlib.suppress(KeyError):
-                self.metrics.model_info.remove(self.name, str(self.version), self.session.provider)
         self.session = None
         if self._executor is not None:
             self._executor.shutdown(wait=False)

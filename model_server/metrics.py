@@ -82,14 +82,26 @@ class ServerMetrics:
         )
         self.draining = Gauge("server_draining", "1 once the server has begun to drain", registry=r)
 
-    def set_model_state(self, model: str, version: str, state: str | None) -> None:
-        """Marks ``state`` (None once unloaded) as the one state of a model version."""
+    def publish_model_version(
+        self, model: str, version: str, state: str, provider: str | None, previous: str | None
+    ) -> None:
+        """Marks ``state`` as the one state of a version, and labels the provider running it."""
         for name in MODEL_STATES:
-            if state is None:
-                with contextlib.suppress(KeyError):
-                    self.model_state.remove(model, version, name)
-            else:
-                self.model_state.labels(model, version, name).set(1 if name == state else 0)
+            self.model_state.labels(model, version, name).set(1 if name == state else 0)
+        if previous is not None and previous != provider:
+            with contextlib.suppress(KeyError):
+                self.model_info.remove(model, version, previous)
+        if provider is not None:
+            self.model_info.labels(model, version, provider).set(1)
+
+    def clear_model_version(self, model: str, version: str, provider: str | None) -> None:
+        """Removes the series of a version that is no longer loaded."""
+        for name in MODEL_STATES:
+            with contextlib.suppress(KeyError):
+                self.model_state.remove(model, version, name)
+        if provider is not None:
+            with contextlib.suppress(KeyError):
+                self.model_info.remove(model, version, provider)
 
     def requests_by_code(self) -> dict[str, int]:
         """Total ModelInfer answers per gRPC status code since start (for the exit summary)."""

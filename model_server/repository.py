@@ -61,6 +61,7 @@ class ModelEntry:
     failed: dict[int, ModelVersion] = field(default_factory=dict)
     loading: dict[int, ModelVersion] = field(default_factory=dict)  # not routed to yet
     error: str = ""  # a model-level failure (bad config, no versions)
+    published: dict[int, str | None] = field(default_factory=dict)  # version -> provider label
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def visible(self) -> list[ModelVersion]:
@@ -159,12 +160,20 @@ class ModelRepository:
             if current is not None and current.fingerprint == fingerprint:
                 continue  # unchanged: keep serving it
             candidate = ModelVersion(
-                entry.name, version, path, config, fingerprint, self.device, self.metrics
+                entry.name,
+                version,
+                path,
+                config,
+                fingerprint,
+                self.device,
+                self.metrics,
+                on_state_change=lambda: self._publish(entry),
             )
             candidates.append(candidate)
         failures = []
         out_of_memory = False
         entry.loading = {c.version: c for c in candidates}
+        self._publish(entry)
         for candidate in candidates:  # one at a time: each load is checked against memory
             await candidate.load(self.guard)
             entry.loading.pop(candidate.version, None)
@@ -180,9 +189,23 @@ class ModelRepository:
             self._retire(entry.serving.pop(version))
         for version in sorted(set(entry.failed) - set(paths)):
             entry.failed.pop(version)
+        self._publish(entry)
         if failures:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if out_of_memory else grpc.StatusCode.INTERNAL
             raise ModelLoadError(f"model {entry.name!r}: " + "; ".join(failures), code)
+
+    def _publish(self, entry: ModelEntry) -> None:
+        """Sets model_state and the provider label from what clients see of each version."""
+        shown = {v.version: v for v in entry.visible()}
+        for number in sorted(set(entry.published) - set(shown)):
+            self.metrics.clear_model_version(entry.name, str(number), entry.published.pop(number))
+        for number, version in shown.items():
+            ready = version.state is ModelState.READY and version.session is not None
+            provider = version.session.provider if ready and version.session else None
+            self.metrics.publish_model_version(
+                entry.name, str(number), version.state.value, provider, entry.published.get(number)
+            )
+            entry.published[number] = provider
 
     def _retire(self, version: ModelVersion | None) -> None:
         """Unloads a version that no longer routes, once its requests in flight finish."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -11,7 +12,7 @@ import tritonclient.grpc as grpcclient
 from grpc_health.v1 import health_pb2
 from tritonclient.utils import InferenceServerException
 
-from tests.support import ServerProcess, Traffic, start_server, wait_for
+from tests.support import ServerProcess, Traffic, metric_value, start_server, wait_for
 
 pytestmark = pytest.mark.integration
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -125,6 +126,7 @@ def test_required_models_only_decide_readiness(copy_repo: Path, tmp_path: Path) 
 def test_load_unload_and_reload_under_traffic_lose_nothing(copy_repo: Path, tmp_path: Path) -> None:
     server = start_server(copy_repo, tmp_path, "--models", "classifier")
     client = server.client()
+    metrics_url = f"http://127.0.0.1:{server.metrics_port}/metrics"
     try:
         with Traffic(server.url, clients=4) as latest, Traffic(server.url, 2, "2") as pinned:
             latest.wait_ok(50)
@@ -140,6 +142,13 @@ def test_load_unload_and_reload_under_traffic_lose_nothing(copy_repo: Path, tmp_
                         / "2" / "model.onnx")  # fmt: skip
             client.load_model("classifier")
             wait_for(lambda: pinned.ok > before + 50, 30, "pinned traffic after reload")
+            # The replaced version 2 unloads; the metrics keep showing the new one READY.
+            wait_for(lambda: "version 2: UNAVAILABLE (unloaded)" in server.log(), 10, "old v2 gone")
+            text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+            labels = {"model": "classifier", "version": "2"}
+            assert metric_value(text, "model_state", state="READY", **labels) == 1
+            assert metric_value(text, "model_state", state="UNLOADING", **labels) == 0
+            assert metric_value(text, "model_execution_provider_info", **labels) == 1
             # Another model loads and unloads next to the traffic.
             shutil.copytree(copy_repo / "classifier", copy_repo / "other")
             (copy_repo / "other" / "config.pbtxt").write_text(
