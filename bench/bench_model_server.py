@@ -29,9 +29,10 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -128,16 +129,13 @@ class ServerSpec:
     ready: re.Pattern[str] | None = None  # group 1 must read "True"
 
 
-def our_server(models: Path) -> ServerSpec:
-    cmd = [sys.executable, "-m", "model_server", "--model-repository", str(models), "--host", HOST]
-    cmd += ["--port", "0", "--metrics-port", "0", "--models", MODEL_NAME]
-    return ServerSpec("ours", cmd, LISTEN_RE, READY_RE)
-
-
-def naive_server(models: Path) -> ServerSpec:
-    script = Path(__file__).with_name("naive_server.py")
-    cmd = [sys.executable, str(script), "--model", str(latest_model(models)), "--port", "0"]
-    return ServerSpec("naive", cmd, NAIVE_RE)
+def server_specs(models: Path) -> tuple[ServerSpec, ServerSpec]:
+    """Our server and bench/naive_server.py, each on a free 127.0.0.1 port."""
+    ours = [sys.executable, "-m", "model_server", "--model-repository", str(models), "--host", HOST]
+    ours += ["--port", "0", "--metrics-port", "0", "--models", MODEL_NAME]
+    naive = [sys.executable, str(Path(__file__).with_name("naive_server.py")), "--port", "0"]
+    naive += ["--model", str(latest_model(models))]
+    return ServerSpec("ours", ours, LISTEN_RE, READY_RE), ServerSpec("naive", naive, NAIVE_RE)
 
 
 def latest_model(models: Path) -> Path:
@@ -172,7 +170,7 @@ def start_server(spec: ServerSpec, log_path: Path) -> Iterator[tuple[int, int, i
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
-                print(f"{spec.name} server still running 30 s after SIGTERM; killing it", flush=True)
+                print(f"{spec.name} server still running 30 s after SIGTERM; killing it")
                 proc.kill()
                 proc.wait()
         if proc.returncode != 0:
@@ -196,7 +194,8 @@ def check_correctness(
     err = float(np.max(np.abs(got - want)))
     if err > 1e-5:
         sys.exit(f"correctness check FAILED: max |server - onnxruntime| = {err:.3g}")
-    return f"grpc OK, version {resp.model_version}, max |server - onnxruntime| = {err:.2g}"
+    shown = resp.model_version or f"{version} (none reported)"
+    return f"grpc OK, version {shown}, max |server - onnxruntime| = {err:.2g}"
 
 
 def ort_floor_ms(models: Path, x: np.ndarray) -> float:
@@ -217,6 +216,7 @@ def ort_floor_ms(models: Path, x: np.ndarray) -> float:
 def h2load(exe: str, url: str, data: Path, clients: int, seconds: float, log: Path) -> None:
     cmd = [exe, "-c", str(clients), "-m", "1", "-t", "1", "-D", f"{round(seconds * 1000)}ms"]
     cmd += ["-d", str(data), "-H", "content-type: application/grpc", "-H", "te: trailers"]
+    log.unlink(missing_ok=True)  # h2load appends to --log-file: never count an earlier run
     out = subprocess.run([*cmd, "--log-file", str(log), url], capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"h2load failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
@@ -270,29 +270,22 @@ class Run:
     server: str
     levels: list[Level]
     check: str
-    problems: list[str] = field(default_factory=list)
-
-
-@contextmanager
-def target(
-    args: argparse.Namespace, spec: ServerSpec, log: Path
-) -> Iterator[tuple[int | None, int, str | None]]:
-    """(server pid or None, gRPC port, metrics URL or None) of the server under test."""
-    if args.url:
-        port = loopback_port(args.url)
-        mport = loopback_port(args.metrics_url) if args.metrics_url else port + 1000
-        yield None, port, f"http://{HOST}:{mport}/metrics"
-        return
-    with start_server(spec, log) as (pid, port, mport):
-        yield pid, port, None if mport is None else f"http://{HOST}:{mport}/metrics"
+    problems: list[str]
 
 
 def measure(
     args: argparse.Namespace, spec: ServerSpec, exe: str, levels: list[int], workdir: Path,
     x: np.ndarray, req: service_pb2.ModelInferRequest,
 ) -> Run:  # fmt: skip
-    log = workdir / f"{spec.name}.log"
-    with target(args, spec, log) as (pid, port, metrics_url):
+    """Starts the server (unless --url names a running one) and measures it at ``levels``."""
+    log, mport = workdir / f"{spec.name}.log", None
+    with ExitStack() as stack:
+        if args.url:
+            pid, port = None, loopback_port(args.url)
+            mport = loopback_port(args.metrics_url) if args.metrics_url else port + 1000
+        else:
+            pid, port, mport = stack.enter_context(start_server(spec, log))
+        metrics_url = None if mport is None else f"http://{HOST}:{mport}/metrics"
         check = check_correctness(f"{HOST}:{port}", req, x, args.models)
         url = f"http://{HOST}:{port}{METHOD}"
         results = [run_level(args, exe, url, c, workdir, pid, metrics_url) for c in levels]
@@ -301,66 +294,54 @@ def measure(
     return Run(spec.name, results, check, problems)
 
 
-def fmt_cpu(value: float | None) -> str:
-    return "n/a" if value is None or value != value else f"{value:.3f}"
+def baseline(args: argparse.Namespace, exe: str, levels: list[int], workdir: Path,
+             x: np.ndarray, req: service_pb2.ModelInferRequest) -> list[Run]:  # fmt: skip
+    """Ours then naive, --rounds times per level, each a fresh process on a free port."""
+    runs = []
+    for c in levels:
+        for i in range(args.rounds):
+            for spec in server_specs(args.models):
+                runs.append(run := measure(args, spec, exe, [c], workdir, x, req))
+                print(f"c{c} round {i + 1}/{args.rounds} {spec.name}: {fmt_row(run.levels[0])}")
+    return runs
+
+
+def fmt(value: float | None, spec: str = ".3f") -> str:
+    return "n/a" if value is None or math.isnan(value) else format(value, spec)
+
+
+def fmt_row(r: Level) -> str:
+    bad = ", ".join(f"{k} {v:g}" for k, v in r.non_ok.items() if k != "n/a")
+    bad = bad or ("n/a" if "n/a" in r.non_ok else "0")  # n/a: no metrics (naive, --url)
+    row = [fmt(r.qps, ",.0f"), fmt(r.p50_ms, ".2f"), fmt(r.p99_ms, ".2f"), bad]
+    return " | ".join([*row, fmt(r.cpu_ms_per_request), fmt(r.server_cores, ".2f")])
 
 
 def median(values: list[float | None]) -> float:
     real = [v for v in values if v is not None and not math.isnan(v)]
-    return float(np.median(real)) if real else float("nan")
+    return float(np.median(real)) if real else math.nan
 
 
-def baseline(args: argparse.Namespace, exe: str, levels: list[int], workdir: Path,
-             x: np.ndarray, req: service_pb2.ModelInferRequest) -> list[Run]:  # fmt: skip
-    """Ours and naive alternately, --rounds times per level, a fresh process each time."""
-    specs = (our_server(args.models), naive_server(args.models))
-    runs = []
-    for c in levels:
-        for i in range(args.rounds):
-            for spec in specs:
-                run = measure(args, spec, exe, [c], workdir, x, req)
-                lv = run.levels[0]
-                print(f"c{c} round {i + 1}/{args.rounds} {spec.name}: {lv.qps:,.0f} QPS, "
-                      f"p50 {lv.p50_ms:.2f} ms, CPU {fmt_cpu(lv.cpu_ms_per_request)} ms/request",
-                      flush=True)  # fmt: skip
-                runs.append(run)
-    return runs
+def median_level(levels: list[Level]) -> Level:
+    """Medians of the rates across rounds; counts (requests, failures, non-OK codes) summed."""
+    non_ok: dict[str, float] = {}
+    for lv in levels:
+        for code, n in lv.non_ok.items():
+            non_ok[code] = non_ok.get(code, 0.0) + n
+    changes: dict[str, Any] = {
+        k: sum(getattr(lv, k) for lv in levels) for k in ("requests", "failed", "cancelled_at_stop")
+    }
+    for k in ("qps", "p50_ms", "p99_ms", "cpu_ms_per_request", "server_cores"):
+        changes[k] = median([getattr(lv, k) for lv in levels])
+    return replace(levels[0], non_ok=non_ok, **changes)
 
 
-def print_baseline(runs: list[Run], levels: list[int]) -> dict[str, object]:
-    def of(server: str, c: int) -> list[Level]:
-        return [r.levels[0] for r in runs if r.server == server and r.levels[0].concurrency == c]
-
-    print("\n| concurrency | server | QPS | p50 ms | p99 ms | server CPU ms/request | cores |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    summary: dict[str, object] = {}
-    for c in levels:
-        for server in ("ours", "naive"):
-            lv = of(server, c)
-            med = {k: median([getattr(v, k) for v in lv]) for k in asdict(lv[0]) if k not in
-                   ("concurrency", "non_ok")}  # fmt: skip
-            summary[f"{server}_c{c}"] = med
-            row = [f"{med['qps']:,.0f}", f"{med['p50_ms']:.2f}", f"{med['p99_ms']:.2f}"]
-            row += [fmt_cpu(med["cpu_ms_per_request"]), f"{med['server_cores']:.2f}"]
-            print(f"| {c} | {server} | " + " | ".join(row) + " |")
-    print("\n| concurrency | QPS ours/naive | CPU per request ours/naive | per-round QPS ratios "
-          "| per-round CPU ratios |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- |")
-    for c in levels:
-        ours, naive = of("ours", c), of("naive", c)
-        qps = [o.qps / n.qps for o, n in zip(ours, naive, strict=True)]
-        cpu = [(o.cpu_ms_per_request or math.nan) / (n.cpu_ms_per_request or math.nan)
-               for o, n in zip(ours, naive, strict=True)]  # fmt: skip
-        q_ratio = median([o.qps for o in ours]) / median([n.qps for n in naive])
-        c_ratio = median([o.cpu_ms_per_request for o in ours]) / median(
-            [n.cpu_ms_per_request for n in naive]
-        )
-        summary[f"ratio_c{c}"] = {"qps": q_ratio, "cpu_per_request": c_ratio}
-        per_q, per_c = ", ".join(f"{v:.2f}" for v in qps), ", ".join(f"{v:.2f}" for v in cpu)
-        print(f"| {c} | {q_ratio:.2f} | {c_ratio:.2f} | {per_q} | {per_c} |")
-    print("\nratios are of the medians; per-round ratios pair each ours run with the naive run "
-          "right after it")  # fmt: skip
-    return summary
+def ratios(runs: list[Run], c: int, key: str) -> tuple[float, list[float]]:
+    """ours/naive of the medians, and per round (each ours run against the naive run after it)."""
+    at_c = [r for r in runs if r.levels[0].concurrency == c]
+    ours, naive = ([getattr(r.levels[0], key) or math.nan for r in at_c if r.server == s]
+                   for s in ("ours", "naive"))  # fmt: skip
+    return median(ours) / median(naive), [o / n for o, n in zip(ours, naive, strict=True)]
 
 
 def main() -> int:
@@ -398,46 +379,52 @@ def main() -> int:
         if args.baseline:
             runs = baseline(args, exe, levels, workdir, x, req)
         else:
-            runs = [measure(args, our_server(args.models), exe, levels, workdir, x, req)]
+            spec = server_specs(args.models)[0]
+            spec = replace(spec, name="running server") if args.url else spec
+            runs = [measure(args, spec, exe, levels, workdir, x, req)]
 
+    servers = list(dict.fromkeys(r.server for r in runs))
+    table = [(s, median_level([lv for r in runs if r.server == s for lv in r.levels
+              if lv.concurrency == c])) for c in levels for s in servers]  # fmt: skip
     title = "model server vs naive baseline" if args.baseline else "model server"
     print(f"\n## {title}, batch {args.batch}: commit {commit}, nproc {nproc}")
     print(f"h2load -m 1 -t 1, {args.duration:g} s per level after a {args.warmup:g} s warm-up")
     if args.baseline:
-        print(f"{args.rounds} rounds per level, ours then naive, each a fresh process; medians")
-    for server in dict.fromkeys(r.server for r in runs):
-        print(f"correctness ({server}): {next(r.check for r in runs if r.server == server)}")
+        print(f"{args.rounds} rounds per level, ours then naive, each a fresh process; medians "
+              "of the rounds, counts summed")  # fmt: skip
+    for s in servers:
+        print(f"correctness ({s}): {next(r.check for r in runs if r.server == s)}")
     print(f"onnxruntime floor (in process, 1 thread, batch {args.batch}): {floor:.3f} ms per batch")
-    results = [lv for r in runs for lv in r.levels]
-    problems = [ln for r in runs for ln in r.problems]
-    summary = print_baseline(runs, levels) if args.baseline else None
-    if not args.baseline:
-        print("\n| concurrency | QPS | p50 ms | p99 ms | non-OK | server CPU ms/request |")
-        print("| --- | --- | --- | --- | --- | --- |")
-        for r in results:
-            bad = ", ".join(f"{k} {v:g}" for k, v in r.non_ok.items()) or "0"
-            row = [f"{r.qps:,.0f}", f"{r.p50_ms:.2f}", f"{r.p99_ms:.2f}", bad]
-            print(f"| {r.concurrency} | " + " | ".join([*row, fmt_cpu(r.cpu_ms_per_request)]) + " |")
+    first = "| concurrency | server " if args.baseline else "| concurrency "
+    print(f"\n{first}| QPS | p50 ms | p99 ms | non-OK | server CPU ms/request | cores |")
+    print("| --- " * (7 + args.baseline) + "|")
+    for s, r in table:
+        print(f"| {r.concurrency} | " + (f"{s} | " if args.baseline else "") + fmt_row(r) + " |")
+    summary = {}
+    if args.baseline:
+        print("\n| concurrency | QPS ours/naive | CPU/request ours/naive | per round (QPS; CPU) |")
+        print("| --- | --- | --- | --- |")
+        for c in levels:
+            (q, qs), (u, us) = ratios(runs, c, "qps"), ratios(runs, c, "cpu_ms_per_request")
+            summary[f"c{c}"] = {"qps_ratio": q, "cpu_per_request_ratio": u}
+            rounds = ", ".join(f"{a:.2f}" for a in qs) + "; " + ", ".join(f"{b:.2f}" for b in us)
+            print(f"| {c} | {q:.2f} | {u:.2f} | {rounds} |")
     print()
-    for run in runs:
-        for r in run.levels:
-            cores = "" if r.server_cores is None else f", server used {r.server_cores:.2f} cores"
-            bad = ", ".join(f"{k} {v:g}" for k, v in r.non_ok.items() if k != "n/a")
-            print(f"{run.server} c{r.concurrency}: {r.requests} OK, {r.failed} HTTP failures, "
-                  f"{r.cancelled_at_stop:g} cancelled by h2load at stop{cores}"
-                  + (f", non-OK {bad}" if bad else ""))  # fmt: skip
+    for s, r in table:
+        print(f"{s} c{r.concurrency}: {r.requests} OK, {r.failed} HTTP failures, "
+              f"{r.cancelled_at_stop:g} cancelled by h2load at stop")  # fmt: skip
+    problems = [f"{r.server}: {ln}" for r in runs for ln in r.problems]
     if problems:
         print(f"server log: {len(problems)} error lines, first: {problems[0]}")
+    results = [lv for r in runs for lv in r.levels]
     if args.json:
         out = {
             "commit": commit, "nproc": nproc, "batch": args.batch, "duration_s": args.duration,
             "warmup_s": args.warmup, "ort_floor_ms": floor, "correctness": runs[0].check,
-            "levels": [asdict(r) for r in results], "server_errors": problems,
+            "levels": [asdict(r) for _, r in table], "server_errors": problems,
         }  # fmt: skip
         if args.baseline:
-            out["rounds"] = args.rounds
-            out["runs"] = [asdict(r) for r in runs]
-            out["summary"] = summary
+            out |= {"rounds": args.rounds, "runs": [asdict(r) for r in runs], "ratios": summary}
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     bad_total = sum(v for r in results for v in r.non_ok.values() if v == v)
     return 1 if bad_total or any(r.failed for r in results) or problems else 0

@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tritonclient.grpc import model_config_pb2
@@ -94,10 +96,14 @@ class ModelVersion:
         self.memory_bytes = 0
         self.load_ms = 0.0
         self.slots_total = instance_count(declared)
-        self._slots = asyncio.Semaphore(self.slots_total)
         self._executor: ThreadPoolExecutor | None = None
+        self._stats_lock = threading.Lock()
+        self._submitted = 0  # changed on the event loop
+        self._started = 0  # changed by worker threads, under _stats_lock
         self.in_flight = 0
-        self.waiting = 0
+        # Labelled children looked up once: labels() costs a lock and a tuple per call.
+        self._request_counters: dict[str, Any] = {}
+        self.duration_metric = metrics.request_duration.labels(name, str(version))
         self._idle = asyncio.Event()
         self._idle.set()
         self._set_state(ModelState.INITIALIZING)
@@ -156,30 +162,58 @@ class ModelVersion:
     async def execute(
         self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str], batch: int
     ) -> list[np.ndarray]:
-        """Runs one request in an execution slot; the caller holds it via ``track``."""
+        """Runs one request on the version's worker threads (the instance_group count).
+
+        Requests beyond that wait in the executor's queue: that wait is the queue depth, and a
+        request whose client cancels while it waits never runs.
+        """
         if self.session is None or self._executor is None:
             raise ModelUnavailable(f"{self.label} is {self.state.value}")
-        session = self.session
-        queued = time.monotonic_ns()
-        self.waiting += 1
-        self.metrics.queue_depth.labels(self.name).inc()
+        job = self._executor.submit(
+            self._run, self.session, outputs, feeds, batch, time.monotonic_ns()
+        )
+        self._submitted += 1
         try:
-            await self._slots.acquire()
-        finally:
-            self.waiting -= 1
-            self.metrics.queue_depth.labels(self.name).dec()
-        try:
-            started = time.monotonic_ns()
-            self.stats.queue.add(started - queued)
-            loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(self._executor, session.run, outputs, feeds)
-        finally:
-            self._slots.release()
-        self.stats.compute_infer.add(time.monotonic_ns() - started)
-        self.stats.execution_count += 1
-        self.stats.inference_count += batch
-        self.stats.last_inference_ms = int(time.time() * 1000)
+            return await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            if job.cancelled():  # cancelled before a worker took it
+                self._submitted -= 1
+            raise
+
+    def _run(
+        self,
+        session: OnnxSession,
+        outputs: Sequence[str],
+        feeds: Mapping[str, np.ndarray],
+        batch: int,
+        queued_ns: int,
+    ) -> list[np.ndarray]:
+        """In a worker thread: the request leaves the queue, runs, and is counted."""
+        started = time.monotonic_ns()
+        with self._stats_lock:
+            self._started += 1
+            self.stats.queue.add(started - queued_ns)
+        result = session.run(outputs, feeds)
+        finished = time.monotonic_ns()
+        with self._stats_lock:
+            self.stats.compute_infer.add(finished - started)
+            self.stats.execution_count += 1
+            self.stats.inference_count += batch
+            self.stats.last_inference_ms = time.time_ns() // 1_000_000
         return result
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted and not yet started by a worker."""
+        return self._submitted - self._started
+
+    def request_counter(self, code: str) -> Any:
+        """The inference_requests_total child for this version and ``code`` (cached)."""
+        counter = self._request_counters.get(code)
+        if counter is None:
+            counter = self.metrics.requests.labels(self.name, str(self.version), code)
+            self._request_counters[code] = counter
+        return counter
 
     def begin_request(self) -> None:
         self.in_flight += 1

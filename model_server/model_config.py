@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import yaml
@@ -59,11 +60,23 @@ class ModelSpec:
     outputs: tuple[TensorSpec, ...]
     config: model_config_pb2.ModelConfig = field(compare=False)
 
+    @cached_property
+    def _inputs_by_name(self) -> dict[str, TensorSpec]:
+        return {t.name: t for t in self.inputs}
+
+    @cached_property
+    def _outputs_by_name(self) -> dict[str, TensorSpec]:
+        return {t.name: t for t in self.outputs}
+
+    @cached_property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
+
     def input_named(self, name: str) -> TensorSpec | None:
-        return next((t for t in self.inputs if t.name == name), None)
+        return self._inputs_by_name.get(name)
 
     def output_named(self, name: str) -> TensorSpec | None:
-        return next((t for t in self.outputs if t.name == name), None)
+        return self._outputs_by_name.get(name)
 
 
 def read_declared_config(model_dir: Path) -> model_config_pb2.ModelConfig:

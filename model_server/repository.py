@@ -196,6 +196,9 @@ class ModelRepository:
 
     def _publish(self, entry: ModelEntry) -> None:
         """Sets model_state and the provider label from what clients see of each version."""
+        self.metrics.queue_depth.labels(entry.name).set_function(
+            lambda: sum(v.waiting for v in entry.serving.values())
+        )
         shown = {v.version: v for v in entry.visible()}
         for number in sorted(set(entry.published) - set(shown)):
             self.metrics.clear_model_version(entry.name, str(number), entry.published.pop(number))
@@ -234,6 +237,15 @@ class ModelRepository:
     def resolve(self, name: str, version: str) -> ModelVersion:
         """The version that serves a request: the newest READY one when ``version`` is empty."""
         entry = self.models.get(name)
+        if entry is not None:  # the path every request takes; errors are worked out below
+            if not version:
+                newest = entry.newest_ready()
+                if newest is not None:
+                    return newest
+            elif _is_number(version):
+                chosen = entry.serving.get(int(version))
+                if chosen is not None and chosen.state is ModelState.READY:
+                    return chosen
         if entry is None or (not entry.visible() and not entry.error):
             raise ModelNotFound(f"model {name!r} is not loaded (loaded: {self.loaded_names()})")
         if version:

@@ -83,6 +83,7 @@ class ModelServer:
         self.startup_done = False
         self.draining = False
         self.gate = ServingGate(ready=self.is_ready)
+        self.metrics.in_flight.set_function(lambda: self.gate.in_flight)  # read at scrape time
         self.health = HealthServicer()
         self.grpc_server: grpc.aio.Server | None = None
         self.port = 0

@@ -228,7 +228,6 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         except InferenceError as exc:
             self._record(None, exc.code, 0)
             raise
-        self.metrics.in_flight.inc()
         try:
             version = self.repository.resolve(request.model_name, request.model_version)
             version.begin_request()
@@ -256,19 +255,16 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         finally:
             elapsed = time.monotonic_ns() - started
             self.gate.leave()
-            self.metrics.in_flight.dec()
             self._record(version, code, elapsed)
 
     def _record(self, version: ModelVersion | None, code: grpc.StatusCode, elapsed_ns: int) -> None:
-        model = version.name if version else UNKNOWN_MODEL_LABEL
-        label = str(version.version) if version else ""
-        self.metrics.requests.labels(model, label, code.name).inc()
         if version is None:
+            self.metrics.requests.labels(UNKNOWN_MODEL_LABEL, "", code.name).inc()
             return
-        self.metrics.request_duration.labels(model, label).observe(elapsed_ns / 1e9)
-        (version.stats.success if code is grpc.StatusCode.OK else version.stats.fail).add(
-            elapsed_ns
-        )
+        version.request_counter(code.name).inc()
+        version.duration_metric.observe(elapsed_ns / 1e9)
+        outcome = version.stats.success if code is grpc.StatusCode.OK else version.stats.fail
+        outcome.add(elapsed_ns)
 
     async def _resolve_or_abort(
         self, name: str, version: str, context: grpc.aio.ServicerContext

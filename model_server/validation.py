@@ -129,6 +129,8 @@ def _check_size(total: int, limit: int, model: str) -> None:
 def _check_no_typed_contents(
     tensor: service_pb2.ModelInferRequest.InferInputTensor, where: str, why: str
 ) -> None:
+    if not tensor.HasField("contents"):
+        return
     filled = [f for f in CONTENTS_FIELDS if len(getattr(tensor.contents, f))]
     if filled:
         raise InvalidInput(f"{where}: contents.{filled[0]} is set but {why}")
@@ -198,7 +200,7 @@ def _requested_outputs(
     request: service_pb2.ModelInferRequest, spec: ModelSpec, model: str
 ) -> list[str]:
     if not request.outputs:
-        return [o.name for o in spec.outputs]
+        return list(spec.output_names)
     names: list[str] = []
     for output in request.outputs:
         if spec.output_named(output.name) is None:

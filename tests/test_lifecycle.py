@@ -130,6 +130,18 @@ def test_load_unload_and_reload_under_traffic_lose_nothing(copy_repo: Path, tmp_
     try:
         with Traffic(server.url, clients=4) as latest, Traffic(server.url, 2, "2") as pinned:
             latest.wait_ok(50)
+
+            # Six clients on one worker thread per version: requests queue, and the gauges,
+            # read at scrape time, show it.
+            def scrape() -> str:
+                return str(urllib.request.urlopen(metrics_url, timeout=5).read().decode())
+
+            wait_for(
+                lambda: metric_value(scrape(), "inference_queue_depth", model="classifier") > 0,
+                10,
+                "a queue under load",
+            )
+            assert metric_value(scrape(), "inference_in_flight_requests") > 0
             # A new version appears: load makes it READY, then unversioned traffic moves to it.
             shutil.copytree(copy_repo / "classifier" / "1", copy_repo / "classifier" / "3")
             client.load_model("classifier")
@@ -144,7 +156,7 @@ def test_load_unload_and_reload_under_traffic_lose_nothing(copy_repo: Path, tmp_
             wait_for(lambda: pinned.ok > before + 50, 30, "pinned traffic after reload")
             # The replaced version 2 unloads; the metrics keep showing the new one READY.
             wait_for(lambda: "version 2: UNAVAILABLE (unloaded)" in server.log(), 10, "old v2 gone")
-            text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+            text = scrape()
             labels = {"model": "classifier", "version": "2"}
             assert metric_value(text, "model_state", state="READY", **labels) == 1
             assert metric_value(text, "model_state", state="UNLOADING", **labels) == 0
