@@ -116,7 +116,8 @@ class ModelVersion:
         self.state = state
         self.reason = reason
         self.on_state_change()
-        log.info("%s: %s%s", self.label, state.value, f" ({reason})" if reason else "")
+        level = logging.ERROR if state is ModelState.FAILED else logging.INFO
+        log.log(level, "%s: %s%s", self.label, state.value, f" ({reason})" if reason else "")
 
     async def load(self, guard: MemoryGuard) -> None:
         """Loads and warms the version; on any error it ends FAILED with the reason."""
