@@ -229,10 +229,6 @@ class ModelRepository:
             entry.error = ""
             await asyncio.gather(*(v.unload() for v in retiring))
 
-    async def wait_retired(self) -> None:
-        if self._retiring:
-            await asyncio.gather(*self._retiring, return_exceptions=True)
-
     # -- lookup -------------------------------------------------------------------------------
     def resolve(self, name: str, version: str) -> ModelVersion:
         """The version that serves a request: the newest READY one when ``version`` is empty."""
