@@ -1,0 +1,90 @@
+"""The mesh as the control plane sees it: plain frozen values, no Envoy types.
+
+``MeshState`` is what the topology and the placement poller produce and what
+``control_plane.resources`` turns into Envoy listeners, routes, clusters and endpoints.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+# Request header that selects a model's cluster; the Lua filter sets it from the request body
+# for clients that do not send it (stock tritonclient).
+MODEL_HEADER = "x-model-name"
+VERSION_HEADER = "x-model-version"
+# Cluster for server-level calls (ServerLive, ServerReady, ServerMetadata, RepositoryIndex).
+SERVERS_CLUSTER = "servers"
+LISTENER_NAME = "infermesh"
+ROUTE_CONFIG_NAME = "infermesh-routes"
+
+
+def model_cluster(model: str, version: str | None = None) -> str:
+    """Envoy cluster name of a model (every version) or of one version of it."""
+    return f"model:{model}" if version is None else f"model:{model}:v{version}"
+
+
+@dataclass(frozen=True, order=True)
+class EndpointAddress:
+    host: str
+    port: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class EndpointHealth(enum.StrEnum):
+    HEALTHY = "HEALTHY"
+    DRAINING = "DRAINING"  # finishing its work: Envoy sends it no new requests
+    UNHEALTHY = "UNHEALTHY"  # ejected
+
+
+@dataclass(frozen=True)
+class EndpointAssignment:
+    """One endpoint in one cluster, with its EDS load_balancing_weight (>= 1) and health."""
+
+    address: EndpointAddress
+    weight: int = 1
+    health: EndpointHealth = EndpointHealth.HEALTHY
+
+
+@dataclass(frozen=True)
+class ModelRoute:
+    """How requests for one model are routed.
+
+    ``version_split`` holds (version, weight) pairs: requests without a version header are
+    split across those versions' clusters by weight. Empty: one cluster for all versions.
+    """
+
+    name: str
+    sla_p99_ms: float
+    timeout_s: float
+    version_split: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class ListenerOptions:
+    """The Envoy listener and the cluster options that apply to every model cluster."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    health_check_interval_s: float = 1.0
+    connect_timeout_s: float = 1.0
+    max_retries: int = 3
+    retry_budget_percent: float = 25.0
+    body_routing: bool = True  # Lua filter reads the model name from unary request bodies
+
+
+@dataclass(frozen=True)
+class MeshState:
+    """Everything the Envoy resources are built from.
+
+    ``clusters`` maps each cluster name (``model_cluster(...)`` or ``SERVERS_CLUSTER``) to the
+    endpoints that may serve it; a model whose model is READY nowhere has an empty cluster.
+    """
+
+    listener: ListenerOptions
+    models: tuple[ModelRoute, ...]
+    clusters: Mapping[str, tuple[EndpointAssignment, ...]] = field(default_factory=dict)

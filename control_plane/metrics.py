@@ -1,0 +1,36 @@
+"""Every instrument the control plane exports, defined once (Prometheus text on its admin port)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+FAST_BUCKETS_S = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+
+
+class ControlPlaneMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.nacks = Counter(
+            "xds_nacks", "xDS responses an Envoy rejected (NACK)", ["type"], registry=r
+        )
+        self.responses = Counter(
+            "xds_responses", "xDS responses sent", ["type", "mode"], registry=r
+        )
+        self.streams = Gauge("xds_connected_streams", "Open ADS streams", ["mode"], registry=r)
+        self.push_to_ack = Histogram(
+            "xds_push_to_ack_seconds",
+            "Time from sending an xDS response to its ACK",
+            ["type"],
+            buckets=FAST_BUCKETS_S,
+            registry=r,
+        )
+        self.snapshots = Counter("xds_snapshots", "Snapshots set (a changed mesh)", registry=r)
+        self.snapshot_build = Histogram(
+            "xds_snapshot_build_seconds",
+            "Time to build and check a snapshot from the mesh state",
+            buckets=FAST_BUCKETS_S,
+            registry=r,
+        )
