@@ -1,0 +1,453 @@
+"""The topology file: which models the mesh routes, and where the model servers are.
+
+Loaded in two layers: the external schema (plain YAML, read with a loader that also reports
+duplicate keys) is checked against defaults and rules, collecting *every* error with its path
+(``models[1].sla_p99_ms: must be > 0, got -5``); any error raises one ``TopologyError`` that
+lists them all. A valid file becomes a frozen ``Topology`` built from ``control_plane.mesh``
+values. Schema (every section but ``models`` is optional; defaults shown)::
+
+    listener:                       # the Envoy listener; options shared by all model clusters
+      host: 127.0.0.1               # an IP address (Envoy binds it)
+      port: 8080                    # 1..65535
+      health_check_interval_s: 1.0  # > 0
+      connect_timeout_s: 1.0        # > 0
+      max_retries: 3                # integer >= 0
+      retry_budget_percent: 25      # 0..100
+      body_routing: true            # Lua filter reads the model name from the request body
+    xds: {host: 127.0.0.1, port: 18000}      # where the control plane serves ADS
+    admin: {host: 127.0.0.1, port: 19000}    # the control plane's status HTTP
+    placement: {poll_interval_s: 1.0, timeout_s: 1.0}   # model server polling, both > 0
+    models:                         # required, at least one
+      - name: classifier            # letters, digits, '_', '.', '-'; unique
+        sla_p99_ms: 50              # required, > 0
+        capacity_qps: 1000          # required, > 0
+        timeout_s: 5                # optional, > 0; default max(1.0, 20 * sla_p99_ms / 1000)
+        version_split: {"1": 90, "2": 10}   # optional; version -> weight (int >= 0), sum > 0
+    endpoints:                      # optional, default none; each item has exactly one key
+      - address: 127.0.0.1:8001     # a static IP:port ([::1]:8001 for IPv6); unique
+      - dns: model-servers.local:8001   # a name re-resolved to all its A/AAAA records
+
+Unknown keys, duplicate keys, duplicate model names and duplicate endpoints are errors.
+Versions are decimal numbers ("1" or 1). Static addresses must be IP literals (Envoy does not
+resolve EDS endpoint addresses): use ``dns:`` for names. ``load_topology`` and
+``topology_fingerprint`` block (async callers use ``asyncio.to_thread``); a watcher takes the
+fingerprint *before* loading, so a write in between only costs one more reload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ipaddress
+import json
+import logging
+import math
+import os
+import re
+import socket
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from control_plane.mesh import EndpointAddress, ListenerOptions, ModelRoute
+
+log = logging.getLogger(__name__)
+
+DNS_TIMEOUT_S = 5.0
+DEFAULT_XDS = EndpointAddress("127.0.0.1", 18000)
+DEFAULT_ADMIN = EndpointAddress("127.0.0.1", 19000)
+
+
+class TopologyError(Exception):
+    """An unreadable or invalid topology; ``errors`` lists every problem found."""
+
+    def __init__(self, source: str, errors: Iterable[str]) -> None:
+        self.source = source
+        self.errors = tuple(errors)
+        listed = "".join(f"\n  - {e}" for e in self.errors)
+        super().__init__(f"{source}: {len(self.errors)} topology error(s):{listed}")
+
+
+@dataclass(frozen=True)
+class PlacementOptions:
+    poll_interval_s: float = 1.0  # seconds between two polls of every model server
+    timeout_s: float = 1.0  # deadline of each probe RPC
+
+
+@dataclass(frozen=True)
+class StaticEndpoint:
+    address: EndpointAddress
+
+    @property
+    def key(self) -> str:
+        return self.address.key
+
+
+@dataclass(frozen=True)
+class DnsEndpoint:
+    name: str  # lower case
+    port: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}:{self.port}"
+
+
+EndpointSource = StaticEndpoint | DnsEndpoint
+
+
+@dataclass(frozen=True)
+class Topology:
+    listener: ListenerOptions
+    xds: EndpointAddress = DEFAULT_XDS
+    admin: EndpointAddress = DEFAULT_ADMIN
+    placement: PlacementOptions = PlacementOptions()
+    models: tuple[ModelRoute, ...] = ()  # file order, timeout_s filled in
+    endpoints: tuple[EndpointSource, ...] = ()  # file order
+    capacity_qps: tuple[tuple[str, float], ...] = ()  # (model name, capacity), file order
+    source: str = ""
+
+    def capacity(self, model: str) -> float:
+        """The model's declared capacity in queries per second; KeyError if not a model."""
+        return dict(self.capacity_qps)[model]
+
+
+def load_topology(path: str | os.PathLike[str]) -> Topology:
+    """Reads and validates a topology file (blocking I/O). Raises TopologyError."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TopologyError(str(path), [f"cannot read the file: {exc}"]) from exc
+    return parse_topology_text(text, str(path))
+
+
+def parse_topology_text(text: str, source: str = "<topology>") -> Topology:
+    """Parses YAML text and validates it. Raises TopologyError."""
+    loader = _UniqueKeyLoader(text)
+    try:
+        data = loader.get_single_data()
+    except yaml.YAMLError as exc:
+        raise TopologyError(source, [f"invalid YAML: {exc}"]) from exc
+    finally:
+        loader.dispose()
+    return _build(data, source, loader.duplicate_keys)
+
+
+def parse_topology(data: object, source: str = "<topology>") -> Topology:
+    """Validates a plain structure (as ``yaml.safe_load`` returns). Raises TopologyError."""
+    return _build(data, source, [])
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A safe loader that records duplicate mapping keys instead of keeping the last one."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.duplicate_keys: list[str] = []
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
+        first_line: dict[object, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, Hashable):
+                continue
+            if key in first_line:
+                self.duplicate_keys.append(
+                    f"line {line}: duplicate key {_show(key)} (first at line {first_line[key]})"
+                )
+            first_line.setdefault(key, line)
+        return super().construct_mapping(node, deep=deep)
+
+
+_LISTENER = {
+    "host": "ip", "port": "port", "health_check_interval_s": "positive",
+    "connect_timeout_s": "positive", "max_retries": "count", "retry_budget_percent": "percent",
+    "body_routing": "bool",
+}  # fmt: skip
+_BIND = {"host": "host", "port": "port"}
+_PLACEMENT = {"poll_interval_s": "positive", "timeout_s": "positive"}
+_MODEL = {
+    "name": "name", "sla_p99_ms": "positive", "capacity_qps": "positive",
+    "timeout_s": "positive", "version_split": "split",
+}  # fmt: skip
+_TOP = ("listener", "xds", "admin", "placement", "models", "endpoints")
+
+
+def _build(data: object, source: str, early_errors: list[str]) -> Topology:
+    c = _Checker(list(early_errors))
+    root = c.mapping(data, "")
+    if root is None:
+        raise TopologyError(source, c.errors)
+    c.keys(root, "", _TOP, required=("models",))
+    d = Topology(ListenerOptions())
+    listener = ListenerOptions(**c.section(root, "listener", _LISTENER, d.listener))
+    xds = EndpointAddress(**c.section(root, "xds", _BIND, d.xds))
+    admin = EndpointAddress(**c.section(root, "admin", _BIND, d.admin))
+    placement = PlacementOptions(**c.section(root, "placement", _PLACEMENT, d.placement))
+    models, capacity = _models(c, root["models"]) if "models" in root else ((), ())
+    endpoints = _endpoints(c, root.get("endpoints", []))
+    if c.errors:
+        raise TopologyError(source, c.errors)
+    return Topology(listener, xds, admin, placement, models, endpoints, capacity, source)
+
+
+def _models(
+    c: _Checker, value: object
+) -> tuple[tuple[ModelRoute, ...], tuple[tuple[str, float], ...]]:
+    items = c.sequence(value, "models")
+    if items == []:
+        c.errors.append("models: must list at least one model")
+    routes: list[ModelRoute] = []
+    capacity: list[tuple[str, float]] = []
+    first: dict[str, int] = {}
+    for index, item in enumerate(items or []):
+        path = f"models[{index}]"
+        if (m := c.mapping(item, path)) is None:
+            continue
+        c.keys(m, path, _MODEL, required=("name", "sla_p99_ms", "capacity_qps"))
+        name = c.value(m, path, "name", "name", "")
+        if name in first:
+            where = f"first at models[{first[name]}]"
+            c.errors.append(f"{path}.name: duplicate model {_show(name)} ({where})")
+        first.setdefault(name, index)
+        sla = c.value(m, path, "sla_p99_ms", "positive", 1.0)
+        timeout = c.value(m, path, "timeout_s", "positive", max(1.0, 20 * sla / 1000))
+        split = c.value(m, path, "version_split", "split", ())
+        routes.append(ModelRoute(name, sla, timeout, split))
+        capacity.append((name, c.value(m, path, "capacity_qps", "positive", 1.0)))
+    return tuple(routes), tuple(capacity)
+
+
+def _endpoints(c: _Checker, value: object) -> tuple[EndpointSource, ...]:
+    result: dict[EndpointSource, int] = {}
+    for index, item in enumerate(c.sequence(value, "endpoints") or []):
+        path = f"endpoints[{index}]"
+        if (m := c.mapping(item, path)) is None:
+            continue
+        c.keys(m, path, ("address", "dns"))
+        kinds = [k for k in ("address", "dns") if k in m]
+        if len(kinds) != 1:
+            if len(kinds) == len(m):  # else the unknown keys were reported
+                c.errors.append(f"{path}: needs exactly one of 'address' or 'dns'")
+            continue
+        kind = kinds[0]
+        host_port = c.host_port(m[kind], f"{path}.{kind}", ip_only=kind == "address")
+        if host_port is None:
+            continue
+        source: EndpointSource = (
+            StaticEndpoint(EndpointAddress(*host_port)) if kind == "address"
+            else DnsEndpoint(*host_port)
+        )  # fmt: skip
+        if source in result:
+            c.errors.append(
+                f"{path}.{kind}: duplicate endpoint {_show(source.key)} "
+                f"(first at endpoints[{result[source]}])"
+            )
+        result.setdefault(source, index)
+    return tuple(result)
+
+
+_MODEL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+_HOST_NAME = re.compile(rf"(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*\.?")
+_VERSION = re.compile(r"0|[1-9][0-9]*")
+
+
+def _show(value: object) -> str:
+    try:
+        text = json.dumps(value, default=str)
+    except (TypeError, ValueError):  # keys JSON cannot show (dates), or a recursive value
+        text = repr(value)
+    return text if len(text) <= 60 else text[:56] + " ..."
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_ip(value: object) -> bool:
+    try:
+        return isinstance(value, str) and bool(ipaddress.ip_address(value))
+    except ValueError:
+        return False
+
+
+_STR = "a string"
+_NUM = "a number"
+# kind -> (rule on a value of the right type, the type it needs first, what it must be)
+_RULES: dict[str, tuple[Any, str, str]] = {
+    "positive": (lambda v: v > 0, _NUM, "> 0"),
+    "percent": (lambda v: 0 <= v <= 100, _NUM, "in 0..100"),
+    "count": (lambda v: isinstance(v, int) and v >= 0, _NUM, "an integer >= 0"),
+    "port": (lambda v: isinstance(v, int) and 1 <= v <= 65535, _NUM, "a port in 1..65535"),
+    "bool": (lambda v: isinstance(v, bool), "", "true or false"),
+    "ip": (_is_ip, "", "an IP address"),
+    "host": (lambda v: _is_ip(v) or _HOST_NAME.fullmatch(v), _STR, "a host name or IP"),
+    "name": (_MODEL_NAME.fullmatch, _STR, "a model name (letters, digits, '_', '.', '-')"),
+}
+
+
+class _Checker:
+    """Reads values from plain YAML data, recording every error with its path."""
+
+    def __init__(self, errors: list[str]) -> None:
+        self.errors = errors
+
+    def fail(self, path: str, message: str, value: object) -> None:
+        self.errors.append(f"{path or 'topology'}: {message}, got {_show(value)}")
+
+    def mapping(self, value: object, path: str) -> dict[str, Any] | None:
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return value
+        self.fail(path, "must be a mapping with string keys", value)
+        return None
+
+    def sequence(self, value: object, path: str) -> list[Any] | None:
+        if isinstance(value, list):
+            return value
+        self.fail(path, "must be a list", value)
+        return None
+
+    def keys(
+        self, m: dict[str, Any], path: str, allowed: Iterable[str], required: Iterable[str] = ()
+    ) -> None:
+        prefix = f"{path}." if path else ""
+        allowed = tuple(allowed)
+        for key in m:
+            if key not in allowed:
+                expected = ", ".join(allowed)
+                self.errors.append(f"{prefix}{key}: unknown key (expected one of: {expected})")
+        self.errors.extend(f"{prefix}{key}: required" for key in required if key not in m)
+
+    def section(self, root: dict[str, Any], key: str, kinds: dict[str, str], default: Any) -> Any:
+        """The keyword arguments of one section's dataclass, defaults filled in."""
+        m = self.mapping(root.get(key, {}), key) or {}
+        self.keys(m, key, kinds)
+        return {k: self.value(m, key, k, kind, getattr(default, k)) for k, kind in kinds.items()}
+
+    def value(self, m: dict[str, Any], path: str, key: str, kind: str, default: Any) -> Any:
+        if key not in m:
+            return default
+        value, where = m[key], f"{path}.{key}" if path else key
+        if kind == "split":
+            return self.version_split(value, where)
+        rule, needs, what = _RULES[kind]
+        typed = _is_number(value) if needs == _NUM else needs != _STR or isinstance(value, str)
+        if typed and rule(value):
+            return float(value) if kind in ("positive", "percent") else value
+        self.fail(where, f"must be {what if typed else needs}", value)
+        return default
+
+    def version_split(self, value: object, path: str) -> tuple[tuple[str, int], ...]:
+        m = value if isinstance(value, dict) else None
+        if not m:
+            self.fail(path, "must be a non-empty mapping of version to weight", value)
+            return ()
+        weights: dict[str, int] = {}
+        for version, weight in m.items():
+            is_int = isinstance(version, int) and not isinstance(version, bool)
+            v = str(version) if is_int else version
+            if not isinstance(v, str) or not _VERSION.fullmatch(v):
+                self.fail(path, 'versions must be numbers like "1"', version)
+            elif v in weights:
+                self.fail(path, "duplicate version", version)
+            elif not isinstance(weight, int) or isinstance(weight, bool) or weight < 0:
+                self.fail(f"{path}.{v}", "must be an integer weight >= 0", weight)
+            else:
+                weights[v] = weight
+        if len(weights) == len(m) and sum(weights.values()) <= 0:
+            self.fail(path, "weights must sum to > 0", sum(weights.values()))
+        return tuple(sorted(weights.items(), key=lambda item: int(item[0])))
+
+    def host_port(self, value: object, path: str, ip_only: bool) -> tuple[str, int] | None:
+        text = value if isinstance(value, str) else ""
+        host, _, port = text.rpartition(":")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1] if ":" in host else "-"  # brackets only around IPv6
+        elif ":" in host:
+            self.fail(path, "must be host:port with IPv6 in brackets ([::1]:8001)", value)
+            return None
+        if not port.isdigit() or not 1 <= int(port) <= 65535:
+            self.fail(path, "must be host:port with a port in 1..65535", value)
+        elif _is_ip(host):
+            return str(ipaddress.ip_address(host)), int(port)
+        elif ip_only:
+            self.fail(path, "must be an IP address and port (use 'dns:' for names)", value)
+        elif _HOST_NAME.fullmatch(host):
+            return host.lower().rstrip("."), int(port)
+        else:
+            self.fail(path, "must be a DNS name and port", value)
+        return None
+
+
+@dataclass(frozen=True)
+class TopologyFingerprint:
+    mtime_ns: int
+    size: int
+    sha256: str
+
+
+def topology_fingerprint(path: str | os.PathLike[str]) -> TopologyFingerprint | None:
+    """mtime, size and content hash (catches same-size rewrites within the mtime's resolution);
+    None if the file cannot be read. Compare two to detect a change."""
+    try:
+        mtime_ns = os.stat(path).st_mtime_ns
+        data = Path(path).read_bytes()
+    except OSError:
+        return None
+    return TopologyFingerprint(mtime_ns, len(data), hashlib.sha256(data).hexdigest())
+
+
+class EndpointResolver:
+    """Resolves endpoint sources, skipping (never raising on) names that fail. Logs a name when
+    it starts and stops failing: keep one resolver so a dead name is not logged every poll."""
+
+    def __init__(self, timeout_s: float = DNS_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self._failing: set[DnsEndpoint] = set()
+
+    async def resolve(self, sources: Iterable[EndpointSource]) -> tuple[EndpointAddress, ...]:
+        """Static addresses as they are, DNS names to all their addresses; unique, sorted."""
+        sources = tuple(sources)
+        found = {s.address for s in sources if isinstance(s, StaticEndpoint)}
+        names = [s for s in sources if isinstance(s, DnsEndpoint)]
+        for addresses in await asyncio.gather(*(self._lookup(n) for n in names)):
+            found.update(addresses)
+        return tuple(sorted(found))
+
+    async def _lookup(self, source: DnsEndpoint) -> set[EndpointAddress]:
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await asyncio.wait_for(
+                loop.getaddrinfo(source.name, source.port, type=socket.SOCK_STREAM),
+                self.timeout_s,
+            )
+            found = {
+                EndpointAddress(str(info[4][0]), source.port)
+                for info in infos
+                if info[0] in (socket.AF_INET, socket.AF_INET6)
+            }
+            if not found:
+                raise OSError("no IPv4 or IPv6 address")
+        except (OSError, TimeoutError, UnicodeError, ValueError) as exc:
+            if source not in self._failing:
+                self._failing.add(source)
+                log.warning("endpoint %s does not resolve, skipped: %r", source.key, exc)
+            return set()
+        if source in self._failing:
+            self._failing.discard(source)
+            log.info("endpoint %s resolves again (%d addresses)", source.key, len(found))
+        return found
+
+
+async def resolve_endpoints(
+    topology: Topology, timeout_s: float = DNS_TIMEOUT_S
+) -> tuple[EndpointAddress, ...]:
+    """Every endpoint address of the topology now: unique, sorted; failing names are skipped."""
+    return await EndpointResolver(timeout_s).resolve(topology.endpoints)

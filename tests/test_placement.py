@@ -1,0 +1,252 @@
+"""Placement: the pure MeshState builder, and the poller against real model servers."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import pytest
+
+from control_plane.mesh import (
+    SERVERS_CLUSTER,
+    EndpointAddress,
+    EndpointAssignment,
+    EndpointHealth,
+    model_cluster,
+)
+from control_plane.placement import (
+    EndpointReport,
+    PlacementPoller,
+    build_mesh_state,
+    grpc_target,
+    open_channel,
+    probe_endpoint,
+)
+from control_plane.topology import Topology, parse_topology
+from tests.support import ServerProcess, start_server
+
+A = EndpointAddress("127.0.0.1", 8001)
+B = EndpointAddress("127.0.0.1", 8002)
+C = EndpointAddress("127.0.0.1", 8003)
+D = EndpointAddress("10.0.0.4", 8001)
+BOTH = frozenset({("classifier", "1"), ("classifier", "2")})
+
+
+def topology() -> Topology:
+    return parse_topology(
+        {
+            "models": [
+                {"name": "classifier", "sla_p99_ms": 50, "capacity_qps": 100,
+                 "version_split": {"1": 90, "2": 10}},
+                {"name": "detector", "sla_p99_ms": 20, "capacity_qps": 100},
+                {"name": "absent", "sla_p99_ms": 20, "capacity_qps": 100,
+                 "version_split": {"7": 1}},
+            ]
+        }
+    )  # fmt: skip
+
+
+def report(
+    address: EndpointAddress,
+    models: set[tuple[str, str]] | frozenset[tuple[str, str]] = frozenset(),
+    reachable: bool = True,
+    server_ready: bool = True,
+) -> EndpointReport:
+    return EndpointReport(address, reachable, frozenset(models), server_ready, "")
+
+
+def members(clusters: Mapping[str, tuple[EndpointAssignment, ...]]) -> dict[str, list[str]]:
+    return {name: [e.address.key for e in endpoints] for name, endpoints in clusters.items()}
+
+
+def test_clusters_per_model_and_version() -> None:
+    reports = {
+        A: report(A, BOTH),
+        B: report(B, {("classifier", "1"), ("detector", "3")}, server_ready=False),
+        C: report(C, BOTH, reachable=False),  # stale models of an unreachable server: ignored
+        D: report(D, {("classifier", "3"), ("unlisted", "1")}),
+    }
+    state = build_mesh_state(topology(), reports)
+    assert state.listener == topology().listener
+    assert state.models == topology().models
+    assert members(state.clusters) == {
+        "model:absent": [],
+        "model:absent:v7": [],  # in the split, READY nowhere: empty, so routes still resolve
+        "model:classifier": ["10.0.0.4:8001", "127.0.0.1:8001", "127.0.0.1:8002"],
+        "model:classifier:v1": ["127.0.0.1:8001", "127.0.0.1:8002"],
+        "model:classifier:v2": ["127.0.0.1:8001"],
+        "model:classifier:v3": ["10.0.0.4:8001"],  # not in the split, READY somewhere
+        "model:detector": ["127.0.0.1:8002"],
+        "model:detector:v3": ["127.0.0.1:8002"],
+        SERVERS_CLUSTER: ["10.0.0.4:8001", "127.0.0.1:8001"],  # B's server is not ready
+    }
+    assert all(
+        e.weight == 1 and e.health is EndpointHealth.HEALTHY
+        for endpoints in state.clusters.values()
+        for e in endpoints
+    )
+
+
+def test_nothing_reachable_gives_empty_clusters() -> None:
+    state = build_mesh_state(topology(), {A: report(A, BOTH, reachable=False)})
+    assert set(state.clusters) == {
+        model_cluster("absent"), model_cluster("absent", "7"), model_cluster("classifier"),
+        model_cluster("classifier", "1"), model_cluster("classifier", "2"),
+        model_cluster("detector"), SERVERS_CLUSTER,
+    }  # fmt: skip
+    assert all(endpoints == () for endpoints in state.clusters.values())
+    assert build_mesh_state(topology(), {}) == state
+
+
+def test_weights_and_health() -> None:
+    reports = {A: report(A, BOTH), B: report(B, BOTH)}
+    weights = {A: 5, B: 0}  # below 1 is raised to 1: EDS needs >= 1
+    health = {B: EndpointHealth.DRAINING}
+    state = build_mesh_state(topology(), reports, weights=weights, health=health)
+    assert state.clusters[model_cluster("classifier", "2")] == (
+        EndpointAssignment(A, 5, EndpointHealth.HEALTHY),
+        EndpointAssignment(B, 1, EndpointHealth.DRAINING),
+    )
+
+
+def test_identical_inputs_give_identical_state() -> None:
+    rng = random.Random(7)
+    addresses = [EndpointAddress("127.0.0.1", 8000 + i) for i in range(12)]
+    pairs = [(m, v) for m in ("classifier", "detector", "other") for v in "1234"]
+    reports = {
+        a: report(a, set(rng.sample(pairs, 4)), rng.random() > 0.2, rng.random() > 0.3)
+        for a in addresses
+    }
+    first = build_mesh_state(topology(), reports)
+    for _ in range(5):
+        shuffled = list(reports.items())
+        rng.shuffle(shuffled)
+        again = build_mesh_state(topology(), dict(shuffled))
+        assert again == first
+        assert list(again.clusters) == list(first.clusters) == sorted(first.clusters)
+        assert repr(again) == repr(first)
+    for endpoints in first.clusters.values():
+        assert [e.address for e in endpoints] == sorted(e.address for e in endpoints)
+
+
+def test_grpc_target_brackets_ipv6() -> None:
+    assert grpc_target(A) == "127.0.0.1:8001"
+    assert grpc_target(EndpointAddress("::1", 8001)) == "[::1]:8001"
+
+
+@pytest.fixture
+def dead_address() -> Iterator[EndpointAddress]:
+    """A loopback port that is bound (so nobody else gets it) but not listening: refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield EndpointAddress("127.0.0.1", sock.getsockname()[1])
+
+
+def test_probe_of_a_dead_endpoint_does_not_raise(dead_address: EndpointAddress) -> None:
+    result = asyncio.run(probe_endpoint(dead_address, timeout_s=2.0))
+    assert result.address == dead_address
+    assert not result.reachable and not result.server_ready and not result.ready_models
+    assert "UNAVAILABLE" in result.error or "DEADLINE_EXCEEDED" in result.error
+
+    async def on_a_closed_channel() -> EndpointReport:
+        channel = open_channel(dead_address)
+        await channel.close()
+        return await probe_endpoint(dead_address, 2.0, channel)
+
+    result = asyncio.run(on_a_closed_channel())
+    assert not result.reachable and "closed" in result.error
+
+
+def test_failed_delivery_is_retried_and_left_endpoints_are_dropped(
+    dead_address: EndpointAddress,
+) -> None:
+    calls: list[Mapping[EndpointAddress, EndpointReport]] = []
+    addresses = [dead_address]
+
+    async def on_change(reports: Mapping[EndpointAddress, EndpointReport]) -> None:
+        calls.append(reports)
+        if len(calls) == 1:
+            raise RuntimeError("snapshot build failed")
+
+    async def current() -> list[EndpointAddress]:
+        return list(addresses)
+
+    async def scenario() -> None:
+        poller = PlacementPoller(current, interval_s=0.1, timeout_s=2.0, on_change=on_change)
+        try:
+            with pytest.raises(RuntimeError):
+                await poller.poll_once()
+            assert not poller.reports[dead_address].reachable
+            await poller.poll_once()  # not delivered last time: delivered again
+            await poller.poll_once()  # nothing changed: no call
+            assert len(calls) == 2
+            assert poller.open_channels == {dead_address}
+            addresses.clear()
+            assert await poller.poll_once() == {}
+            assert len(calls) == 3 and calls[-1] == {}
+            assert poller.open_channels == frozenset()
+        finally:
+            await poller.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.integration
+def test_poller_sees_real_servers(
+    demo_repo: Path, tmp_path: Path, dead_address: EndpointAddress
+) -> None:
+    servers: list[ServerProcess] = []
+    try:
+        for _ in range(2):
+            servers.append(start_server(demo_repo, tmp_path / "logs", "--models", "classifier"))
+        asyncio.run(_poll_real_servers(servers, dead_address))
+    finally:
+        for server in servers:
+            server.stop()
+
+
+async def _poll_real_servers(servers: list[ServerProcess], dead: EndpointAddress) -> None:
+    first, second = (EndpointAddress("127.0.0.1", s.port) for s in servers)
+    changes: list[Mapping[EndpointAddress, EndpointReport]] = []
+    changed = asyncio.Event()
+
+    def on_change(reports: Mapping[EndpointAddress, EndpointReport]) -> None:
+        changes.append(reports)
+        changed.set()
+
+    poller = PlacementPoller(lambda: [first, second, dead], 0.1, 5.0, on_change)
+    try:
+        reports = await poller.poll_once()
+        assert list(reports) == sorted([first, second, dead])
+        for address in (first, second):
+            assert reports[address].reachable and reports[address].server_ready
+            assert reports[address].ready_models == BOTH, reports[address].error
+            assert reports[address].error == ""
+        assert not reports[dead].reachable and reports[dead].error
+        assert len(changes) == 1
+        await poller.poll_once()
+        assert len(changes) == 1  # same placement: no callback
+
+        # Unload on one server; the background loop notices and calls on_change.
+        changed.clear()
+        await poller.start()
+        await asyncio.to_thread(lambda: servers[0].client().unload_model("classifier"))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while ("classifier", "1") in poller.reports[first].ready_models:
+            await asyncio.wait_for(changed.wait(), max(0.0, deadline - loop.time()))
+            changed.clear()
+        reports = changes[-1]
+        assert reports[first].reachable and not reports[first].ready_models
+        assert reports[second].ready_models == BOTH
+
+        state = build_mesh_state(topology(), reports)
+        for version in (None, "1", "2"):
+            cluster = state.clusters[model_cluster("classifier", version)]
+            assert [e.address for e in cluster] == [second]
+    finally:
+        await poller.stop()
+    assert poller.open_channels == frozenset()

@@ -1,0 +1,361 @@
+"""The topology file: defaults, validation that reports every error, DNS endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from control_plane.mesh import EndpointAddress, ListenerOptions, ModelRoute
+from control_plane.topology import (
+    DnsEndpoint,
+    EndpointResolver,
+    PlacementOptions,
+    StaticEndpoint,
+    Topology,
+    TopologyError,
+    load_topology,
+    parse_topology,
+    parse_topology_text,
+    resolve_endpoints,
+    topology_fingerprint,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "topology.yaml"
+
+
+def minimal() -> dict[str, Any]:
+    return {"models": [{"name": "classifier", "sla_p99_ms": 50, "capacity_qps": 1000}]}
+
+
+def errors_of(data: object) -> list[str]:
+    with pytest.raises(TopologyError) as info:
+        parse_topology(data, "t.yaml")
+    assert info.value.source == "t.yaml"
+    for error in info.value.errors:
+        assert error in str(info.value)
+    return list(info.value.errors)
+
+
+def test_example_file_loads() -> None:
+    topology = load_topology(EXAMPLE)
+    assert topology.source == str(EXAMPLE)
+    assert topology.listener == ListenerOptions()
+    assert topology.models == (ModelRoute("classifier", 50.0, 5.0, (("1", 90), ("2", 10))),)
+    assert topology.capacity("classifier") == 1000.0
+    assert topology.endpoints == (
+        StaticEndpoint(EndpointAddress("127.0.0.1", 8001)),
+        StaticEndpoint(EndpointAddress("127.0.0.1", 8002)),
+        DnsEndpoint("model-servers.local", 8001),
+    )
+    # Its comments document the schema: the data alone parses to the same topology.
+    data = yaml.safe_load(EXAMPLE.read_text())
+    assert parse_topology(data, str(EXAMPLE)) == topology
+
+
+def test_defaults() -> None:
+    topology = parse_topology(minimal())
+    assert topology == Topology(
+        listener=ListenerOptions(),
+        xds=EndpointAddress("127.0.0.1", 18000),
+        admin=EndpointAddress("127.0.0.1", 19000),
+        placement=PlacementOptions(poll_interval_s=1.0, timeout_s=1.0),
+        models=(ModelRoute("classifier", 50.0, 1.0),),
+        endpoints=(),
+        capacity_qps=(("classifier", 1000.0),),
+        source="<topology>",
+    )
+    with pytest.raises(KeyError):
+        topology.capacity("nope")
+
+
+@pytest.mark.parametrize(
+    ("sla_p99_ms", "timeout_s", "expected"),
+    [(50, None, 1.0), (100, None, 2.0), (250, None, 5.0), (0.5, None, 1.0), (50, 0.25, 0.25)],
+)
+def test_model_timeout_default(sla_p99_ms: float, timeout_s: float | None, expected: float) -> None:
+    data = minimal()
+    data["models"][0]["sla_p99_ms"] = sla_p99_ms
+    if timeout_s is not None:
+        data["models"][0]["timeout_s"] = timeout_s
+    assert parse_topology(data).models[0].timeout_s == expected
+
+
+def test_every_option_is_read() -> None:
+    data = {
+        **minimal(),
+        "listener": {
+            "host": "0.0.0.0", "port": 9090, "health_check_interval_s": 2,
+            "connect_timeout_s": 0.5, "max_retries": 0, "retry_budget_percent": 100,
+            "body_routing": False,
+        },
+        "xds": {"host": "control-plane", "port": 18001},
+        "admin": {"port": 19001},
+        "placement": {"poll_interval_s": 0.2, "timeout_s": 3},
+    }  # fmt: skip
+    topology = parse_topology(data)
+    assert topology.listener == ListenerOptions("0.0.0.0", 9090, 2.0, 0.5, 0, 100.0, False)
+    assert topology.xds == EndpointAddress("control-plane", 18001)
+    assert topology.admin == EndpointAddress("127.0.0.1", 19001)
+    assert topology.placement == PlacementOptions(0.2, 3.0)
+
+
+def test_versions_and_addresses_are_normalised() -> None:
+    data = minimal()
+    data["models"][0]["version_split"] = {10: 1, "9": 0, "2": 3}
+    data["endpoints"] = [
+        {"address": "[::1]:8001"},
+        {"address": "127.0.0.1:8001"},
+        {"dns": "Model-Servers.Local.:8001"},
+    ]
+    topology = parse_topology(data)
+    assert topology.models[0].version_split == (("2", 3), ("9", 0), ("10", 1))
+    assert topology.endpoints == (
+        StaticEndpoint(EndpointAddress("::1", 8001)),
+        StaticEndpoint(EndpointAddress("127.0.0.1", 8001)),
+        DnsEndpoint("model-servers.local", 8001),
+    )
+
+
+def _set(data: dict[str, Any], path: str, value: object) -> dict[str, Any]:
+    """A copy of ``data`` with ``value`` at a dotted path (digits index lists)."""
+    data = copy.deepcopy(data)
+    *parents, last = path.split(".")
+    node: Any = data
+    for part in parents:
+        node = node[int(part)] if part.isdigit() else node.setdefault(part, {})
+    node[int(last) if last.isdigit() else last] = value
+    return data
+
+
+# (path to set, value, the one error expected)
+ERROR_CASES = [
+    ("models.0.sla_p99_ms", -5, "models[0].sla_p99_ms: must be > 0, got -5"),
+    ("models.0.sla_p99_ms", 0, "models[0].sla_p99_ms: must be > 0, got 0"),
+    ("models.0.sla_p99_ms", "fast", 'models[0].sla_p99_ms: must be a number, got "fast"'),
+    ("models.0.sla_p99_ms", True, "models[0].sla_p99_ms: must be a number, got true"),
+    ("models.0.sla_p99_ms", float("nan"), "models[0].sla_p99_ms: must be a number, got NaN"),
+    ("models.0.capacity_qps", 0, "models[0].capacity_qps: must be > 0, got 0"),
+    ("models.0.timeout_s", -1, "models[0].timeout_s: must be > 0, got -1"),
+    ("models.0.name", "", "models[0].name: must be a model name (letters, digits, '_', '.', '-'), got \"\""),  # noqa: E501
+    ("models.0.name", "a:b", "models[0].name: must be a model name (letters, digits, '_', '.', '-'), got \"a:b\""),  # noqa: E501
+    ("models.0.name", 7, "models[0].name: must be a string, got 7"),
+    ("models.0.sla_p99", 5, "models[0].sla_p99: unknown key (expected one of: name, sla_p99_ms, capacity_qps, timeout_s, version_split)"),  # noqa: E501
+    ("models.0.version_split", {}, "models[0].version_split: must be a non-empty mapping of version to weight, got {}"),  # noqa: E501
+    ("models.0.version_split", [1, 2], "models[0].version_split: must be a non-empty mapping of version to weight, got [1, 2]"),  # noqa: E501
+    ("models.0.version_split", {"v1": 1}, 'models[0].version_split: versions must be numbers like "1", got "v1"'),  # noqa: E501
+    ("models.0.version_split", {"01": 1}, 'models[0].version_split: versions must be numbers like "1", got "01"'),  # noqa: E501
+    ("models.0.version_split", {"1": 1, 1: 2}, "models[0].version_split: duplicate version, got 1"),
+    ("models.0.version_split", {"1": -1}, "models[0].version_split.1: must be an integer weight >= 0, got -1"),  # noqa: E501
+    ("models.0.version_split", {"1": 0.5}, "models[0].version_split.1: must be an integer weight >= 0, got 0.5"),  # noqa: E501
+    ("models.0.version_split", {"1": 0, "2": 0}, "models[0].version_split: weights must sum to > 0, got 0"),  # noqa: E501
+    ("models", [], "models: must list at least one model"),
+    ("models", {"name": "x"}, "models: must be a list, got {\"name\": \"x\"}"),
+    ("models.0", "classifier", 'models[0]: must be a mapping with string keys, got "classifier"'),
+    ("listener.port", 0, "listener.port: must be a port in 1..65535, got 0"),
+    ("listener.port", 65536, "listener.port: must be a port in 1..65535, got 65536"),
+    ("listener.port", 8080.0, "listener.port: must be a port in 1..65535, got 8080.0"),
+    ("listener.port", "8080", 'listener.port: must be a number, got "8080"'),
+    ("listener.host", "localhost", 'listener.host: must be an IP address, got "localhost"'),
+    ("listener.max_retries", -1, "listener.max_retries: must be an integer >= 0, got -1"),
+    ("listener.retry_budget_percent", 101, "listener.retry_budget_percent: must be in 0..100, got 101"),  # noqa: E501
+    ("listener.body_routing", "yes", 'listener.body_routing: must be true or false, got "yes"'),
+    ("listener.health_check_interval_s", 0, "listener.health_check_interval_s: must be > 0, got 0"),
+    ("listener.connect_timeout_s", -0.1, "listener.connect_timeout_s: must be > 0, got -0.1"),
+    ("listener.prot", 1, "listener.prot: unknown key (expected one of: host, port, health_check_interval_s, connect_timeout_s, max_retries, retry_budget_percent, body_routing)"),  # noqa: E501
+    ("listener", [], "listener: must be a mapping with string keys, got []"),
+    ("xds.port", 70000, "xds.port: must be a port in 1..65535, got 70000"),
+    ("xds.host", "a b", 'xds.host: must be a host name or IP, got "a b"'),
+    ("admin.port", -1, "admin.port: must be a port in 1..65535, got -1"),
+    ("placement.poll_interval_s", 0, "placement.poll_interval_s: must be > 0, got 0"),
+    ("placement.timeout_s", None, "placement.timeout_s: must be a number, got null"),
+    ("endpoint", [], "endpoint: unknown key (expected one of: listener, xds, admin, placement, models, endpoints)"),  # noqa: E501
+    ("endpoints", {"address": "127.0.0.1:1"}, 'endpoints: must be a list, got {"address": "127.0.0.1:1"}'),  # noqa: E501
+    ("endpoints", [{"address": "localhost:8001"}], "endpoints[0].address: must be an IP address and port (use 'dns:' for names), got \"localhost:8001\""),  # noqa: E501
+    ("endpoints", [{"address": "127.0.0.1"}], 'endpoints[0].address: must be host:port with a port in 1..65535, got "127.0.0.1"'),  # noqa: E501
+    ("endpoints", [{"address": "127.0.0.1:0"}], 'endpoints[0].address: must be host:port with a port in 1..65535, got "127.0.0.1:0"'),  # noqa: E501
+    ("endpoints", [{"address": 8001}], "endpoints[0].address: must be host:port with a port in 1..65535, got 8001"),  # noqa: E501
+    ("endpoints", [{"address": "::1:8001"}], 'endpoints[0].address: must be host:port with IPv6 in brackets ([::1]:8001), got "::1:8001"'),  # noqa: E501
+    ("endpoints", [{"dns": "bad name:1"}], 'endpoints[0].dns: must be a DNS name and port, got "bad name:1"'),  # noqa: E501
+    ("endpoints", [{"dns": "a.local:99999"}], 'endpoints[0].dns: must be host:port with a port in 1..65535, got "a.local:99999"'),  # noqa: E501
+    ("endpoints", [{}], "endpoints[0]: needs exactly one of 'address' or 'dns'"),
+    ("endpoints", [{"address": "1.2.3.4:1", "dns": "a:1"}], "endpoints[0]: needs exactly one of 'address' or 'dns'"),  # noqa: E501
+    ("endpoints", [{"adress": "1.2.3.4:1"}], "endpoints[0].adress: unknown key (expected one of: address, dns)"),  # noqa: E501
+    ("endpoints", [{"address": "127.0.0.1:1"}, {"address": "127.0.0.1:1"}], 'endpoints[1].address: duplicate endpoint "127.0.0.1:1" (first at endpoints[0])'),  # noqa: E501
+    ("endpoints", [{"dns": "a.local:1"}, {"dns": "A.local:1"}], 'endpoints[1].dns: duplicate endpoint "a.local:1" (first at endpoints[0])'),  # noqa: E501
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "value", "expected"), ERROR_CASES)
+def test_each_error(path: str, value: object, expected: str) -> None:
+    assert errors_of(_set(minimal(), path, value)) == [expected]
+
+
+def test_required_and_duplicate_models() -> None:
+    assert errors_of({}) == ["models: required"]
+    assert errors_of([]) == ["topology: must be a mapping with string keys, got []"]
+    assert errors_of(None) == ["topology: must be a mapping with string keys, got null"]
+    data = minimal()
+    data["models"].append({"name": "other"})
+    data["models"].append(dict(data["models"][0]))
+    assert errors_of(data) == [
+        "models[1].sla_p99_ms: required",
+        "models[1].capacity_qps: required",
+        'models[2].name: duplicate model "classifier" (first at models[0])',
+    ]
+
+
+MANY_ERRORS = """\
+listener: {port: 0, prot: 8080, body_routing: maybe}
+xds: {host: 127.0.0.1, port: 18000}
+xds: {host: 127.0.0.1, port: 18001}
+placement: {poll_interval_s: -1}
+models:
+  - name: classifier
+    sla_p99_ms: 50
+    capacity_qps: 1000
+    version_split: {"1": 90, "two": 10}
+  - name: classifier
+    sla_p99_ms: -5
+    capacity_qps: 10
+endpoints:
+  - address: 127.0.0.1:8001
+  - address: 127.0.0.1:8001
+  - address: model-server:8001
+"""
+
+
+def test_many_errors_are_reported_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "topology.yaml"
+    path.write_text(MANY_ERRORS)
+    with pytest.raises(TopologyError) as info:
+        load_topology(path)
+    assert info.value.errors == (
+        'line 3: duplicate key "xds" (first at line 2)',
+        "listener.prot: unknown key (expected one of: host, port, health_check_interval_s, "
+        "connect_timeout_s, max_retries, retry_budget_percent, body_routing)",
+        "listener.port: must be a port in 1..65535, got 0",
+        'listener.body_routing: must be true or false, got "maybe"',
+        "placement.poll_interval_s: must be > 0, got -1",
+        'models[0].version_split: versions must be numbers like "1", got "two"',
+        'models[1].name: duplicate model "classifier" (first at models[0])',
+        "models[1].sla_p99_ms: must be > 0, got -5",
+        'endpoints[1].address: duplicate endpoint "127.0.0.1:8001" (first at endpoints[0])',
+        "endpoints[2].address: must be an IP address and port (use 'dns:' for names), "
+        'got "model-server:8001"',
+    )
+    assert str(info.value).startswith(f"{path}: 10 topology error(s):\n  - line 3: duplicate")
+
+
+def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(TopologyError, match="cannot read the file"):
+        load_topology(tmp_path / "missing.yaml")
+    with pytest.raises(TopologyError, match="invalid YAML"):
+        parse_topology_text("models: [", "bad.yaml")
+    # Duplicate keys nested anywhere are found; a YAML merge key is not a duplicate.
+    text = "base: &b {port: 1}\nmodels:\n  - {name: a, name: b, sla_p99_ms: 1, capacity_qps: 1}\n"
+    with pytest.raises(TopologyError) as info:
+        parse_topology_text(text)
+    assert info.value.errors[0] == 'line 3: duplicate key "name" (first at line 3)'
+    # Odd YAML (recursive anchors, dates) is reported, never crashes.
+    with pytest.raises(TopologyError) as info:
+        parse_topology_text("models: &a [*a]\nendpoints: [{2020-01-01: x}]\n")
+    assert info.value.errors == (
+        "models[0]: must be a mapping with string keys, got [[...]]",
+        "endpoints[0]: must be a mapping with string keys, got {datetime.date(2020, 1, 1): 'x'}",
+    )
+    merged = "listener: &l {port: 9000}\nxds: {<<: *l, port: 18001}\n"
+    topology = parse_topology_text(merged + yaml.safe_dump(minimal()))
+    assert topology.xds.port == 18001
+
+
+JSON_LIKE = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 70000) | st.floats() | st.text(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=3)
+        | st.dictionaries(st.sampled_from(["name", "port", "models", "dns", "1", "x"]), children)
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "listener": JSON_LIKE, "xds": JSON_LIKE, "placement": JSON_LIKE,
+            "models": st.lists(st.dictionaries(st.sampled_from(sorted(
+                ["name", "sla_p99_ms", "capacity_qps", "timeout_s", "version_split"]
+            )), JSON_LIKE)),
+            "endpoints": st.lists(st.dictionaries(st.sampled_from(["address", "dns"]), JSON_LIKE)),
+        },
+    )
+)  # fmt: skip
+def test_any_input_gives_a_topology_or_a_topology_error(data: dict[str, Any]) -> None:
+    try:
+        topology = parse_topology(data)
+    except TopologyError as exc:
+        assert exc.errors
+    else:
+        assert topology.models
+
+
+def test_fingerprint_changes_with_content(tmp_path: Path) -> None:
+    path = tmp_path / "topology.yaml"
+    assert topology_fingerprint(path) is None
+    path.write_text("a: 1\n")
+    first = topology_fingerprint(path)
+    assert first is not None and first == topology_fingerprint(path)
+    path.write_text("a: 2\n")  # same size; force the same mtime too: only the hash differs
+    os.utime(path, ns=(first.mtime_ns, first.mtime_ns))
+    second = topology_fingerprint(path)
+    assert second is not None and second.size == first.size and second != first
+
+
+def test_resolve_endpoints() -> None:
+    topology = parse_topology(
+        {
+            **minimal(),
+            "endpoints": [
+                {"dns": "localhost:8001"},
+                {"address": "127.0.0.1:8001"},
+                {"address": "127.0.0.1:8002"},
+                {"dns": "no-such-host.invalid:1"},
+            ],
+        }
+    )
+    addresses = asyncio.run(resolve_endpoints(topology))
+    assert addresses == tuple(sorted(addresses))
+    assert len(set(addresses)) == len(addresses)
+    assert EndpointAddress("127.0.0.1", 8001) in addresses
+    assert EndpointAddress("127.0.0.1", 8002) in addresses
+    # localhost may also resolve to ::1; the unresolvable name is skipped.
+    assert set(addresses) <= {
+        EndpointAddress("127.0.0.1", 8001),
+        EndpointAddress("127.0.0.1", 8002),
+        EndpointAddress("::1", 8001),
+    }
+
+
+def test_resolver_logs_a_failing_name_once(caplog: pytest.LogCaptureFixture) -> None:
+    resolver = EndpointResolver(timeout_s=5.0)
+    sources = [DnsEndpoint("no-such-host.invalid", 1), DnsEndpoint("localhost", 9)]
+
+    async def twice() -> list[tuple[EndpointAddress, ...]]:
+        return [await resolver.resolve(sources), await resolver.resolve(sources)]
+
+    with caplog.at_level(logging.WARNING, logger="control_plane.topology"):
+        first, second = asyncio.run(twice())
+    assert first == second and EndpointAddress("127.0.0.1", 9) in first
+    warnings = [r for r in caplog.records if "no-such-host.invalid" in r.getMessage()]
+    assert len(warnings) == 1
