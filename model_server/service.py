@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 SERVER_NAME = "infermesh"
 EXTENSIONS = ("model_repository", "model_configuration", "statistics", "binary_tensor_data")
+# Set by Envoy on the share of a version split that a request without a version was sent to.
+ROUTED_VERSION_HEADER = "x-model-version"
 UNKNOWN_MODEL_LABEL = "_unknown"  # never a client-chosen string: label sets stay bounded
 
 
@@ -200,7 +202,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         self, request: service_pb2.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> object:
         try:
-            return await self._infer(request)
+            return await self._infer(request, _routed_version(context))
         except InferenceError as exc:
             await context.abort(exc.code, exc.message)
         raise AssertionError("unreachable")
@@ -211,15 +213,16 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
         """Each request on the stream gets one response (or an error message) in order."""
+        routed = _routed_version(context)
         async for request in request_iterator:
             try:
-                response = await self._infer(request)
+                response = await self._infer(request, routed)
             except InferenceError as exc:
                 yield service_pb2.ModelStreamInferResponse(error_message=exc.message)
                 continue
             yield service_pb2.ModelStreamInferResponse(infer_response=response)
 
-    async def _infer(self, request: service_pb2.ModelInferRequest) -> object:
+    async def _infer(self, request: service_pb2.ModelInferRequest, routed_version: str) -> object:
         started = time.monotonic_ns()
         version: ModelVersion | None = None
         code = grpc.StatusCode.OK
@@ -229,7 +232,8 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             self._record(None, exc.code, 0)
             raise
         try:
-            version = self.repository.resolve(request.model_name, request.model_version)
+            wanted = request.model_version or routed_version
+            version = self.repository.resolve(request.model_name, wanted)
             version.begin_request()
             try:
                 assert version.spec is not None
@@ -274,6 +278,14 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         except (ModelNotFound, ModelUnavailable, InvalidInput) as exc:
             await context.abort(exc.code, exc.message)
         raise AssertionError("unreachable")
+
+
+def _routed_version(context: grpc.aio.ServicerContext) -> str:
+    """The version Envoy routed a request to (a version split), for requests that name none."""
+    for key, value in context.invocation_metadata() or ():
+        if key == ROUTED_VERSION_HEADER:
+            return str(value)
+    return ""
 
 
 def _duration(target: service_pb2.StatisticDuration, source: DurationStat) -> None:

@@ -164,3 +164,16 @@ def test_stream_infer_answers_each_request(server: ServerProcess, demo_repo: Pat
         np.testing.assert_allclose(
             result.as_numpy("probs"), reference(demo_repo, 1, images(1, seed)), atol=1e-6
         )
+
+
+def test_version_header_applies_when_the_request_names_no_version(server: ServerProcess) -> None:
+    """Envoy's version split tells the server which version a request's share went to."""
+    client = server.client()
+    tensor = grpcclient.InferInput("input", [1, 3, 32, 32], "FP32")
+    tensor.set_data_from_numpy(images(1))
+    routed = client.infer("classifier", [tensor], headers={"x-model-version": "1"})
+    assert routed.get_response().model_version == "1"
+    named = client.infer(
+        "classifier", [tensor], model_version="2", headers={"x-model-version": "1"}
+    )
+    assert named.get_response().model_version == "2"  # the request's own version wins

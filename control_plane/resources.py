@@ -1,0 +1,398 @@
+"""Turns a ``MeshState`` into Envoy xDS resources (listener, routes, clusters, endpoints).
+
+``build_resources`` returns ``{type_url: {resource_name: message}}`` built directly from the
+xds-protos message classes, ready for a SotW or delta ADS server. Everything here is pure.
+
+Routing: the model's cluster is chosen by the ``x-model-name`` (and ``x-model-version``)
+request headers. Clients that do not send them (stock tritonclient) are routed by a Lua filter
+that copies ``model_name``/``model_version`` from the body of unary calls into those headers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from envoy.config.cluster.v3 import circuit_breaker_pb2 as cb_pb2
+from envoy.config.cluster.v3 import cluster_pb2, outlier_detection_pb2
+from envoy.config.core.v3 import address_pb2, base_pb2, config_source_pb2, protocol_pb2
+from envoy.config.core.v3 import health_check_pb2 as hc_pb2
+from envoy.config.endpoint.v3 import endpoint_components_pb2 as ep_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
+from envoy.config.route.v3 import route_components_pb2 as rc_pb2
+from envoy.config.route.v3 import route_pb2
+from envoy.extensions.filters.http.lua.v3 import lua_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm_pb2,
+)
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2 as http_pb2
+from envoy.type.matcher.v3 import string_pb2
+from envoy.type.v3 import percent_pb2
+from google.protobuf import any_pb2, duration_pb2
+from google.protobuf.message import Message
+from google.protobuf.wrappers_pb2 import UInt32Value
+
+from control_plane.lua_routing import lua_source
+from control_plane.mesh import (
+    LISTENER_NAME,
+    MODEL_HEADER,
+    ROUTE_CONFIG_NAME,
+    SERVERS_CLUSTER,
+    VERSION_HEADER,
+    EndpointAssignment,
+    EndpointHealth,
+    MeshState,
+    ModelRoute,
+    model_cluster,
+)
+
+LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
+ROUTE_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+
+HCM_FILTER = "envoy.filters.network.http_connection_manager"
+LUA_FILTER = "envoy.filters.http.lua"
+ROUTER_FILTER = "envoy.filters.http.router"
+HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+GRPC_SERVICE = "/inference.GRPCInferenceService/"
+# Calls that are not about one model: any server can answer them.
+SERVER_METHODS = ("ServerLive", "ServerReady", "ServerMetadata", "RepositoryIndex")
+SERVER_PATHS = (*(GRPC_SERVICE + m for m in SERVER_METHODS), "/grpc.health.v1.Health/")
+STREAM_PATH = GRPC_SERVICE + "ModelStreamInfer"
+RETRY_ON = "unavailable,reset,connect-failure,refused-stream"
+NOT_FOUND_MESSAGE = "model not found in the mesh"
+STREAM_NEEDS_HEADER = f"ModelStreamInfer needs the {MODEL_HEADER} request header"
+NO_MODEL_MESSAGE = f"no model name in the request: set the {MODEL_HEADER} request header"
+GRPC_NOT_FOUND = 5
+GRPC_INVALID_ARGUMENT = 3
+# Largest header-less request the Lua filter can buffer: the model servers' default request cap
+# (64 MiB of tensors) plus their 16 MiB gRPC headroom.
+BODY_BUFFER_LIMIT_BYTES = 80 * 1024 * 1024
+# Effectively unlimited: the retry budget, not a fixed count, bounds retries.
+CIRCUIT_BREAKER_LIMIT = 1_000_000
+
+_HEALTH = {
+    EndpointHealth.HEALTHY: hc_pb2.HEALTHY,
+    EndpointHealth.DRAINING: hc_pb2.DRAINING,
+    EndpointHealth.UNHEALTHY: hc_pb2.UNHEALTHY,
+}
+
+
+def duration(seconds: float) -> duration_pb2.Duration:
+    whole = int(seconds)
+    return duration_pb2.Duration(seconds=whole, nanos=round((seconds - whole) * 1e9))
+
+
+def packed(message: Message) -> any_pb2.Any:
+    value = any_pb2.Any()
+    value.Pack(message)
+    return value
+
+
+def ads_source() -> config_source_pb2.ConfigSource:
+    return config_source_pb2.ConfigSource(
+        ads=config_source_pb2.AggregatedConfigSource(), resource_api_version=config_source_pb2.V3
+    )
+
+
+def socket_address(host: str, port: int) -> address_pb2.Address:
+    return address_pb2.Address(
+        socket_address=address_pb2.SocketAddress(address=host, port_value=port)
+    )
+
+
+# --- listener -------------------------------------------------------------------------------
+
+
+def http_filters(body_routing: bool) -> list[hcm_pb2.HttpFilter]:
+    filters = [hcm_pb2.HttpFilter(name=ROUTER_FILTER, typed_config=packed(router_pb2.Router()))]
+    if body_routing:
+        lua = lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=lua_source()))
+        filters.insert(0, hcm_pb2.HttpFilter(name=LUA_FILTER, typed_config=packed(lua)))
+    return filters
+
+
+def build_listener(state: MeshState) -> listener_pb2.Listener:
+    options = state.listener
+    manager = hcm_pb2.HttpConnectionManager(
+        codec_type=hcm_pb2.HttpConnectionManager.AUTO,
+        stat_prefix=LISTENER_NAME,
+        rds=hcm_pb2.Rds(route_config_name=ROUTE_CONFIG_NAME, config_source=ads_source()),
+        http_filters=http_filters(options.body_routing),
+    )
+    if options.body_routing:
+        # On HTTP/2 the stream window bounds a body a filter buffers (16 MiB by default, then
+        # 413 "Payload Too Large"): lift it to what the model servers accept.
+        window = manager.http2_protocol_options.initial_stream_window_size
+        window.value = BODY_BUFFER_LIMIT_BYTES
+    hcm = listener_components_pb2.Filter(name=HCM_FILTER, typed_config=packed(manager))
+    return listener_pb2.Listener(
+        name=LISTENER_NAME,
+        address=socket_address(options.host, options.port),
+        filter_chains=[listener_components_pb2.FilterChain(filters=[hcm])],
+    )
+
+
+# --- routes ---------------------------------------------------------------------------------
+
+
+def exact_header(name: str, value: str) -> rc_pb2.HeaderMatcher:
+    return rc_pb2.HeaderMatcher(name=name, string_match=string_pb2.StringMatcher(exact=value))
+
+
+def model_match(model: str, version: str | None = None) -> rc_pb2.RouteMatch:
+    headers = [exact_header(MODEL_HEADER, model)]
+    if version is not None:
+        headers.append(exact_header(VERSION_HEADER, version))
+    return rc_pb2.RouteMatch(prefix="/", headers=headers)
+
+
+def route(
+    name: str, match: rc_pb2.RouteMatch, *, lua: bool = False, **fields: object
+) -> rc_pb2.Route:
+    """A route; the Lua filter is off on it unless ``lua`` (it only helps header-less calls)."""
+    result = rc_pb2.Route(name=name, match=match, **fields)
+    if not lua:
+        result.typed_per_filter_config[LUA_FILTER].Pack(lua_pb2.LuaPerRoute(disabled=True))
+    return result
+
+
+def grpc_error(
+    name: str, match: rc_pb2.RouteMatch, status: int, message: str, *, lua: bool = False
+) -> rc_pb2.Route:
+    """A trailers-only gRPC error: HTTP 200 and headers only, grpc-status and grpc-message."""
+    headers = {
+        "content-type": "application/grpc",
+        "grpc-status": str(status),
+        "grpc-message": message,
+    }
+    add = [
+        base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key=key, value=value),
+            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+        )
+        for key, value in headers.items()
+    ]
+    response = rc_pb2.DirectResponseAction(status=200)
+    return route(name, match, lua=lua, direct_response=response, response_headers_to_add=add)
+
+
+def retry_policy(state: MeshState, timeout_s: float | None = None) -> rc_pb2.RetryPolicy:
+    """Retries on other hosts (previous_hosts) for failures a model server did not cause."""
+    predicate = rc_pb2.RetryPolicy.RetryHostPredicate(
+        name="envoy.retry_host_predicates.previous_hosts",
+        typed_config=packed(previous_hosts_pb2.PreviousHostsPredicate()),
+    )
+    policy = rc_pb2.RetryPolicy(
+        retry_on=RETRY_ON,
+        num_retries=UInt32Value(value=state.listener.max_retries),
+        retry_host_predicate=[predicate],
+        host_selection_retry_max_attempts=3,
+    )
+    if timeout_s is not None:
+        policy.per_try_timeout.CopyFrom(duration(timeout_s))
+    return policy
+
+
+def split_weights(model: ModelRoute) -> list[tuple[str, int]]:
+    """(cluster, weight) pairs of a model's version split; empty when there is no split."""
+    return [(model_cluster(model.name, v), w) for v, w in model.version_split if w > 0]
+
+
+def model_action(
+    state: MeshState, model: ModelRoute, cluster: str | None = None
+) -> rc_pb2.RouteAction:
+    """Timeout and retries of ``model``; to ``cluster`` if given, else by its version split."""
+    action = rc_pb2.RouteAction(
+        timeout=duration(model.timeout_s), retry_policy=retry_policy(state, model.timeout_s)
+    )
+    weights = [] if cluster else split_weights(model)
+    versions = [v for v, w in model.version_split if w > 0]  # the same order as split_weights
+    for (name, weight), version in zip(weights, versions, strict=False):
+        entry = action.weighted_clusters.clusters.add(name=name, weight=UInt32Value(value=weight))
+        # The server picks the version from the body; a request that names none is told here
+        # which version its share of the split went to.
+        header = entry.request_headers_to_add.add()
+        header.header.key, header.header.value = VERSION_HEADER, version
+        header.append_action = header.ADD_IF_ABSENT
+    if not weights:
+        action.cluster = cluster or model_cluster(model.name)
+    return action
+
+
+def cluster_versions(state: MeshState, model: str) -> list[str]:
+    """Versions of ``model`` that have their own cluster, numeric ones in numeric order."""
+    prefix = model_cluster(model, "")
+    model_clusters = {model_cluster(m.name) for m in state.models}  # "model:a:vx" is a model
+    found = [
+        name.removeprefix(prefix)
+        for name in state.clusters
+        if name.startswith(prefix) and name != prefix and name not in model_clusters
+    ]
+    return sorted(found, key=lambda v: (not v.isdigit(), v.zfill(20) if v.isdigit() else v))
+
+
+def build_route_config(state: MeshState) -> route_pb2.RouteConfiguration:
+    to_servers = rc_pb2.RouteAction(cluster=SERVERS_CLUSTER, retry_policy=retry_policy(state))
+    routes = [
+        route(f"server:{p}", rc_pb2.RouteMatch(prefix=p), route=to_servers) for p in SERVER_PATHS
+    ]
+    for model in state.models:
+        for version in cluster_versions(state, model.name):
+            cluster = model_cluster(model.name, version)
+            action = model_action(state, model, cluster)
+            routes.append(route(cluster, model_match(model.name, version), route=action))
+    for model in state.models:
+        action = model_action(state, model)
+        routes.append(route(model_cluster(model.name), model_match(model.name), route=action))
+    has_header = rc_pb2.HeaderMatcher(name=MODEL_HEADER, present_match=True)
+    routes += [
+        grpc_error(
+            "model-not-found",
+            rc_pb2.RouteMatch(prefix="/", headers=[has_header]),
+            GRPC_NOT_FOUND,
+            NOT_FOUND_MESSAGE,
+        ),
+        grpc_error(
+            "stream-without-model",
+            rc_pb2.RouteMatch(path=STREAM_PATH),
+            GRPC_INVALID_ARGUMENT,
+            STREAM_NEEDS_HEADER,
+        ),
+        # The one route the Lua filter runs on: it may add the header and re-route the call.
+        grpc_error(
+            "no-model-name",
+            rc_pb2.RouteMatch(prefix="/"),
+            GRPC_INVALID_ARGUMENT,
+            NO_MODEL_MESSAGE,
+            lua=True,
+        ),
+    ]
+    if not state.listener.body_routing:
+        for item in routes:
+            item.ClearField("typed_per_filter_config")  # no Lua filter to configure
+    host = rc_pb2.VirtualHost(name=LISTENER_NAME, domains=["*"], routes=routes)
+    return route_pb2.RouteConfiguration(name=ROUTE_CONFIG_NAME, virtual_hosts=[host])
+
+
+# --- clusters and endpoints -----------------------------------------------------------------
+
+
+def http2_options() -> dict[str, any_pb2.Any]:
+    explicit = http_pb2.HttpProtocolOptions.ExplicitHttpConfig(
+        http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
+    )
+    return {
+        HTTP_PROTOCOL_OPTIONS: packed(http_pb2.HttpProtocolOptions(explicit_http_config=explicit))
+    }
+
+
+def health_check(interval_s: float) -> hc_pb2.HealthCheck:
+    return hc_pb2.HealthCheck(
+        timeout=duration(1.0),
+        interval=duration(interval_s),
+        # The default (60 s) applies until a cluster has traffic: new hosts would wait that long.
+        no_traffic_interval=duration(interval_s),
+        unhealthy_threshold=UInt32Value(value=2),
+        healthy_threshold=UInt32Value(value=1),
+        grpc_health_check=hc_pb2.HealthCheck.GrpcHealthCheck(service_name=""),
+    )
+
+
+def circuit_breakers(budget_percent: float) -> cb_pb2.CircuitBreakers:
+    # The default allows 3 concurrent retries per cluster, which overflows under load.
+    limit = UInt32Value(value=CIRCUIT_BREAKER_LIMIT)
+    budget = cb_pb2.CircuitBreakers.Thresholds.RetryBudget(
+        budget_percent=percent_pb2.Percent(value=budget_percent),
+        min_retry_concurrency=UInt32Value(value=10),
+    )
+    thresholds = cb_pb2.CircuitBreakers.Thresholds(
+        max_connections=limit, max_pending_requests=limit, max_requests=limit, retry_budget=budget
+    )
+    return cb_pb2.CircuitBreakers(thresholds=[thresholds])
+
+
+def outlier_detection() -> outlier_detection_pb2.OutlierDetection:
+    return outlier_detection_pb2.OutlierDetection(
+        consecutive_5xx=UInt32Value(value=5),
+        consecutive_gateway_failure=UInt32Value(value=3),
+        # Gateway-failure ejection is only counted, not enforced, unless this is set.
+        enforcing_consecutive_gateway_failure=UInt32Value(value=100),
+        interval=duration(1.0),
+        base_ejection_time=duration(5.0),
+        max_ejection_percent=UInt32Value(value=50),
+    )
+
+
+def build_cluster(state: MeshState, name: str) -> cluster_pb2.Cluster:
+    options = state.listener
+    return cluster_pb2.Cluster(
+        name=name,
+        type=cluster_pb2.Cluster.EDS,
+        eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(
+            eds_config=ads_source(), service_name=name
+        ),
+        connect_timeout=duration(options.connect_timeout_s),
+        typed_extension_protocol_options=http2_options(),
+        lb_policy=cluster_pb2.Cluster.LEAST_REQUEST,
+        # The 1 s default delays health changes on the worker load balancers.
+        common_lb_config=cluster_pb2.Cluster.CommonLbConfig(update_merge_window=duration(0)),
+        health_checks=[health_check(options.health_check_interval_s)],
+        outlier_detection=outlier_detection(),
+        circuit_breakers=circuit_breakers(options.retry_budget_percent),
+        track_cluster_stats=cluster_pb2.TrackClusterStats(per_endpoint_stats=True),
+        ignore_health_on_host_removal=True,
+    )
+
+
+def lb_endpoint(assignment: EndpointAssignment) -> ep_pb2.LbEndpoint:
+    address = socket_address(assignment.address.host, assignment.address.port)
+    return ep_pb2.LbEndpoint(
+        endpoint=ep_pb2.Endpoint(address=address),
+        health_status=_HEALTH[assignment.health],
+        load_balancing_weight=UInt32Value(value=max(1, assignment.weight)),
+    )
+
+
+def build_assignment(
+    name: str, assignments: Iterable[EndpointAssignment]
+) -> endpoint_pb2.ClusterLoadAssignment:
+    endpoints = [lb_endpoint(a) for a in sorted(assignments, key=lambda a: a.address)]
+    load = endpoint_pb2.ClusterLoadAssignment(cluster_name=name)
+    if endpoints:
+        load.endpoints.add(lb_endpoints=endpoints)
+    return load
+
+
+def route_clusters(route_config: route_pb2.RouteConfiguration) -> set[str]:
+    """Every cluster a route configuration names."""
+    names: set[str] = set()
+    for host in route_config.virtual_hosts:
+        for item in host.routes:
+            names.update(c.name for c in item.route.weighted_clusters.clusters)
+            if item.route.cluster:
+                names.add(item.route.cluster)
+    return names
+
+
+def build_resources(state: MeshState) -> dict[str, dict[str, Message]]:
+    """All xDS resources for ``state``, keyed by type URL, then by resource name.
+
+    A cluster that a route names but ``state.clusters`` lacks is added with no endpoints, so
+    that Envoy answers "no healthy upstream" (UNAVAILABLE) rather than "cluster not found".
+    """
+    route_config = build_route_config(state)
+    members = dict(state.clusters)
+    for name in route_clusters(route_config) - members.keys():
+        members[name] = ()
+    names = sorted(members)
+    listener = build_listener(state)
+    return {
+        LISTENER_TYPE: {listener.name: listener},
+        ROUTE_TYPE: {route_config.name: route_config},
+        CLUSTER_TYPE: {name: build_cluster(state, name) for name in names},
+        ENDPOINT_TYPE: {name: build_assignment(name, members[name]) for name in names},
+    }

