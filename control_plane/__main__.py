@@ -1,0 +1,3 @@
+from control_plane.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,40 @@
+"""``python -m control_plane --topology FILE``: the xDS control plane process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from control_plane.server import ControlPlaneSettings, serve
+from control_plane.topology import TopologyError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="infermesh-control-plane",
+        description="xDS control plane for InferMesh (ADS, state-of-the-world and delta).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--topology", type=Path, required=True, help="topology YAML file")
+    p.add_argument("--xds-port", type=int, default=None, help="override the topology's xds.port")
+    p.add_argument("--admin-port", type=int, default=None, help="override admin.port")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    settings = ControlPlaneSettings(args.topology, args.xds_port, args.admin_port)
+    try:
+        return asyncio.run(serve(settings))
+    except TopologyError as exc:
+        print(f"infermesh-control-plane: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,270 @@
+"""The control plane process: topology -> placement -> mesh state -> snapshot -> Envoy.
+
+One place changes what Envoy is told, ``ControlPlane.rebuild``: it is called when the placement
+poller sees a model become READY (or go) somewhere, when the topology file changes (or SIGHUP),
+when DNS answers change, and when an operator overrides an endpoint's weight or health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any
+
+import grpc
+from envoy.service.discovery.v3 import ads_pb2_grpc
+
+from control_plane.admin import AdminError, AdminServer
+from control_plane.ads import AdsServicer
+from control_plane.mesh import EndpointAddress, EndpointHealth
+from control_plane.metrics import ControlPlaneMetrics
+from control_plane.nodes import NodeRegistry
+from control_plane.placement import PlacementPoller, build_mesh_state
+from control_plane.resources import build_resources
+from control_plane.snapshot import InconsistentSnapshot, SnapshotCache, build_snapshot
+from control_plane.topology import (
+    EndpointResolver,
+    Topology,
+    TopologyError,
+    load_topology,
+    topology_fingerprint,
+)
+
+log = logging.getLogger("control_plane")
+TOPOLOGY_CHECK_INTERVAL_S = 1.0
+DNS_REFRESH_INTERVAL_S = 5.0
+
+
+@dataclass(frozen=True)
+class ControlPlaneSettings:
+    topology: Path
+    xds_port: int | None = None  # overrides the topology's (0: a free port)
+    admin_port: int | None = None
+
+
+class ControlPlane:
+    def __init__(self, settings: ControlPlaneSettings) -> None:
+        self.settings = settings
+        self.topology: Topology = load_topology(settings.topology)
+        self.fingerprint = topology_fingerprint(settings.topology)
+        self.topology_error = ""
+        self.metrics = ControlPlaneMetrics()
+        self.cache = SnapshotCache()
+        self.nodes = NodeRegistry()
+        self.resolver = EndpointResolver()
+        self.endpoints: tuple[EndpointAddress, ...] = ()
+        self.weights: dict[EndpointAddress, int] = {}
+        self.health: dict[EndpointAddress, EndpointHealth] = {}
+        self.poller = PlacementPoller(
+            lambda: self.endpoints,
+            self.topology.placement.poll_interval_s,
+            self.topology.placement.timeout_s,
+            self._on_placement_change,
+        )
+        self.last_rebuild: dict[str, Any] = {}
+        self.grpc_server: grpc.aio.Server | None = None
+        self.admin: AdminServer | None = None
+        self.xds_port = 0
+        self.admin_port = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        t = self.topology
+        self.endpoints = await self.resolver.resolve(t.endpoints)
+        self.grpc_server = grpc.aio.server(
+            options=[("grpc.keepalive_time_ms", 30_000), ("grpc.so_reuseport", 0)]
+        )
+        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(
+            AdsServicer(self.cache, self.nodes, self.metrics), self.grpc_server
+        )
+        xds_port = t.xds.port if self.settings.xds_port is None else self.settings.xds_port
+        self.xds_port = self.grpc_server.add_insecure_port(f"{t.xds.host}:{xds_port}")
+        admin_port = t.admin.port if self.settings.admin_port is None else self.settings.admin_port
+        self.admin = AdminServer(
+            t.admin.host,
+            admin_port,
+            asyncio.get_running_loop(),
+            self.metrics.registry,
+            self.status,
+            self.override,
+        )
+        self.admin_port = self.admin.port
+        await self.poller.poll_once()  # the first snapshot already knows what is READY where
+        self.rebuild("start")
+        await self.grpc_server.start()
+        self.admin.start()
+        await self.poller.start()
+        self._spawn(self._watch_topology())
+        self._spawn(self._refresh_dns())
+        log.info(
+            "control plane listening: xds=%s:%d admin=%s:%d topology=%s endpoints=%d",
+            t.xds.host, self.xds_port, t.admin.host, self.admin_port,
+            self.settings.topology, len(self.endpoints),
+        )  # fmt: skip
+
+    async def stop(self) -> None:
+        await self.poller.stop()
+        for task in list(self._tasks):
+            task.cancel()
+        if self.admin is not None:
+            self.admin.stop()
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace=1.0)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- the one place that changes what Envoy is told ----------------------------------------
+    def rebuild(self, reason: str) -> bool:
+        started = time.perf_counter()
+        state = build_mesh_state(self.topology, self.poller.reports, self.weights, self.health)
+        try:
+            snapshot = build_snapshot(build_resources(state))
+        except InconsistentSnapshot as exc:  # a bug, not an operator error: keep the last good
+            log.error("snapshot not set (%s): %s", reason, exc)
+            return False
+        changed = self.cache.set_snapshot(snapshot)
+        elapsed = time.perf_counter() - started
+        self.metrics.snapshot_build.observe(elapsed)
+        self.last_rebuild = {
+            "reason": reason,
+            "at": round(time.time(), 3),
+            "build_ms": round(elapsed * 1000, 3),
+            "changed": changed,
+        }
+        if changed:
+            self.metrics.snapshots.inc()
+            log.info("snapshot set (%s): %s", reason, snapshot.versions())
+        self.mesh_state = state
+        return changed
+
+    def _on_placement_change(self, reports: Any) -> None:
+        self.rebuild("placement changed")
+
+    # -- topology and DNS ---------------------------------------------------------------------
+    async def reload_topology(self, reason: str) -> None:
+        try:
+            topology = await asyncio.to_thread(load_topology, self.settings.topology)
+        except (TopologyError, OSError) as exc:
+            self.topology_error = str(exc)
+            log.error("topology not reloaded (%s); keeping the last good one: %s", reason, exc)
+            return
+        if (topology.xds, topology.admin) != (self.topology.xds, self.topology.admin):
+            log.warning("xds/admin addresses changed in the topology: they apply at restart")
+        self.topology, self.topology_error = topology, ""
+        self.poller.interval_s = topology.placement.poll_interval_s
+        self.endpoints = await self.resolver.resolve(topology.endpoints)
+        await self.poller.poll_once()
+        self.rebuild(f"topology reloaded ({reason})")
+
+    async def _watch_topology(self) -> None:
+        while True:
+            await asyncio.sleep(TOPOLOGY_CHECK_INTERVAL_S)
+            fingerprint = await asyncio.to_thread(topology_fingerprint, self.settings.topology)
+            if fingerprint is not None and fingerprint != self.fingerprint:
+                self.fingerprint = fingerprint
+                await self.reload_topology("file changed")
+
+    async def _refresh_dns(self) -> None:
+        while True:
+            await asyncio.sleep(DNS_REFRESH_INTERVAL_S)
+            endpoints = await self.resolver.resolve(self.topology.endpoints)
+            if endpoints != self.endpoints:
+                log.info("endpoints changed: %s", [e.key for e in endpoints])
+                self.endpoints = endpoints
+                await self.poller.poll_once()
+                self.rebuild("DNS answers changed")
+
+    # -- admin --------------------------------------------------------------------------------
+    async def override(self, key: str, body: dict[str, Any]) -> dict[str, Any]:
+        host, _, port = key.rpartition(":")
+        if not host or not port.isdigit():
+            raise AdminError(HTTPStatus.BAD_REQUEST, f"endpoint {key!r}: expected HOST:PORT")
+        address = EndpointAddress(host, int(port))
+        if address not in self.endpoints:
+            raise AdminError(HTTPStatus.NOT_FOUND, f"endpoint {key} is not in the topology")
+        unknown = sorted(set(body) - {"weight", "health"})
+        if unknown:
+            raise AdminError(
+                HTTPStatus.BAD_REQUEST, f"unknown fields {unknown}; expected weight and/or health"
+            )
+        if "weight" in body:
+            weight = body["weight"]
+            if weight is None:
+                self.weights.pop(address, None)
+            elif isinstance(weight, int) and not isinstance(weight, bool) and weight >= 1:
+                self.weights[address] = weight
+            else:
+                raise AdminError(
+                    HTTPStatus.BAD_REQUEST,
+                    f"weight must be an integer >= 1 or null, got {weight!r}",
+                )
+        if "health" in body:
+            health = body["health"]
+            if health is None:
+                self.health.pop(address, None)
+            elif health in EndpointHealth.__members__:
+                self.health[address] = EndpointHealth(health)
+            else:
+                expected = sorted(EndpointHealth.__members__)
+                raise AdminError(
+                    HTTPStatus.BAD_REQUEST,
+                    f"health must be one of {expected} or null, got {health!r}",
+                )
+        changed = self.rebuild(f"operator override of {key}")
+        return {"endpoint": key, "changed": changed, **(await self.status())["endpoints"][key]}
+
+    async def status(self) -> dict[str, Any]:
+        snapshot = self.cache.snapshot_for("*")
+        state = getattr(self, "mesh_state", None)
+        clusters = {
+            name: [{"endpoint": a.address.key, "weight": a.weight, "health": a.health.value}
+                   for a in assignments]
+            for name, assignments in (state.clusters.items() if state else [])
+        }  # fmt: skip
+        endpoints = {}
+        for address in self.endpoints:
+            report = self.poller.reports.get(address)
+            endpoints[address.key] = {
+                "reachable": bool(report and report.reachable),
+                "server_ready": bool(report and report.server_ready),
+                "ready_models": sorted(
+                    f"{m}:{v}" for m, v in (report.ready_models if report else ())
+                ),
+                "error": report.error if report else "not polled yet",
+                "weight_override": self.weights.get(address),
+                "health_override": self.health[address].value if address in self.health else None,
+            }
+        return {
+            "topology": {"path": str(self.settings.topology), "error": self.topology_error},
+            "snapshot": snapshot.versions() if snapshot else None,
+            "last_rebuild": self.last_rebuild,
+            "endpoints": endpoints,
+            "clusters": clusters,
+            "nodes": self.nodes.as_json(),
+        }
+
+
+async def serve(settings: ControlPlaneSettings) -> int:
+    plane = ControlPlane(settings)
+    await plane.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: plane._spawn(plane.reload_topology("SIGHUP")))
+    await stop.wait()
+    log.info("control plane stopping")
+    with contextlib.suppress(Exception):
+        await plane.stop()
+    return 0

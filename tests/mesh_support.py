@@ -1,0 +1,90 @@
+"""A real control plane in a thread of the test process, next to real Envoy and servers.
+
+The control plane runs its own event loop in a background thread, so synchronous tests drive
+it the way an operator would (its admin HTTP) and can still reach inside when a test needs to
+(set a deliberately invalid snapshot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import urllib.request
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from control_plane.bootstrap import render_bootstrap
+from control_plane.server import ControlPlane, ControlPlaneSettings
+from tests.envoy_support import Envoy, free_port, start_envoy
+
+T = TypeVar("T")
+
+
+class ControlPlaneThread:
+    def __init__(self, topology: Path, xds_port: int = 0, admin_port: int = 0) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        settings = ControlPlaneSettings(topology, xds_port, admin_port)
+        self.plane: ControlPlane = self.call(self._create(settings))
+        self.call(self.plane.start())
+
+    @staticmethod
+    async def _create(settings: ControlPlaneSettings) -> ControlPlane:
+        return ControlPlane(settings)
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 30) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def admin_get(self, path: str) -> Any:
+        url = f"http://127.0.0.1:{self.plane.admin_port}{path}"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            body = response.read().decode()
+        return json.loads(body) if path != "/metrics" else body
+
+    def admin_post(self, path: str, body: dict[str, Any]) -> Any:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.plane.admin_port}{path}",
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={"content-type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return json.loads(response.read().decode())
+
+    def stop(self) -> None:
+        try:
+            self.call(self.plane.stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+
+
+def write_topology(path: Path, listener_port: int, endpoints: list[str], **model: Any) -> Path:
+    data = {
+        "listener": {"host": "127.0.0.1", "port": listener_port, "health_check_interval_s": 0.5},
+        "xds": {"host": "127.0.0.1", "port": 18000},
+        "admin": {"host": "127.0.0.1", "port": 19000},
+        "placement": {"poll_interval_s": 0.2, "timeout_s": 1.0},
+        "models": [{"name": "classifier", "sla_p99_ms": 100, "capacity_qps": 1000, **model}],
+        "endpoints": [{"address": e} for e in endpoints],
+    }
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def start_ads_envoy(workdir: Path, xds_port: int, listener_port: int, delta: bool) -> Envoy:
+    admin_port = free_port()
+    config = render_bootstrap(
+        node_id=f"envoy-{'delta' if delta else 'sotw'}",
+        node_cluster="infermesh",
+        xds_host="127.0.0.1",
+        xds_port=xds_port,
+        admin_port=admin_port,
+        delta=delta,
+    )
+    return start_envoy(config, workdir, admin_port, listener_port)
