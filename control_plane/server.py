@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import time
@@ -47,12 +48,21 @@ class ControlPlaneSettings:
     topology: Path
     xds_port: int | None = None  # overrides the topology's (0: a free port)
     admin_port: int | None = None
+    listener_port: int | None = None  # overrides the topology's listener.port
+
+
+def load_with_overrides(settings: ControlPlaneSettings) -> Topology:
+    topology = load_topology(settings.topology)
+    if settings.listener_port is not None:
+        listener = dataclasses.replace(topology.listener, port=settings.listener_port)
+        topology = dataclasses.replace(topology, listener=listener)
+    return topology
 
 
 class ControlPlane:
     def __init__(self, settings: ControlPlaneSettings) -> None:
         self.settings = settings
-        self.topology: Topology = load_topology(settings.topology)
+        self.topology: Topology = load_with_overrides(settings)
         self.fingerprint = topology_fingerprint(settings.topology)
         self.topology_error = ""
         self.metrics = ControlPlaneMetrics()
@@ -154,7 +164,7 @@ class ControlPlane:
     # -- topology and DNS ---------------------------------------------------------------------
     async def reload_topology(self, reason: str) -> None:
         try:
-            topology = await asyncio.to_thread(load_topology, self.settings.topology)
+            topology = await asyncio.to_thread(load_with_overrides, self.settings)
         except (TopologyError, OSError) as exc:
             self.topology_error = str(exc)
             log.error("topology not reloaded (%s); keeping the last good one: %s", reason, exc)

@@ -3,6 +3,7 @@ control plane (state-of-the-world and delta), with placement, overrides, NACKs a
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,11 +65,13 @@ def mesh(
         the_mesh.envoy = start_ads_envoy(workdir, xds_port, listener_port, request.param == "delta")
         yield the_mesh
     finally:
-        if the_mesh.envoy is not None:
-            the_mesh.envoy.stop()
-        the_mesh.plane.stop()  # the current one: a test may have restarted it
-        for server in servers:
-            server.stop()
+        # Each stop runs even if one before it fails: no process may outlive the tests.
+        with contextlib.ExitStack() as stops:
+            for server in servers:
+                stops.callback(server.stop)
+            stops.callback(the_mesh.plane.stop)  # the current one: a test may restart it
+            if the_mesh.envoy is not None:
+                stops.callback(the_mesh.envoy.stop)
 
 
 def images(batch: int = 1) -> np.ndarray:

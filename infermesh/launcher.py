@@ -1,0 +1,148 @@
+"""``infermesh up``: runs compose.yaml's services as plain processes (no container engine).
+
+Services start in dependency order; a dependent waits for ``service_healthy`` dependencies,
+whose health checks run natively (the same commands the containers run). Output goes to one
+log file per service. On Ctrl-C or SIGTERM the services stop in reverse order, each with its
+stop signal and grace period (model servers drain), and are killed only after it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from infermesh.compose import Service, load_services
+
+POLL_S = 0.2
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass
+class Running:
+    service: Service
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+
+def _environment(service: Service) -> dict[str, str]:
+    env = {**os.environ, **service.environment, "PYTHONUNBUFFERED": "1"}
+    # The venv's console scripts (infermesh-model-server, ...) and python come first, as the
+    # image's /opt/infermesh/bin does in containers.
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def _healthy(service: Service, root: Path) -> bool:
+    assert service.healthcheck is not None
+    check = service.healthcheck
+    try:
+        result = subprocess.run(
+            check.test, cwd=root, env=_environment(service), capture_output=True,
+            timeout=check.timeout_s, check=False,
+        )  # fmt: skip
+    except (subprocess.TimeoutExpired, OSError):
+        return False
+    return result.returncode == 0
+
+
+class Launcher:
+    def __init__(self, compose: Path, root: Path, log_dir: Path) -> None:
+        self.root = root
+        self.log_dir = log_dir
+        self.services = load_services(compose)
+        self.running: list[Running] = []
+        self.healthy: set[str] = set()
+        self.stopping = threading.Event()
+
+    def start_all(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for service in self.services:
+            for dependency, condition in service.depends_on.items():
+                if condition == "service_healthy" and dependency not in self.healthy:
+                    raise LaunchError(f"{service.name} needs {dependency} healthy; it has no check")
+            self._start(service)
+
+    def _start(self, service: Service) -> None:
+        log_path = self.log_dir / f"{service.name}.log"
+        with log_path.open("ab") as log_file:
+            proc = subprocess.Popen(
+                service.command, cwd=self.root, env=_environment(service),
+                stdout=log_file, stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C reaches the launcher only: it stops in order
+            )  # fmt: skip
+        self.running.append(Running(service, proc, log_path))
+        print(f"infermesh: {service.name} started (pid {proc.pid}, log {log_path})", flush=True)
+        if service.healthcheck is None:
+            return
+        started = time.monotonic()
+        deadline = started + service.healthcheck.deadline_s
+        while not _healthy(service, self.root):
+            if proc.poll() is not None:
+                raise LaunchError(f"{service.name} exited with {proc.returncode}; see {log_path}")
+            if time.monotonic() > deadline or self.stopping.is_set():
+                raise LaunchError(f"{service.name} not healthy in time; see {log_path}")
+            time.sleep(min(service.healthcheck.interval_s, 1.0))
+        self.healthy.add(service.name)
+        print(f"infermesh: {service.name} healthy after {time.monotonic() - started:.1f}s")
+
+    def wait(self) -> int:
+        """Until a stop is asked (returns 0) or a service exits on its own (returns 1)."""
+        while not self.stopping.wait(POLL_S):
+            for running in self.running:
+                if running.proc.poll() is not None:
+                    print(
+                        f"infermesh: {running.service.name} exited with "
+                        f"{running.proc.returncode}; see {running.log_path}",
+                        file=sys.stderr,
+                    )
+                    return 1
+        return 0
+
+    def stop_all(self) -> None:
+        for running in reversed(self.running):
+            proc, service = running.proc, running.service
+            if proc.poll() is None:
+                proc.send_signal(service.stop_signal)
+                try:
+                    proc.wait(timeout=service.stop_grace_s)
+                except subprocess.TimeoutExpired:
+                    print(f"infermesh: {service.name} still running; killing it", file=sys.stderr)
+                    proc.kill()
+                    proc.wait(timeout=10)
+            print(f"infermesh: {service.name} stopped (exit {proc.returncode})", flush=True)
+
+
+def up(compose: Path, root: Path, log_dir: Path) -> int:
+    launcher = Launcher(compose, root, log_dir)
+
+    def on_signal(signum: int, frame: object) -> None:
+        launcher.stopping.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        launcher.start_all()
+        envoy_port = os.environ.get("INFERMESH_ENVOY_PORT", "8080")
+        admin_port = os.environ.get("INFERMESH_ADMIN_PORT", "19000")
+        print(
+            f"infermesh: mesh is up. Envoy listens on 127.0.0.1:{envoy_port}\n"
+            f"  call it:  {sys.executable} examples/classify.py --url 127.0.0.1:{envoy_port}\n"
+            f"  status:   infermesh status   (control plane admin on 127.0.0.1:{admin_port})\n"
+            "  Ctrl-C stops the mesh (model servers drain first).",
+            flush=True,
+        )
+        return launcher.wait()
+    except LaunchError as exc:
+        print(f"infermesh: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        launcher.stop_all()
