@@ -172,6 +172,10 @@ class ControlPlane:
         if (topology.xds, topology.admin) != (self.topology.xds, self.topology.admin):
             log.warning("xds/admin addresses changed in the topology: they apply at restart")
         self.topology, self.topology_error = topology, ""
+        log.info(
+            "topology reloaded (%s): %d models, %d endpoint sources",
+            reason, len(topology.models), len(topology.endpoints),
+        )  # fmt: skip
         self.poller.interval_s = topology.placement.poll_interval_s
         self.endpoints = await self.resolver.resolve(topology.endpoints)
         await self.poller.poll_once()
@@ -267,12 +271,13 @@ class ControlPlane:
 
 async def serve(settings: ControlPlaneSettings) -> int:
     plane = ControlPlane(settings)
-    await plane.start()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    # Handlers first: a SIGHUP that arrives while starting must not kill the process.
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: plane._spawn(plane.reload_topology("SIGHUP")))
+    await plane.start()
     await stop.wait()
     log.info("control plane stopping")
     with contextlib.suppress(Exception):
