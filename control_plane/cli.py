@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from pathlib import Path
 
 from control_plane.server import ControlPlaneSettings, serve
 from control_plane.topology import TopologyError
+from infermesh.logs import add_log_level, configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,17 +22,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--xds-port", type=int, default=None, help="override the topology's xds.port")
     p.add_argument("--admin-port", type=int, default=None, help="override admin.port")
     p.add_argument("--listener-port", type=int, default=None, help="override listener.port")
-    p.add_argument("--log-level", default="INFO")
+    add_log_level(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level)
     settings = ControlPlaneSettings(
         args.topology, args.xds_port, args.admin_port, args.listener_port
     )

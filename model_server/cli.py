@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
-import sys
 from pathlib import Path
 
+from infermesh.logs import add_log_level, configure_logging
 from model_server.memory import parse_bytes
 from model_server.server import ServerSettings, serve
 
@@ -71,17 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="seconds between repository scans for changed models; 0 disables",
     )
-    p.add_argument("--log-level", default="INFO")
+    add_log_level(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level)
     settings = ServerSettings(
         host=args.host,
         port=args.port,
