@@ -8,7 +8,7 @@ COPY model_server model_server
 COPY control_plane control_plane
 COPY infermesh infermesh
 COPY tools tools
-RUN INFERMESH_VENV=/opt/infermesh INFERMESH_INSTALL=/src bash tools/install.sh \
+RUN INFERMESH_VENV=/opt/infermesh INFERMESH_INSTALL=/src INFERMESH_SKIP_PROMETHEUS=1 bash tools/install.sh \
  && /opt/infermesh/bin/python -m model_server.demo_models --out /app/models
 
 FROM python:3.11-slim

