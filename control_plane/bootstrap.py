@@ -16,6 +16,9 @@ from typing import Any
 import yaml
 
 XDS_CLUSTER = "xds_cluster"
+OTLP_CLUSTER = "otlp_cluster"
+LATENCY_BUCKETS_MS = (0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 25, 50, 100, 250, 500,
+                      1000, 2500, 5000, 10000)  # fmt: skip
 HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "envoy" / "bootstrap.yaml"
 MAX_DOWNSTREAM_CONNECTIONS = 50_000
@@ -42,10 +45,11 @@ def ads_config_source() -> dict[str, Any]:
     return {"ads": {}, "resource_api_version": "V3"}
 
 
-def xds_cluster(host: str, port: int) -> dict[str, Any]:
+def xds_cluster(host: str, port: int, name: str = XDS_CLUSTER) -> dict[str, Any]:
+    """A static HTTP/2 cluster to a gRPC service of the control plane (ADS, or OTLP)."""
     address = {"socket_address": {"address": host, "port_value": port}}
     return {
-        "name": XDS_CLUSTER,
+        "name": name,
         "type": "STATIC",
         "connect_timeout": duration(1),
         "typed_extension_protocol_options": {
@@ -63,7 +67,7 @@ def xds_cluster(host: str, port: int) -> dict[str, Any]:
             "tcp_keepalive": {"keepalive_time": 10, "keepalive_interval": 5, "keepalive_probes": 3}
         },
         "load_assignment": {
-            "cluster_name": XDS_CLUSTER,
+            "cluster_name": name,
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}],
         },
     }
@@ -77,9 +81,14 @@ def render_bootstrap(
     xds_port: int,
     admin_port: int,
     delta: bool,
+    otlp_port: int | None = None,
 ) -> dict[str, Any]:
-    """The bootstrap as plain data (Envoy reads it as YAML or JSON)."""
-    return {
+    """The bootstrap as plain data (Envoy reads it as YAML or JSON).
+
+    With ``otlp_port``, Envoy's own stats go to the control plane's OTLP receiver (on the xDS
+    host) every second through the OpenTelemetry stat sink.
+    """
+    config: dict[str, Any] = {
         "node": {"id": node_id, "cluster": node_cluster},
         "admin": {
             "address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}
@@ -105,6 +114,37 @@ def render_bootstrap(
                         "max_active_downstream_connections": MAX_DOWNSTREAM_CONNECTIONS,
                     },
                 }
+            ]
+        },
+    }
+    if otlp_port is not None:
+        config["static_resources"]["clusters"].append(
+            xds_cluster(xds_host, otlp_port, name=OTLP_CLUSTER)
+        )
+        config.update(stats_sink())
+    return config
+
+
+def stats_sink() -> dict[str, Any]:
+    """Envoy's stats over OTLP every second, cluster tags as attributes, fine latency buckets."""
+    return {
+        "stats_flush_interval": duration(1),
+        "stats_sinks": [
+            {
+                "name": "envoy.stat_sinks.open_telemetry",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.stat_sinks."
+                    "open_telemetry.v3.SinkConfig",
+                    "emit_tags_as_attributes": True,
+                    "use_tag_extracted_name": True,
+                    "grpc_service": {"envoy_grpc": {"cluster_name": OTLP_CLUSTER}},
+                },
+            }
+        ],
+        # Envoy's default buckets (0.5, 1, 5, 10 ... ms) are too coarse for sub-millisecond gRPC.
+        "stats_config": {
+            "histogram_bucket_settings": [
+                {"match": {"prefix": "cluster."}, "buckets": list(LATENCY_BUCKETS_MS)}
             ]
         },
     }
@@ -134,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--admin-port", type=int, default=9901)
     parser.add_argument("--delta", action="store_true", help="incremental (delta) xDS")
     parser.add_argument(
+        "--otlp-port", type=int, default=None, help="send Envoy's stats to this OTLP port"
+    )
+    parser.add_argument(
         "--run", action="store_true", help="exec Envoy on the bootstrap (a temporary file)"
     )
     args, envoy_args = parser.parse_known_args(argv)
@@ -151,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         xds_port=args.xds_port,
         admin_port=args.admin_port,
         delta=args.delta,
+        otlp_port=args.otlp_port,
     )
     if not args.run:
         print(path)

@@ -518,3 +518,18 @@ def test_envoy_accepts_every_resource_of_the_two_model_state(tmp_path: Path) -> 
     command = [envoy_binary(), "--mode", "validate", "-c", str(path), "-l", "warning"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_bootstrap_with_otlp_sends_envoy_stats_to_the_control_plane(tmp_path: Path) -> None:
+    options = {**DEFAULT_BOOTSTRAP, "xds_port": free_port(), "admin_port": free_port()}
+    config = bootstrap.render_bootstrap(**options, delta=False, otlp_port=14317)
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    assert set(clusters) == {bootstrap.XDS_CLUSTER, bootstrap.OTLP_CLUSTER}
+    sink = config["stats_sinks"][0]
+    assert sink["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] == "otlp_cluster"
+    assert config["stats_flush_interval"] == "1s"
+    assert 0.1 in config["stats_config"]["histogram_bucket_settings"][0]["buckets"]
+    path = bootstrap.write_bootstrap(tmp_path / "b.yaml", **options, delta=False, otlp_port=14317)
+    command = [envoy_binary(), "--mode", "validate", "-c", str(path), "-l", "warning"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
