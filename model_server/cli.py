@@ -4,17 +4,40 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import os
+import signal
 from pathlib import Path
 
 from infermesh.logs import add_log_level, configure_logging
 from model_server.memory import parse_bytes
-from model_server.server import ServerSettings, serve
+from model_server.server import ModelServer, ServerSettings
+from model_server.telemetry import MIN_INTERVAL_S
+
+log = logging.getLogger("model_server")
 
 
 def _models(text: str) -> tuple[str, ...] | None:
     if text == "*":
         return None
     return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _endpoint(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+    return text
+
+
+def _interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= MIN_INTERVAL_S:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least {MIN_INTERVAL_S} seconds")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,8 +93,54 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="seconds between repository scans for changed models; 0 disables",
     )
+    p.add_argument(
+        "--otlp-endpoint",
+        type=_endpoint,
+        default=None,
+        help="HOST:PORT of an OTLP/gRPC metrics receiver; default: no export",
+    )
+    p.add_argument(
+        "--telemetry-interval",
+        type=_interval,
+        default=1.0,
+        help=f"seconds between OTLP exports (at least {MIN_INTERVAL_S})",
+    )
+    p.add_argument(
+        "--enable-fault-injection",
+        action="store_true",
+        help="serve POST /faults on the metrics port (latency, errors, memory ballast)",
+    )
     add_log_level(p)
     return p
+
+
+async def serve(settings: ServerSettings) -> int:
+    """Runs a server until SIGTERM/SIGINT, then drains; returns the exit code."""
+    server = ModelServer(settings)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()
+    signals_seen = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals_seen
+        name = signal.Signals(signum).name
+        signals_seen += 1
+        if signals_seen == 1:
+            log.info("received %s: draining", name)
+            stop_requested.set()
+        elif signum == signal.SIGINT:  # a second Ctrl-C: the operator wants out now
+            log.warning("received %s again: exiting now", name)
+            os._exit(1)
+        else:  # supervisors often repeat SIGTERM; the drain already under way goes on
+            log.info("received %s again: drain already in progress", name)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    await stop_requested.wait()
+    code = await server.drain()
+    log.info("model server exited with code %d", code)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         advertise_address=args.advertise_address,
         max_request_bytes=args.max_request_bytes,
         repository_poll_interval=args.repository_poll_interval,
+        otlp_endpoint=args.otlp_endpoint,
+        telemetry_interval=args.telemetry_interval,
+        enable_fault_injection=args.enable_fault_injection,
     )
     try:
         return asyncio.run(serve(settings))

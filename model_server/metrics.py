@@ -16,6 +16,7 @@ LATENCY_BUCKETS_S = (
     0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 LOAD_BUCKETS_MS = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 MODEL_STATES = ("INITIALIZING", "LOADING", "WARMING", "READY", "FAILED", "UNLOADING")
 
 
@@ -80,6 +81,25 @@ class ServerMetrics:
             ["device", "source"],
             registry=r,
         )
+        self.batch_size = Histogram(
+            "inference_batch_size",
+            "Samples per ModelInfer request (the batch dimension; 1 for unbatched models)",
+            ["model"],
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.kv_blocks_used = Gauge(
+            "kv_cache_blocks_used",
+            "KV-cache blocks in use (0 until generative models exist)",
+            ["model"],
+            registry=r,
+        )
+        self.kv_blocks_total = Gauge(
+            "kv_cache_blocks_total",
+            "KV-cache blocks allocated (0 until generative models exist)",
+            ["model"],
+            registry=r,
+        )
         self.draining = Gauge("server_draining", "1 once the server has begun to drain", registry=r)
 
     def publish_model_version(
@@ -93,6 +113,9 @@ class ServerMetrics:
                 self.model_info.remove(model, version, previous)
         if provider is not None:
             self.model_info.labels(model, version, provider).set(1)
+        # No generative models yet: the series exist (at 0) for every loaded model.
+        self.kv_blocks_used.labels(model).set(0)
+        self.kv_blocks_total.labels(model).set(0)
 
     def clear_model_version(self, model: str, version: str, provider: str | None) -> None:
         """Removes the series of a version that is no longer loaded."""

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import signal
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -16,9 +14,10 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from prometheus_client import start_http_server
 from tritonclient.grpc import service_pb2_grpc
 
+from model_server.admin_http import AdminServer, start_admin_server
+from model_server.faults import FaultInjector
 from model_server.memory import (
     MemoryGuard,
     MemorySource,
@@ -31,6 +30,7 @@ from model_server.metrics import ServerMetrics
 from model_server.repository import ModelRepository
 from model_server.runtime import DeviceChoice, choose_device
 from model_server.service import InferenceService, ServingGate
+from model_server.telemetry import OtlpExporter
 
 log = logging.getLogger("model_server")
 
@@ -54,6 +54,9 @@ class ServerSettings:
     advertise_address: str | None = None
     max_request_bytes: int = 64 * 1024 * 1024
     repository_poll_interval: float = 0.0
+    otlp_endpoint: str | None = None  # HOST:PORT of an OTLP/gRPC metrics receiver
+    telemetry_interval: float = 1.0
+    enable_fault_injection: bool = False
 
     def resolved_metrics_port(self) -> int:
         if self.metrics_port is not None:
@@ -89,7 +92,9 @@ class ModelServer:
         self.port = 0
         self.metrics_port = -1
         self._tasks: set[asyncio.Task[None]] = set()
-        self._http: object | None = None
+        self._http: AdminServer | None = None
+        self.faults = FaultInjector(settings.enable_fault_injection)
+        self.exporter: OtlpExporter | None = None
 
     def is_ready(self) -> bool:
         return (
@@ -131,7 +136,12 @@ class ModelServer:
             ]
         )
         service = InferenceService(
-            self.repository, self.metrics, self.gate, s.max_request_bytes, self.on_repository_change
+            self.repository,
+            self.metrics,
+            self.gate,
+            s.max_request_bytes,
+            self.on_repository_change,
+            self.faults,
         )
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, self.grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
@@ -139,19 +149,24 @@ class ModelServer:
         self.port = self.grpc_server.add_insecure_port(f"{s.host}:{s.port}")
         await self.grpc_server.start()
         if s.resolved_metrics_port() >= 0:
-            httpd, _ = start_http_server(
-                s.resolved_metrics_port(), addr=s.host, registry=self.metrics.registry
+            self._http = start_admin_server(
+                s.host,
+                s.resolved_metrics_port(),
+                self.metrics.registry,
+                self.faults,
+                self.refresh_memory,
             )
-            self._http = httpd
-            self.metrics_port = httpd.server_address[1]
+            self.metrics_port = self._http.server_address[1]
         reading = self.memory.read()
+        if s.enable_fault_injection:
+            log.warning("fault injection enabled: POST /faults on the metrics port")
         log.info(
             "model server listening: grpc=%s:%d metrics=%s advertise=%s device=%s memory=%s "
             "(%s of %s)",
             s.host,
             self.port,
             f"{s.host}:{self.metrics_port}" if self.metrics_port >= 0 else "off",
-            s.advertise_address or f"{s.host}:{self.port}",
+            self.advertised,
             self.device.label,
             reading.source,
             format_bytes(reading.used_bytes),
@@ -159,6 +174,25 @@ class ModelServer:
         )
         self._spawn(self._load_at_start())
         self._spawn(self._sample_memory())
+        if s.otlp_endpoint:
+            self.exporter = OtlpExporter(
+                s.otlp_endpoint,
+                s.telemetry_interval,
+                self.metrics.registry,
+                self.advertised,
+                self.refresh_memory,
+            )
+            self._spawn(self.exporter.run())
+
+    @property
+    def advertised(self) -> str:
+        return self.settings.advertise_address or f"{self.settings.host}:{self.port}"
+
+    def refresh_memory(self) -> None:
+        """Sets the memory gauges from a fresh reading (sampler, scrape and export)."""
+        reading = self.memory.read()
+        self.metrics.memory_used.labels(reading.device, reading.source).set(reading.used_bytes)
+        self.metrics.memory_total.labels(reading.device, reading.source).set(reading.total_bytes)
 
     async def _load_at_start(self) -> None:
         names = self.settings.models
@@ -207,11 +241,7 @@ class ModelServer:
 
     async def _sample_memory(self) -> None:
         while True:
-            reading = await asyncio.to_thread(self.memory.read)
-            self.metrics.memory_used.labels(reading.device, reading.source).set(reading.used_bytes)
-            self.metrics.memory_total.labels(reading.device, reading.source).set(
-                reading.total_bytes
-            )
+            await asyncio.to_thread(self.refresh_memory)
             await asyncio.sleep(MEMORY_SAMPLE_INTERVAL_S)
 
     async def drain(self) -> int:
@@ -251,6 +281,8 @@ class ModelServer:
             await asyncio.sleep(DRAIN_QUIET_S / 4)
         log.info("drain 3/3: stopping after %.2fs", time.monotonic() - started)
         await self.stop(grace=0.5)
+        if self.exporter is not None:  # the final counts, drain included
+            await self.exporter.flush_and_close()
         answered = self.metrics.requests_by_code()
         log.info(
             "requests answered since start: %s",
@@ -264,34 +296,6 @@ class ModelServer:
         for task in list(self._tasks):
             task.cancel()
         if self._http is not None:
-            self._http.shutdown()  # type: ignore[attr-defined]
+            self._http.shutdown()
+            self._http.server_close()
             self._http = None
-
-
-async def serve(settings: ServerSettings) -> int:
-    """Runs a server until SIGTERM/SIGINT, then drains; returns the exit code."""
-    server = ModelServer(settings)
-    await server.start()
-    loop = asyncio.get_running_loop()
-    stop_requested = asyncio.Event()
-    signals_seen = 0
-
-    def on_signal(signum: int) -> None:
-        nonlocal signals_seen
-        name = signal.Signals(signum).name
-        signals_seen += 1
-        if signals_seen == 1:
-            log.info("received %s: draining", name)
-            stop_requested.set()
-        elif signum == signal.SIGINT:  # a second Ctrl-C: the operator wants out now
-            log.warning("received %s again: exiting now", name)
-            os._exit(1)
-        else:  # supervisors often repeat SIGTERM; the drain already under way goes on
-            log.info("received %s again: drain already in progress", name)
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
-    await stop_requested.wait()
-    code = await server.drain()
-    log.info("model server exited with code %d", code)
-    return code

@@ -19,6 +19,7 @@ from model_server.errors import (
     ModelNotFound,
     ModelUnavailable,
 )
+from model_server.faults import FaultInjector
 from model_server.lifecycle import DurationStat, ModelState, ModelVersion
 from model_server.metrics import ServerMetrics
 from model_server.model_config import parse_config_override
@@ -68,12 +69,14 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         gate: ServingGate,
         max_request_bytes: int,
         on_repository_change: Callable[[str, bool], None],
+        faults: FaultInjector | None = None,
     ) -> None:
         self.repository = repository
         self.metrics = metrics
         self.gate = gate
         self.max_request_bytes = max_request_bytes
         self.on_repository_change = on_repository_change
+        self.faults = faults or FaultInjector(enabled=False)
 
     # -- health and metadata ------------------------------------------------------------------
     async def ServerLive(self, request: object, context: grpc.aio.ServicerContext) -> object:
@@ -238,6 +241,9 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 assert version.spec is not None
                 decoded = decode_request(request, version.spec, self.max_request_bytes)
+                self.metrics.batch_size.labels(version.name).observe(decoded.batch)
+                if self.faults.enabled:
+                    await self.faults.before_execute()
                 arrays = await version.execute(decoded.feeds, decoded.outputs, decoded.batch)
                 return encode_response(
                     request, version.spec, version.version, decoded.outputs, arrays
