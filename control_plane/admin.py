@@ -6,6 +6,7 @@ changes state exactly where the rest of the control plane does.
 GET  /status                     endpoints, clusters, snapshot versions, Envoy nodes (JSON)
 GET  /metrics                    Prometheus text
 GET  /healthz                    200 once a snapshot is set
+GET  /telemetry                  every endpoint's signals (P99, QPS, memory, ...) with their ages
 POST /endpoints/HOST:PORT        {"weight": 9} and/or {"health": "DRAINING"|"HEALTHY"|...};
                                  {"weight": null, "health": null} clears the override
 """
@@ -46,6 +47,7 @@ class AdminServer:
         registry: CollectorRegistry,
         status: StatusFn,
         override: OverrideFn,
+        telemetry: StatusFn,
     ) -> None:
         admin = self
 
@@ -56,6 +58,8 @@ class AdminServer:
             def do_GET(self) -> None:
                 if self.path == "/metrics":
                     self._send(HTTPStatus.OK, generate_latest(registry), CONTENT_TYPE_LATEST)
+                elif self.path in ("/telemetry", "/telemetry/"):
+                    self._json(HTTPStatus.OK, admin._call(telemetry()))
                 elif self.path in ("/status", "/status/"):
                     self._json(HTTPStatus.OK, admin._call(status()))
                 elif self.path == "/healthz":

@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--xds-port", type=int, default=None, help="override the topology's xds.port")
     p.add_argument("--admin-port", type=int, default=None, help="override admin.port")
     p.add_argument("--listener-port", type=int, default=None, help="override listener.port")
+    p.add_argument("--otlp-port", type=int, default=None, help="override telemetry.port")
     add_log_level(p)
     return p
 
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
     settings = ControlPlaneSettings(
-        args.topology, args.xds_port, args.admin_port, args.listener_port
+        args.topology, args.xds_port, args.admin_port, args.listener_port, args.otlp_port
     )
     try:
         return asyncio.run(serve(settings))

@@ -34,3 +34,21 @@ class ControlPlaneMetrics:
             buckets=FAST_BUCKETS_S,
             registry=r,
         )
+        self.telemetry_points = Counter(
+            "telemetry_points", "OTLP metric data points accepted by the receiver", registry=r
+        )
+        self.telemetry_points_ignored = Counter(
+            "telemetry_points_ignored",
+            "OTLP metric data points ignored (malformed, unknown or over a limit)",
+            ["reason"],
+            registry=r,
+        )
+        self.telemetry_ingest = Histogram(
+            "telemetry_ingest_seconds",
+            "Time to decode and store one OTLP export request",
+            buckets=FAST_BUCKETS_S,
+            registry=r,
+        )
+        self.telemetry_endpoints = Gauge(
+            "telemetry_endpoints", "Endpoints the telemetry store currently tracks", registry=r
+        )

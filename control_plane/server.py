@@ -27,9 +27,11 @@ from control_plane.ads import AdsServicer
 from control_plane.mesh import EndpointAddress, EndpointHealth
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.nodes import NodeRegistry
+from control_plane.otlp_receiver import start_receiver
 from control_plane.placement import PlacementPoller, build_mesh_state
 from control_plane.resources import build_resources
 from control_plane.snapshot import InconsistentSnapshot, SnapshotCache, build_snapshot
+from control_plane.telemetry import TelemetryStore
 from control_plane.topology import (
     EndpointResolver,
     Topology,
@@ -49,6 +51,7 @@ class ControlPlaneSettings:
     xds_port: int | None = None  # overrides the topology's (0: a free port)
     admin_port: int | None = None
     listener_port: int | None = None  # overrides the topology's listener.port
+    otlp_port: int | None = None  # overrides telemetry.port (0: a free port)
 
 
 def load_with_overrides(settings: ControlPlaneSettings) -> Topology:
@@ -69,6 +72,12 @@ class ControlPlane:
         self.cache = SnapshotCache()
         self.nodes = NodeRegistry()
         self.resolver = EndpointResolver()
+        options = self.topology.telemetry
+        self.telemetry = TelemetryStore(
+            options.window_s, options.stale_after_intervals, options.forget_after_s
+        )
+        self.otlp_server: grpc.aio.Server | None = None
+        self.otlp_port = 0
         self.endpoints: tuple[EndpointAddress, ...] = ()
         self.weights: dict[EndpointAddress, int] = {}
         self.health: dict[EndpointAddress, EndpointHealth] = {}
@@ -105,8 +114,13 @@ class ControlPlane:
             self.metrics.registry,
             self.status,
             self.override,
+            self.telemetry_json,
         )
         self.admin_port = self.admin.port
+        otlp_port = t.telemetry.port if self.settings.otlp_port is None else self.settings.otlp_port
+        self.otlp_server, self.otlp_port = await start_receiver(
+            self.telemetry, self.metrics, t.telemetry.host, otlp_port
+        )
         await self.poller.poll_once()  # the first snapshot already knows what is READY where
         self.rebuild("start")
         await self.grpc_server.start()
@@ -115,8 +129,9 @@ class ControlPlane:
         self._spawn(self._watch_topology())
         self._spawn(self._refresh_dns())
         log.info(
-            "control plane listening: xds=%s:%d admin=%s:%d topology=%s endpoints=%d",
+            "control plane listening: xds=%s:%d admin=%s:%d otlp=%s:%d topology=%s endpoints=%d",
             t.xds.host, self.xds_port, t.admin.host, self.admin_port,
+            t.telemetry.host, self.otlp_port,
             self.settings.topology, len(self.endpoints),
         )  # fmt: skip
 
@@ -128,6 +143,8 @@ class ControlPlane:
             self.admin.stop()
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=1.0)
+        if self.otlp_server is not None:
+            await self.otlp_server.stop(grace=0.5)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -237,6 +254,10 @@ class ControlPlane:
                 )
         changed = self.rebuild(f"operator override of {key}")
         return {"endpoint": key, "changed": changed, **(await self.status())["endpoints"][key]}
+
+    async def telemetry_json(self) -> dict[str, Any]:
+        # The store locks while it computes windows: keep that off the event loop.
+        return await asyncio.to_thread(self.telemetry.as_json, time.monotonic())
 
     async def status(self) -> dict[str, Any]:
         snapshot = self.cache.snapshot_for("*")

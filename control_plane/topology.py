@@ -17,6 +17,12 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
     xds: {host: 127.0.0.1, port: 18000}      # where the control plane serves ADS
     admin: {host: 127.0.0.1, port: 19000}    # the control plane's status HTTP
     placement: {poll_interval_s: 1.0, timeout_s: 1.0}   # model server polling, both > 0
+    telemetry:                      # the OTLP/gRPC metrics receiver (control_plane.telemetry)
+      host: 127.0.0.1               # a host name or IP to bind
+      port: 14317                   # 1..65535
+      window_s: 10                  # > 0: the sliding window of rates and percentiles
+      stale_after_intervals: 3      # > 0: stale after this many missed reporting intervals
+      forget_after_s: 300           # > 0: forget an endpoint unseen this long
     models:                         # required, at least one
       - name: classifier            # letters, digits, '_', '.', '-'; unique
         sla_p99_ms: 50              # required, > 0
@@ -78,6 +84,15 @@ class PlacementOptions:
 
 
 @dataclass(frozen=True)
+class TelemetryOptions:
+    host: str = "127.0.0.1"  # where the OTLP/gRPC metrics receiver binds
+    port: int = 14317
+    window_s: float = 10.0  # sliding window of rates and percentiles
+    stale_after_intervals: float = 3.0  # stale after this many observed reporting intervals
+    forget_after_s: float = 300.0  # an endpoint unseen this long is forgotten
+
+
+@dataclass(frozen=True)
 class StaticEndpoint:
     address: EndpointAddress
 
@@ -109,6 +124,7 @@ class Topology:
     endpoints: tuple[EndpointSource, ...] = ()  # file order
     capacity_qps: tuple[tuple[str, float], ...] = ()  # (model name, capacity), file order
     source: str = ""
+    telemetry: TelemetryOptions = TelemetryOptions()
 
     def capacity(self, model: str) -> float:
         """The model's declared capacity in queries per second; KeyError if not a model."""
@@ -172,11 +188,15 @@ _LISTENER = {
 }  # fmt: skip
 _BIND = {"host": "host", "port": "port"}
 _PLACEMENT = {"poll_interval_s": "positive", "timeout_s": "positive"}
+_TELEMETRY = {
+    "host": "host", "port": "port", "window_s": "positive",
+    "stale_after_intervals": "positive", "forget_after_s": "positive",
+}  # fmt: skip
 _MODEL = {
     "name": "name", "sla_p99_ms": "positive", "capacity_qps": "positive",
     "timeout_s": "positive", "version_split": "split",
 }  # fmt: skip
-_TOP = ("listener", "xds", "admin", "placement", "models", "endpoints")
+_TOP = ("listener", "xds", "admin", "placement", "telemetry", "models", "endpoints")
 
 
 def _build(data: object, source: str, early_errors: list[str]) -> Topology:
@@ -190,11 +210,12 @@ def _build(data: object, source: str, early_errors: list[str]) -> Topology:
     xds = EndpointAddress(**c.section(root, "xds", _BIND, d.xds))
     admin = EndpointAddress(**c.section(root, "admin", _BIND, d.admin))
     placement = PlacementOptions(**c.section(root, "placement", _PLACEMENT, d.placement))
+    telemetry = TelemetryOptions(**c.section(root, "telemetry", _TELEMETRY, d.telemetry))
     models, capacity = _models(c, root["models"]) if "models" in root else ((), ())
     endpoints = _endpoints(c, root.get("endpoints", []))
     if c.errors:
         raise TopologyError(source, c.errors)
-    return Topology(listener, xds, admin, placement, models, endpoints, capacity, source)
+    return Topology(listener, xds, admin, placement, models, endpoints, capacity, source, telemetry)
 
 
 def _models(

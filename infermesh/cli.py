@@ -1,4 +1,5 @@
-"""``infermesh``: run the mesh natively (``up``) and see the control plane's view (``status``)."""
+"""``infermesh``: run the mesh natively (``up``), see the control plane's view (``status``) and
+what the model servers report (``telemetry``)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,74 @@ def _status(admin: str, raw: bool) -> int:
     return 0
 
 
+def _fetch(admin: str, path: str) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(f"http://{admin}{path}", timeout=5) as response:
+            body: dict[str, Any] = json.loads(response.read())
+            return body
+    except OSError as exc:
+        print(f"infermesh: control plane admin at {admin} does not answer: {exc}", file=sys.stderr)
+        return None
+
+
+def _num(signal: dict[str, Any] | None, fmt: str = "{:.1f}", scale: float = 1.0) -> str:
+    if not signal or signal.get("value") is None:
+        return "-"
+    return fmt.format(signal["value"] * scale)
+
+
+def _bytes(signal: dict[str, Any] | None) -> str:
+    return _num(signal, "{:.2f}", 1 / 2**30) + ("G" if signal else "")
+
+
+TELEMETRY_COLUMNS = (
+    "endpoint", "age", "qps", "p50 ms", "p99 ms", "errors", "queue", "memory used/total", "kv",
+)  # fmt: skip
+
+
+def telemetry_rows(body: dict[str, Any]) -> list[tuple[str, ...]]:
+    """One row per endpoint of GET /telemetry (pure: the table ``infermesh telemetry`` prints)."""
+    rows: list[tuple[str, ...]] = []
+    for key, e in sorted(body.get("endpoints", {}).items()):
+        age = f"{e['age_s']:.1f}s" + (" STALE" if e["stale"] else "")
+        if e.get("draining") and e["draining"]["value"]:
+            age += " DRAINING"
+        memory = f"{_bytes(e['memory_used_bytes'])}/{_bytes(e['memory_total_bytes'])}"
+        if e.get("memory_source"):
+            memory += f" ({e['memory_source']})"
+        kv = f"{_num(e['kv_blocks_used'], '{:.0f}')}/{_num(e['kv_blocks_total'], '{:.0f}')}"
+        rows.append(
+            (
+                key,
+                age,
+                _num(e["qps"]),
+                _num(e["p50_ms"], "{:.2f}"),
+                _num(e["p99_ms"], "{:.2f}"),
+                _num(e["error_rate"], "{:.1%}"),
+                _num(e["queue_depth"], "{:.0f}"),
+                memory,
+                kv,
+            )
+        )
+    return rows
+
+
+def _telemetry(admin: str, raw: bool) -> int:
+    body = _fetch(admin, "/telemetry")
+    if body is None:
+        return 1
+    if raw:
+        print(json.dumps(body, indent=2, sort_keys=True))
+        return 0
+    rows = [TELEMETRY_COLUMNS, *telemetry_rows(body)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(TELEMETRY_COLUMNS))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    if len(rows) == 1:
+        print("(no endpoint has reported telemetry)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="infermesh", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -57,9 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     default_admin = f"127.0.0.1:{os.environ.get('INFERMESH_ADMIN_PORT', '19000')}"
     show.add_argument("--admin", default=default_admin, help="control plane admin HOST:PORT")
     show.add_argument("--json", action="store_true", help="print the raw status JSON")
+    tele = commands.add_parser("telemetry", help="what the model servers report (OTLP)")
+    tele.add_argument("--admin", default=default_admin, help="control plane admin HOST:PORT")
+    tele.add_argument("--json", action="store_true", help="print the raw telemetry JSON")
     args = parser.parse_args(argv)
     if args.command == "up":
         return up(args.compose, args.compose.resolve().parent, args.log_dir)
+    if args.command == "telemetry":
+        return _telemetry(args.admin, args.json)
     return _status(args.admin, args.json)
 
 

@@ -25,11 +25,13 @@ T = TypeVar("T")
 
 
 class ControlPlaneThread:
-    def __init__(self, topology: Path, xds_port: int = 0, admin_port: int = 0) -> None:
+    def __init__(
+        self, topology: Path, xds_port: int = 0, admin_port: int = 0, otlp_port: int = 0
+    ) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        settings = ControlPlaneSettings(topology, xds_port, admin_port)
+        settings = ControlPlaneSettings(topology, xds_port, admin_port, otlp_port=otlp_port)
         self.plane: ControlPlane = self.call(self._create(settings))
         self.call(self.plane.start())
 

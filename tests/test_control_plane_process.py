@@ -36,7 +36,7 @@ def test_sighup_reloads_and_a_broken_reload_keeps_the_last_good(tmp_path: Path) 
     log = tmp_path / "cp.log"
     command = [
         sys.executable, "-m", "control_plane", "--topology", str(topology),
-        "--xds-port", "0", "--admin-port", "0",
+        "--xds-port", "0", "--admin-port", "0", "--otlp-port", "0",
     ]  # fmt: skip
     with log.open("wb") as out:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)

@@ -53,6 +53,7 @@ def test_up_runs_the_compose_mesh_and_stops_it_in_order(demo_repo: Path, tmp_pat
         "INFERMESH_ENVOY_ADMIN_PORT": str(free_port()),
         "INFERMESH_XDS_PORT": str(free_port()),
         "INFERMESH_ADMIN_PORT": str(free_port()),
+        "INFERMESH_OTLP_PORT": str(free_port()),
     }
     log = tmp_path / "up.log"
     command = [

@@ -1,0 +1,273 @@
+"""The OTLP/gRPC metrics receiver: model servers export here, ``TelemetryStore`` keeps it.
+
+``decode_request`` (pure) turns an ``ExportMetricsServiceRequest`` into validated ``Point``s
+and counts what it ignores, by reason: ``no_instance_id`` (a resource without
+service.instance.id), ``unknown_metric`` (a name the store does not use; not reported back
+as rejected), ``unsupported_type`` (exponential histograms, summaries, no data),
+``wrong_type``, ``bad_temporality``, ``no_value``, ``nan``, ``negative``, ``bad_buckets``
+(bounds not finite and increasing, or too many), ``bucket_mismatch`` (counts do not match the
+bounds or the total), ``too_many_points`` (over the per-request cap); the store adds
+``series_limit`` and ``endpoint_limit``, the receiver ``undecodable`` (bytes that are not a
+request: INVALID_ARGUMENT). The receiver takes raw bytes and decodes and ingests them in a
+worker thread, so a large request does not stall the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsPartialSuccess,
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
+from opentelemetry.proto.common.v1.common_pb2 import KeyValue
+from opentelemetry.proto.metrics.v1 import metrics_pb2
+
+if TYPE_CHECKING:
+    from control_plane.metrics import ControlPlaneMetrics
+    from control_plane.telemetry import IngestResult, TelemetryStore
+
+log = logging.getLogger(__name__)
+
+EXPORT_METHOD = "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export"
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_BUCKETS = 512
+MAX_ATTRIBUTES = 16
+MAX_ATTRIBUTE_CHARS = 128
+KINDS = {
+    "inference_request_duration_seconds": "histogram",
+    "inference_batch_size": "histogram",
+    "inference_requests": "counter",
+    "inference_queue_depth": "gauge",
+    "inference_in_flight_requests": "gauge",
+    "accelerator_memory_used_bytes": "gauge",
+    "accelerator_memory_total_bytes": "gauge",
+    "kv_cache_blocks_used": "gauge",
+    "kv_cache_blocks_total": "gauge",
+    "model_state": "gauge",
+    "server_draining": "gauge",
+}
+_DELTA = metrics_pb2.AGGREGATION_TEMPORALITY_DELTA
+_CUMULATIVE = metrics_pb2.AGGREGATION_TEMPORALITY_CUMULATIVE
+_NO_VALUE = metrics_pb2.DATA_POINT_FLAGS_NO_RECORDED_VALUE_MASK
+
+
+@dataclass(frozen=True)
+class Point:
+    endpoint: str  # service.instance.id
+    name: str
+    kind: str  # "gauge", "counter", "histogram"
+    attrs: tuple[tuple[str, str], ...]  # sorted
+    values: tuple[float, ...]  # (value,) or the bucket counts
+    bounds: tuple[float, ...] = ()
+    delta: bool = False
+    start_ns: int = 0
+    duration_s: float = 0.0  # time_unix_nano - start_time_unix_nano (0 when unknown)
+
+
+class _Rejected(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+def decode_request(
+    request: ExportMetricsServiceRequest, max_points: int
+) -> tuple[list[Point], dict[str, int], list[str]]:
+    """(the valid points, ignored counts by reason, the first error messages)."""
+    points: list[Point] = []
+    ignored: Counter[str] = Counter()
+    errors: list[str] = []
+
+    def ignore(reason: str, n: int, detail: str) -> None:
+        ignored[reason] += n
+        if len(errors) < 5:
+            errors.append(f"{reason}: {detail}")
+
+    budget = max_points
+    for resource_metrics in request.resource_metrics:
+        resource = _attributes(resource_metrics.resource.attributes)
+        endpoint = resource.get("service.instance.id", "")
+        for scope in resource_metrics.scope_metrics:
+            for metric in scope.metrics:
+                data = metric.WhichOneof("data")
+                count = len(getattr(metric, data).data_points) if data else 1
+                if budget < count:
+                    ignore("too_many_points", count, f"more than {max_points} points")
+                    continue
+                budget -= count
+                if not endpoint or len(endpoint) > 256:
+                    ignore("no_instance_id", count, "resource has no service.instance.id")
+                elif metric.name not in KINDS:
+                    ignored["unknown_metric"] += count
+                elif data not in ("gauge", "sum", "histogram"):
+                    ignore("unsupported_type", count, f"{metric.name}: {data or 'no data'}")
+                else:
+                    for point in getattr(metric, data).data_points:
+                        try:
+                            points.append(_point(endpoint, metric, data, point))
+                        except _Rejected as exc:
+                            ignore(exc.reason, 1, f"{metric.name}: {exc}")
+    return points, dict(ignored), errors
+
+
+def _point(endpoint: str, metric: metrics_pb2.Metric, data: str, p: Any) -> Point:
+    kind = KINDS[metric.name]
+    temporality = metric.histogram.aggregation_temporality if data == "histogram" else 0
+    if data == "sum":
+        temporality = metric.sum.aggregation_temporality
+    if (kind == "histogram") != (data == "histogram") or (kind == "counter" and data != "sum"):
+        raise _Rejected("wrong_type", f"{data} for a {kind}")
+    if kind != "gauge" and temporality not in (_DELTA, _CUMULATIVE):
+        raise _Rejected("bad_temporality", f"aggregation temporality {temporality}")
+    if kind == "gauge" and temporality == _DELTA:
+        raise _Rejected("bad_temporality", "a delta sum for a gauge")
+    if p.flags & _NO_VALUE:
+        raise _Rejected("no_value", "no recorded value")
+    duration = (p.time_unix_nano - p.start_time_unix_nano) / 1e9 if p.start_time_unix_nano else 0
+    common = {
+        "endpoint": endpoint,
+        "name": metric.name,
+        "kind": kind,
+        "attrs": tuple(sorted(_attributes(p.attributes).items()))[:MAX_ATTRIBUTES],
+        "delta": temporality == _DELTA,
+        "start_ns": p.start_time_unix_nano,
+        "duration_s": max(0.0, duration),
+    }
+    if kind == "histogram":
+        return Point(**common, values=_buckets(p), bounds=_bounds(p))
+    which = p.WhichOneof("value")
+    if which is None:
+        raise _Rejected("no_value", "a number point without a value")
+    value = float(getattr(p, which))
+    if not math.isfinite(value):
+        raise _Rejected("nan", f"value {value}")
+    if kind == "counter" and value < 0:
+        raise _Rejected("negative", f"counter value {value}")
+    return Point(**common, values=(value,))
+
+
+def _bounds(p: metrics_pb2.HistogramDataPoint) -> tuple[float, ...]:
+    bounds = tuple(p.explicit_bounds)
+    if not bounds or len(bounds) > MAX_BUCKETS or not all(map(math.isfinite, bounds)):
+        raise _Rejected("bad_buckets", f"{len(bounds)} bounds, or not finite")
+    if any(a >= b for a, b in itertools.pairwise(bounds)):
+        raise _Rejected("bad_buckets", "bounds not strictly increasing")
+    return bounds
+
+
+def _buckets(p: metrics_pb2.HistogramDataPoint) -> tuple[float, ...]:
+    counts = tuple(float(n) for n in p.bucket_counts)
+    if len(counts) != len(p.explicit_bounds) + 1:
+        raise _Rejected("bucket_mismatch", f"{len(counts)} counts, {len(p.explicit_bounds)} bounds")
+    if sum(counts) != p.count:
+        raise _Rejected("bucket_mismatch", f"bucket counts sum to {sum(counts)}, count {p.count}")
+    if p.HasField("sum") and not math.isfinite(p.sum):
+        raise _Rejected("nan", f"sum {p.sum}")
+    return counts
+
+
+def _attributes(attributes: Iterable[KeyValue]) -> dict[str, str]:
+    result: dict[str, str] = {}
+    for kv in attributes:
+        which = kv.value.WhichOneof("value")
+        if which in ("string_value", "int_value", "bool_value", "double_value"):
+            result[kv.key[:MAX_ATTRIBUTE_CHARS]] = str(getattr(kv.value, which))[
+                :MAX_ATTRIBUTE_CHARS
+            ]
+    return result
+
+
+# -- the gRPC service ------------------------------------------------------------------------
+class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
+    """OTLP MetricsService.Export on grpc.aio; times are ``clock()`` (monotonic by default):
+    read the store with the same clock (``store.as_json(time.monotonic())``)."""
+
+    def __init__(
+        self,
+        store: TelemetryStore,
+        metrics: ControlPlaneMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.clock = clock
+
+    async def Export(
+        self, request: ExportMetricsServiceRequest | bytes, context: grpc.aio.ServicerContext
+    ) -> ExportMetricsServiceResponse:
+        started = time.perf_counter()
+        try:
+            result = await asyncio.to_thread(self._ingest, request, self.clock())
+        except DecodeError as exc:
+            self._count(None, {"undecodable": 1}, started)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not an export request: {exc}")
+        self._count(result, dict(result.ignored), started)
+        if not result.rejected and not result.errors:
+            return ExportMetricsServiceResponse()
+        reasons = ", ".join(f"{reason}={n}" for reason, n in result.ignored)
+        message = "; ".join([f"ignored points: {reasons}", *result.errors])[:1000]
+        partial = ExportMetricsPartialSuccess(
+            rejected_data_points=result.rejected, error_message=message
+        )
+        return ExportMetricsServiceResponse(partial_success=partial)
+
+    def _ingest(self, request: ExportMetricsServiceRequest | bytes, now: float) -> IngestResult:
+        if isinstance(request, bytes):
+            request = ExportMetricsServiceRequest.FromString(request)
+        return self.store.ingest(request, now)
+
+    def _count(self, result: IngestResult | None, ignored: dict[str, int], started: float) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        m.telemetry_ingest.observe(time.perf_counter() - started)
+        m.telemetry_points.inc(result.points if result else 0)
+        for reason, n in ignored.items():
+            m.telemetry_points_ignored.labels(reason).inc(n)
+        m.telemetry_endpoints.set(len(self.store))
+
+
+def add_receiver(receiver: MetricsReceiver, server: grpc.aio.Server) -> None:
+    """Registers Export taking raw bytes, so undecodable ones get INVALID_ARGUMENT (the
+    generated helper would answer them with INTERNAL)."""
+    handler = grpc.unary_unary_rpc_method_handler(
+        receiver.Export, response_serializer=ExportMetricsServiceResponse.SerializeToString
+    )
+    service = EXPORT_METHOD.split("/")[1]
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service, {"Export": handler}),)
+    )
+
+
+async def start_receiver(
+    store: TelemetryStore,
+    metrics: ControlPlaneMetrics | None,
+    host: str,
+    port: int,
+    clock: Callable[[], float] = time.monotonic,
+) -> tuple[grpc.aio.Server, int]:
+    """A started grpc.aio server with the receiver on HOST:PORT (0: a free port), and the
+    bound port. Stop it with ``await server.stop(grace)``."""
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    add_receiver(MetricsReceiver(store, metrics, clock), server)
+    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    await server.start()
+    return server, bound

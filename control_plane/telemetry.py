@@ -1,0 +1,369 @@
+"""What the model servers report over OTLP, reduced to per-endpoint signals (pure, no I/O).
+
+``TelemetryStore.ingest(request, received_at)`` takes an ``ExportMetricsServiceRequest``;
+each resource is one endpoint, keyed by its ``service.instance.id`` (the EDS address
+"HOST:PORT"). Counters and histograms (CUMULATIVE, or DELTA accumulated into cumulative) keep
+the samples of the last ``window_s`` plus one older baseline; gauges keep their last value.
+Times are the receiver's clock at arrival (exporter clocks may be skewed); only the
+exporter's ``time - start_time`` is trusted, to date the zero a series starts from.
+
+Signals (each ``Signal(value, age_s)``, ``None`` without data) are computed per endpoint over
+the window ending at each series' newest sample: p50/p99 latency from histogram deltas
+(linear inside a bucket; the +Inf bucket gives the last bound), qps and error rate from
+``inference_requests`` (codes OK/0/200 are successes), and the last gauges. A counter that
+goes down (a restart) restarts its series' window. Series not updated within ``window_s`` of
+the endpoint's last report (an unloaded model) drop out. Memory is bounded: endpoints,
+series per endpoint, samples per series and points per request are capped (the excess is
+counted under a reason and dropped). The store is locked, so the receiver may ingest in a
+worker thread while the event loop reads ``snapshot``/``as_json``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+import threading
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+)
+
+from control_plane.otlp_receiver import Point, decode_request
+
+DURATION = "inference_request_duration_seconds"
+REQUESTS = "inference_requests"
+OK_CODES = frozenset({"ok", "0", "200", "success"})
+MAX_SAMPLES = 256  # per series; a faster exporter shortens the window rather than the memory
+
+Attrs = tuple[tuple[str, str], ...]
+Vec = tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Signal:
+    value: float
+    age_s: float  # now minus the arrival of the newest data point it came from
+
+
+@dataclass(frozen=True)
+class Flag:
+    value: bool
+    age_s: float
+
+
+@dataclass(frozen=True)
+class ModelTelemetry:
+    model: str
+    p99_ms: Signal | None
+    qps: Signal | None
+
+
+@dataclass(frozen=True)
+class EndpointTelemetry:
+    endpoint: str
+    age_s: float  # since the last report
+    interval_s: float  # observed reporting interval
+    stale: bool
+    p50_ms: Signal | None = None
+    p99_ms: Signal | None = None
+    qps: Signal | None = None
+    error_rate: Signal | None = None
+    queue_depth: Signal | None = None
+    in_flight: Signal | None = None
+    memory_used_bytes: Signal | None = None
+    memory_total_bytes: Signal | None = None
+    memory_source: str | None = None  # "nvml" when any device reports it, else "process"
+    kv_blocks_used: Signal | None = None
+    kv_blocks_total: Signal | None = None
+    draining: Flag | None = None
+    models: tuple[ModelTelemetry, ...] = ()
+    series: int = 0
+    dropped_series: int = 0
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    points: int  # accepted
+    ignored: tuple[tuple[str, int], ...] = ()  # (reason, count), sorted
+    errors: tuple[str, ...] = ()  # the first few messages
+
+    @property
+    def rejected(self) -> int:
+        return sum(n for reason, n in self.ignored if reason != "unknown_metric")
+
+
+class _Series:
+    __slots__ = ("bounds", "kind", "last_start", "samples")
+
+    def __init__(self, kind: str, bounds: Vec) -> None:
+        self.kind = kind  # "gauge", "counter", "histogram"
+        self.bounds = bounds
+        self.last_start = 0
+        self.samples: deque[tuple[float, Vec]] = deque(maxlen=MAX_SAMPLES)
+
+
+class _Endpoint:
+    __slots__ = ("dropped_series", "interval_s", "last_seen", "series")
+
+    def __init__(self, now: float, interval_s: float) -> None:
+        self.last_seen = now
+        self.interval_s = interval_s
+        self.series: dict[tuple[str, Attrs], _Series] = {}
+        self.dropped_series = 0
+
+
+class TelemetryStore:
+    def __init__(
+        self,
+        window_s: float = 10.0,
+        stale_after_intervals: float = 3.0,
+        forget_after_s: float = 300.0,
+        max_series_per_endpoint: int = 500,
+        max_endpoints: int = 10_000,
+        max_points_per_request: int = 20_000,
+        default_interval_s: float = 1.0,
+    ) -> None:
+        self.window_s = window_s
+        self.stale_after_intervals = stale_after_intervals
+        self.forget_after_s = forget_after_s
+        self.max_series_per_endpoint = max_series_per_endpoint
+        self.max_endpoints = max_endpoints
+        self.max_points_per_request = max_points_per_request
+        self.default_interval_s = default_interval_s
+        self._endpoints: dict[str, _Endpoint] = {}
+        self._lock = threading.Lock()
+        self._last_forget = -math.inf
+
+    def __len__(self) -> int:
+        return len(self._endpoints)
+
+    def ingest(self, request: ExportMetricsServiceRequest, received_at: float) -> IngestResult:
+        """Decodes and stores one export request; never raises on bad data."""
+        points, ignored, errors = decode_request(request, self.max_points_per_request)
+        reasons = Counter(ignored)
+        accepted = 0
+        with self._lock:
+            self._forget(received_at)
+            seen: set[str] = set()
+            for p in points:
+                endpoint = self._endpoint(p.endpoint, received_at, p.endpoint not in seen)
+                seen.add(p.endpoint)
+                if endpoint is None:
+                    reasons["endpoint_limit"] += 1
+                elif self._store(endpoint, p, received_at):
+                    accepted += 1
+                else:
+                    reasons["series_limit"] += 1
+        return IngestResult(accepted, tuple(sorted(reasons.items())), tuple(errors[:5]))
+
+    def _endpoint(self, key: str, now: float, first_in_request: bool) -> _Endpoint | None:
+        endpoint = self._endpoints.get(key)
+        if endpoint is None:
+            if len(self._endpoints) >= self.max_endpoints:
+                self._forget(now, force=True)
+                if len(self._endpoints) >= self.max_endpoints:
+                    return None
+            endpoint = self._endpoints[key] = _Endpoint(now, self.default_interval_s)
+        elif first_in_request:
+            gap = now - endpoint.last_seen
+            if gap >= 0.05:  # several requests of one export round are one arrival
+                endpoint.interval_s = 0.7 * endpoint.interval_s + 0.3 * gap
+            endpoint.last_seen = max(endpoint.last_seen, now)
+        return endpoint
+
+    def _forget(self, now: float, force: bool = False) -> None:
+        if not force and now - self._last_forget < 1.0:
+            return
+        self._last_forget = now
+        for key in [
+            k for k, e in self._endpoints.items() if now - e.last_seen > self.forget_after_s
+        ]:
+            del self._endpoints[key]
+
+    def _store(self, endpoint: _Endpoint, p: Point, now: float) -> bool:
+        key = (p.name, p.attrs)
+        series = endpoint.series.get(key)
+        if series is None or series.kind != p.kind or series.bounds != p.bounds:
+            if series is None and len(endpoint.series) >= self.max_series_per_endpoint:
+                endpoint.dropped_series += 1
+                return False
+            series = endpoint.series[key] = _Series(p.kind, p.bounds)
+        samples = series.samples
+        if p.kind == "gauge":
+            samples.clear()
+            samples.append((now, p.values))
+            return True
+        duration = min(max(p.duration_s, 0.0), self.forget_after_s)
+        if p.delta:
+            base = samples[-1][1] if samples else None
+            values = p.values if base is None else tuple(map(sum, zip(base, p.values, strict=True)))
+        else:
+            values = p.values
+            restarted = p.start_ns > series.last_start > 0
+            if samples and (restarted or any(map(float.__lt__, values, samples[-1][1]))):
+                samples.clear()  # the counter went back: a restart starts a new window
+            series.last_start = max(series.last_start, p.start_ns)
+        if not samples and duration > 0:
+            samples.append((now - duration, tuple(0.0 for _ in values)))
+        elif samples and samples[-1][0] >= now:  # one arrival (or reordered): the newer value
+            now = samples.pop()[0]
+        samples.append((now, values))
+        while samples[0][0] < now - self.window_s:
+            samples.popleft()
+        return True
+
+    # -- reading -------------------------------------------------------------------------------
+    def snapshot(self, now: float) -> dict[str, EndpointTelemetry]:
+        with self._lock:
+            self._forget(now, force=True)
+            return {key: self._telemetry(key, e, now) for key, e in self._endpoints.items()}
+
+    def as_json(self, now: float) -> dict[str, Any]:
+        """What the admin's GET /telemetry serves."""
+        snapshot = self.snapshot(now)
+        return {
+            "window_s": self.window_s,
+            "stale_after_intervals": self.stale_after_intervals,
+            "endpoints": {k: dataclasses.asdict(snapshot[k]) for k in sorted(snapshot)},
+        }
+
+    def _telemetry(self, key: str, e: _Endpoint, now: float) -> EndpointTelemetry:
+        live = [
+            (name, dict(attrs), s)
+            for (name, attrs), s in e.series.items()
+            if s.samples and s.samples[-1][0] >= e.last_seen - self.window_s
+        ]
+
+        def of(name: str) -> list[tuple[dict[str, str], _Series]]:
+            return [(attrs, s) for n, attrs, s in live if n == name]
+
+        durations = of(DURATION)
+        requests = of(REQUESTS)
+        models = sorted({a.get("model", "") for a, _ in durations + requests})
+        memory_source = _memory_source(of("accelerator_memory_used_bytes"))
+
+        def memory(name: str) -> Signal | None:
+            chosen = [(a, s) for a, s in of(name) if a.get("source", "") == memory_source]
+            return _gauge_sum(chosen, now)
+
+        draining = _gauge_sum(of("server_draining"), now)
+        age = now - e.last_seen
+        return EndpointTelemetry(
+            endpoint=key,
+            age_s=age,
+            interval_s=e.interval_s,
+            stale=age > self.stale_after_intervals * e.interval_s,
+            p50_ms=_percentile_ms(durations, 0.5, now, self.window_s),
+            p99_ms=_percentile_ms(durations, 0.99, now, self.window_s),
+            qps=_rate(requests, now, self.window_s),
+            error_rate=_error_rate(requests, now, self.window_s),
+            queue_depth=_gauge_sum(of("inference_queue_depth"), now),
+            in_flight=_gauge_sum(of("inference_in_flight_requests"), now),
+            memory_used_bytes=memory("accelerator_memory_used_bytes"),
+            memory_total_bytes=memory("accelerator_memory_total_bytes"),
+            memory_source=memory_source,
+            kv_blocks_used=_gauge_sum(of("kv_cache_blocks_used"), now),
+            kv_blocks_total=_gauge_sum(of("kv_cache_blocks_total"), now),
+            draining=None if draining is None else Flag(draining.value > 0, draining.age_s),
+            models=tuple(
+                ModelTelemetry(
+                    model,
+                    _percentile_ms(_only(durations, model), 0.99, now, self.window_s),
+                    _rate(_only(requests, model), now, self.window_s),
+                )
+                for model in models
+            ),
+            series=len(e.series),
+            dropped_series=e.dropped_series,
+        )
+
+
+# -- pure computations over series -----------------------------------------------------------
+Labeled = list[tuple[dict[str, str], _Series]]
+
+
+def _only(series: Labeled, model: str) -> Labeled:
+    return [(a, s) for a, s in series if a.get("model", "") == model]
+
+
+def _memory_source(used: Labeled) -> str | None:
+    sources = {a.get("source", "") for a, _ in used}
+    return "nvml" if "nvml" in sources else min(sources) if sources else None
+
+
+def _gauge_sum(series: Labeled, now: float) -> Signal | None:
+    if not series:
+        return None
+    newest = [s.samples[-1] for _, s in series]
+    return Signal(sum(v[0] for _, v in newest), now - min(t for t, _ in newest))
+
+
+def window_delta(samples: deque[tuple[float, Vec]], window_s: float) -> tuple[Vec, float, float]:
+    """(newest - baseline, the span in seconds, the newest time); the baseline is the oldest
+    sample at most ``window_s`` before the newest one (span 0: no rate yet)."""
+    t_new, new = samples[-1]
+    t_base, base = next((t, v) for t, v in samples if t >= t_new - window_s)
+    return tuple(a - b for a, b in zip(new, base, strict=True)), t_new - t_base, t_new
+
+
+def _rate(series: Labeled, now: float, window_s: float) -> Signal | None:
+    total, newest, found = 0.0, -math.inf, False
+    for _, s in series:
+        delta, span, t = window_delta(s.samples, window_s)
+        if span > 0:
+            total, newest, found = total + delta[0] / span, max(newest, t), True
+    return Signal(total, now - newest) if found else None
+
+
+def _error_rate(series: Labeled, now: float, window_s: float) -> Signal | None:
+    errors = total = 0.0
+    newest = -math.inf
+    for attrs, s in series:
+        delta, span, t = window_delta(s.samples, window_s)
+        if span > 0:
+            total += delta[0]
+            errors += 0.0 if attrs.get("code", "").lower() in OK_CODES else delta[0]
+            newest = max(newest, t)
+    if newest == -math.inf:
+        return None
+    return Signal(errors / total if total > 0 else 0.0, now - newest)
+
+
+def _percentile_ms(series: Labeled, q: float, now: float, window_s: float) -> Signal | None:
+    """The q-quantile in milliseconds of the histogram deltas, re-binned onto the bounds of the
+    series with the most observations."""
+    deltas = [(s.bounds, *window_delta(s.samples, window_s)) for _, s in series]
+    deltas = [d for d in deltas if d[2] > 0 and sum(d[1]) > 0]
+    if not deltas:
+        return None
+    bounds = max(deltas, key=lambda d: sum(d[1]))[0]
+    counts = [0.0] * (len(bounds) + 1)
+    for own, delta, _, _ in deltas:
+        for i, n in enumerate(delta):
+            upper = own[i] if i < len(own) else math.inf
+            counts[bisect.bisect_left(bounds, upper)] += n
+    value = bucket_quantile(bounds, counts, q)
+    return Signal(value * 1000.0, now - max(t for *_, t in deltas))
+
+
+def bucket_quantile(bounds: Vec, counts: list[float] | Vec, q: float) -> float:
+    """The q-quantile of an explicit-bounds histogram (``len(counts) == len(bounds) + 1``):
+    linear inside a bucket, the first bucket starts at min(0, its bound), +Inf gives the last
+    bound. NaN for an empty histogram."""
+    total = sum(counts)
+    if total <= 0 or not bounds:
+        return math.nan if total <= 0 else 0.0
+    rank = q * total
+    cumulative = 0.0
+    for i, n in enumerate(counts):
+        if n > 0 and cumulative + n >= rank:
+            if i == len(bounds):
+                return bounds[-1]
+            lower = bounds[i - 1] if i > 0 else min(0.0, bounds[0])
+            return lower + (bounds[i] - lower) * max(0.0, rank - cumulative) / n
+        cumulative += n
+    return bounds[-1]

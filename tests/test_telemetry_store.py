@@ -1,0 +1,361 @@
+"""The pure telemetry store: percentiles, rates, resets, staleness, bounds (no network)."""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import random
+from collections.abc import Sequence
+
+import pytest
+from google.protobuf.message import DecodeError
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+)
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.metrics.v1 import metrics_pb2 as m
+
+from control_plane.telemetry import TelemetryStore, bucket_quantile
+from control_plane.topology import TelemetryOptions, TopologyError, parse_topology
+from infermesh.cli import main, telemetry_rows
+
+EP = "127.0.0.1:8001"
+BOUNDS = (*(b * 10.0**e for e in range(-4, 1) for b in (1.0, 2.5, 5.0)), 10.0)
+CUM = m.AGGREGATION_TEMPORALITY_CUMULATIVE
+DELTA = m.AGGREGATION_TEMPORALITY_DELTA
+S = 1_000_000_000
+
+
+def attrs(**kw: str) -> list[KeyValue]:
+    return [KeyValue(key=k, value=AnyValue(string_value=v)) for k, v in kw.items()]
+
+
+def request(metrics: Sequence[m.Metric], endpoint: str | None = EP) -> ExportMetricsServiceRequest:
+    resource = attrs(**{"service.name": "infermesh-model-server"})
+    if endpoint is not None:
+        resource += attrs(**{"service.instance.id": endpoint})
+    rm = m.ResourceMetrics(scope_metrics=[m.ScopeMetrics(metrics=list(metrics))])
+    rm.resource.attributes.extend(resource)
+    return ExportMetricsServiceRequest(resource_metrics=[rm])
+
+
+def histogram(
+    latencies: Sequence[float],
+    t_s: float,
+    temporality: m.AggregationTemporality.ValueType = CUM,
+    model: str = "m",
+    start_s: float = 0.0,
+) -> m.Metric:
+    counts = [0] * (len(BOUNDS) + 1)
+    for x in latencies:
+        counts[bisect.bisect_left(BOUNDS, x)] += 1
+    point = m.HistogramDataPoint(
+        attributes=attrs(model=model, version="1"),
+        start_time_unix_nano=int(start_s * S) + 1,
+        time_unix_nano=int(t_s * S) + 1,
+        count=len(latencies),
+        sum=sum(latencies),
+        bucket_counts=counts,
+        explicit_bounds=BOUNDS,
+    )
+    return m.Metric(
+        name="inference_request_duration_seconds",
+        histogram=m.Histogram(data_points=[point], aggregation_temporality=temporality),
+    )
+
+
+def counter(
+    value: float,
+    t_s: float,
+    code: str = "OK",
+    temporality: m.AggregationTemporality.ValueType = CUM,
+    start_s: float = 0.0,
+) -> m.Metric:
+    point = m.NumberDataPoint(
+        attributes=attrs(model="m", version="1", code=code),
+        start_time_unix_nano=int(start_s * S) + 1,
+        time_unix_nano=int(t_s * S) + 1,
+        as_double=value,
+    )
+    return m.Metric(
+        name="inference_requests",
+        sum=m.Sum(data_points=[point], aggregation_temporality=temporality, is_monotonic=True),
+    )
+
+
+def gauge(name: str, value: float, **labels: str) -> m.Metric:
+    point = m.NumberDataPoint(attributes=attrs(**labels), as_double=value)
+    return m.Metric(name=name, gauge=m.Gauge(data_points=[point]))
+
+
+def true_quantile(xs: Sequence[float], q: float) -> float:
+    return sorted(xs)[max(0, math.ceil(q * len(xs)) - 1)]
+
+
+def bucket_of(x: float) -> tuple[float, float]:
+    i = bisect.bisect_left(BOUNDS, x)
+    return (BOUNDS[i - 1] if i else 0.0), (BOUNDS[i] if i < len(BOUNDS) else BOUNDS[-1])
+
+
+@pytest.mark.parametrize(
+    ("bounds", "counts", "q", "expected"),
+    [
+        ((1.0, 2.0), (0, 10, 0), 0.5, 1.5),  # halfway through (1, 2]
+        ((1.0, 2.0), (10, 0, 0), 0.99, 0.99),  # first bucket starts at 0
+        ((1.0, 2.0), (0, 0, 5), 0.99, 2.0),  # +Inf gives the last bound
+        ((1.0, 2.0, 4.0), (2, 0, 2, 0), 0.5, 1.0),  # the rank ends the first bucket
+    ],
+)
+def test_bucket_quantile_table(
+    bounds: tuple[float, ...], counts: tuple[float, ...], q: float, expected: float
+) -> None:
+    assert bucket_quantile(bounds, counts, q) == pytest.approx(expected)
+    assert math.isnan(bucket_quantile(bounds, (0,) * len(counts), q))
+
+
+latency_lists = st.lists(st.floats(min_value=0.0002, max_value=20.0), min_size=1, max_size=300)
+
+
+@settings(max_examples=60, deadline=None)
+@given(before=latency_lists, during=latency_lists)
+def test_p99_from_cumulative_within_bucket_resolution(
+    before: list[float], during: list[float]
+) -> None:
+    store = TelemetryStore(window_s=10)
+    store.ingest(request([histogram(before, 100.0)]), received_at=1000.0)
+    store.ingest(request([histogram(before + during, 120.0)]), received_at=1010.0)
+    # the window ending at the newest sample starts at the older one: only `during` counts
+    for q, name in ((0.99, "p99_ms"), (0.5, "p50_ms")):
+        got = getattr(store.snapshot(1011.0)[EP], name)
+        assert got is not None and got.age_s == pytest.approx(1.0)
+        lo, hi = bucket_of(true_quantile(during, q))
+        assert lo * 1000 - 1e-9 <= got.value <= hi * 1000 + 1e-9, (q, lo, hi, got)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rounds=st.lists(latency_lists, min_size=2, max_size=5))
+def test_delta_temporality_gives_the_same(rounds: list[list[float]]) -> None:
+    cumulative, delta = TelemetryStore(), TelemetryStore()
+    seen: list[float] = []
+    for i, batch in enumerate(rounds):
+        seen += batch
+        t = 10.0 + i
+        cumulative.ingest(
+            request([histogram(seen, t, start_s=9), counter(len(seen), t, start_s=9)]),
+            received_at=t,
+        )
+        delta.ingest(
+            request(
+                [
+                    histogram(batch, t, DELTA, start_s=t - 1),
+                    counter(len(batch), t, temporality=DELTA, start_s=t - 1),
+                ]
+            ),
+            received_at=t,
+        )
+    now = 10.0 + len(rounds)
+    a, b = cumulative.snapshot(now)[EP], delta.snapshot(now)[EP]
+    assert a.p99_ms is not None and b.p99_ms is not None and a.qps is not None and b.qps
+    # both start from a zero one second before their first point
+    assert a == b
+    assert b.qps.value == pytest.approx(len(seen) / len(rounds))
+    lo, hi = bucket_of(true_quantile(seen, 0.99))
+    assert lo * 1000 - 1e-9 <= b.p99_ms.value <= hi * 1000 + 1e-9
+
+
+def test_qps_error_rate_and_models() -> None:
+    store = TelemetryStore(window_s=10)
+    for i in range(6):
+        t = 100.0 + 2 * i
+        metrics = [counter(50.0 * i, t, "OK"), counter(10.0 * i, t, "UNAVAILABLE")]
+        store.ingest(request(metrics), received_at=t)
+    e = store.snapshot(111.0)[EP]
+    assert e.qps is not None and e.qps.value == pytest.approx(30.0)  # 300 requests in 10 s
+    assert e.error_rate is not None and e.error_rate.value == pytest.approx(1 / 6)
+    assert e.qps.age_s == pytest.approx(1.0)
+    assert [(x.model, x.qps.value if x.qps else None) for x in e.models] == [
+        ("m", pytest.approx(30.0))
+    ]
+
+
+def test_counter_reset_restarts_the_window() -> None:
+    store = TelemetryStore(window_s=10)
+    for t, value in ((0.0, 100.0), (1.0, 200.0), (2.0, 300.0)):
+        store.ingest(request([counter(value, 100 + t, start_s=50)]), received_at=t)
+    qps = store.snapshot(2.0)[EP].qps
+    assert qps is not None and qps.value == pytest.approx(100.0)
+    # the server restarted 1 s ago: its counter starts again from 0
+    store.ingest(request([counter(20.0, 103.0, start_s=102.0)]), received_at=3.0)
+    qps = store.snapshot(3.0)[EP].qps
+    assert qps is not None and qps.value == pytest.approx(20.0)
+    store.ingest(request([counter(50.0, 104.0, start_s=102.0)]), received_at=4.0)
+    qps = store.snapshot(4.0)[EP].qps
+    assert qps is not None and qps.value == pytest.approx(25.0)  # 50 in 2 s, never negative
+
+
+def test_counter_going_down_without_start_time_is_a_reset() -> None:
+    store = TelemetryStore()
+    for t, value in ((0.0, 100.0), (1.0, 200.0), (2.0, 5.0), (3.0, 15.0)):
+        point = counter(value, t)
+        point.sum.data_points[0].start_time_unix_nano = 0  # unknown start
+        store.ingest(request([point]), received_at=t)
+    qps = store.snapshot(3.0)[EP].qps
+    assert qps is not None and qps.value == pytest.approx(10.0)
+
+
+def test_staleness_after_n_observed_intervals() -> None:
+    store = TelemetryStore(stale_after_intervals=3)
+    for i in range(30):
+        store.ingest(request([gauge("inference_in_flight_requests", 1)]), received_at=2.0 * i)
+    last = 58.0
+    e = store.snapshot(last + 5.0)[EP]
+    assert e.interval_s == pytest.approx(2.0, rel=0.01) and not e.stale
+    e = store.snapshot(last + 6.5)[EP]
+    assert e.stale and e.age_s == pytest.approx(6.5)
+    assert e.in_flight is not None and e.in_flight.age_s == pytest.approx(6.5)  # still shown
+
+
+def test_forgetting_and_endpoint_cap() -> None:
+    store = TelemetryStore(forget_after_s=300, max_endpoints=2)
+    store.ingest(request([gauge("server_draining", 0)], "10.0.0.1:1"), received_at=0.0)
+    store.ingest(request([gauge("server_draining", 1)], "10.0.0.2:1"), received_at=100.0)
+    result = store.ingest(request([gauge("server_draining", 0)], "10.0.0.3:1"), received_at=200)
+    assert dict(result.ignored) == {"endpoint_limit": 1} and result.points == 0
+    assert set(store.snapshot(250.0)) == {"10.0.0.1:1", "10.0.0.2:1"}
+    assert set(store.snapshot(301.0)) == {"10.0.0.2:1"}  # the first one is forgotten
+    draining = store.snapshot(301.0)["10.0.0.2:1"].draining
+    assert draining is not None and draining.value is True
+    result = store.ingest(request([gauge("server_draining", 0)], "10.0.0.3:1"), received_at=302)
+    assert result.points == 1 and len(store) == 2
+
+
+def test_series_cap() -> None:
+    store = TelemetryStore(max_series_per_endpoint=3)
+    metrics = [gauge("inference_queue_depth", 1, model=f"m{i}") for i in range(5)]
+    result = store.ingest(request(metrics), received_at=1.0)
+    assert result.points == 3 and dict(result.ignored) == {"series_limit": 2}
+    e = store.snapshot(1.0)[EP]
+    assert e.series == 3 and e.dropped_series == 2
+    assert e.queue_depth is not None and e.queue_depth.value == 3
+
+
+def test_gauges_memory_and_ages() -> None:
+    store = TelemetryStore()
+    store.ingest(
+        request(
+            [
+                gauge("accelerator_memory_used_bytes", 10, device="0", source="nvml"),
+                gauge("accelerator_memory_used_bytes", 20, device="1", source="nvml"),
+                gauge("accelerator_memory_used_bytes", 5, device="0", source="process"),
+                gauge("accelerator_memory_total_bytes", 100, device="0", source="nvml"),
+                gauge("accelerator_memory_total_bytes", 100, device="1", source="nvml"),
+                gauge("kv_cache_blocks_used", 7, model="m"),
+                gauge("kv_cache_blocks_total", 70, model="m"),
+                gauge("model_state", 1, model="m", version="1", state="READY"),
+            ]
+        ),
+        received_at=100.0,
+    )
+    store.ingest(request([gauge("inference_queue_depth", 4, model="m")]), received_at=103.0)
+    e = store.snapshot(104.0)[EP]
+    assert e.memory_source == "nvml"
+    assert e.memory_used_bytes is not None and e.memory_used_bytes.value == 30
+    assert e.memory_used_bytes.age_s == pytest.approx(4.0)
+    assert e.memory_total_bytes is not None and e.memory_total_bytes.value == 200
+    assert e.kv_blocks_used is not None and e.kv_blocks_used.value == 7
+    assert e.queue_depth is not None and e.queue_depth.age_s == pytest.approx(1.0)
+    assert e.p99_ms is None and e.qps is None and e.draining is None
+    body = json.loads(json.dumps(store.as_json(104.0)))
+    row = body["endpoints"][EP]
+    assert row["memory_used_bytes"] == {"value": 30, "age_s": pytest.approx(4.0)}
+    assert row["stale"] is False and body["window_s"] == 10
+
+
+def test_bad_points_are_counted_and_skipped() -> None:
+    nan = gauge("inference_queue_depth", math.nan, model="m")
+    negative = counter(-1.0, 1.0)
+    mismatched = histogram([0.01], 1.0)
+    mismatched.histogram.data_points[0].bucket_counts.append(1)
+    exponential = m.Metric(
+        name="inference_request_duration_seconds",
+        exponential_histogram=m.ExponentialHistogram(
+            data_points=[m.ExponentialHistogramDataPoint()]
+        ),
+    )
+    wrong = gauge("inference_requests", 1.0)
+    unknown = gauge("process_cpu_seconds", 1.0)
+    store = TelemetryStore(max_points_per_request=7)
+    result = store.ingest(
+        request([nan, negative, mismatched, exponential, wrong, unknown, gauge("x", 1), nan]),
+        received_at=1.0,
+    )
+    assert dict(result.ignored) == {
+        "nan": 1,
+        "negative": 1,
+        "bucket_mismatch": 1,
+        "unsupported_type": 1,
+        "wrong_type": 1,
+        "unknown_metric": 2,
+        "too_many_points": 1,
+    }
+    assert result.points == 0 and result.rejected == 6 and result.errors
+    nobody = store.ingest(request([gauge("server_draining", 0)], None), received_at=1.0)
+    assert dict(nobody.ignored) == {"no_instance_id": 1}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=400))
+def test_arbitrary_requests_never_crash(data: bytes) -> None:
+    try:
+        parsed = ExportMetricsServiceRequest.FromString(data)
+    except DecodeError:
+        return
+    result = TelemetryStore().ingest(parsed, received_at=1.0)
+    assert result.points >= 0
+
+
+def test_many_endpoints_random_traffic_stays_bounded() -> None:
+    rng = random.Random(7)
+    store = TelemetryStore(max_endpoints=50, forget_after_s=30, max_series_per_endpoint=20)
+    for i in range(2000):
+        ep = f"10.0.{rng.randrange(4)}.{rng.randrange(40)}:8001"
+        labels = {"model": f"m{rng.randrange(30)}"}
+        store.ingest(request([gauge("inference_queue_depth", i, **labels)], ep), i * 0.1)
+    snapshot = store.snapshot(200.0)
+    assert 0 < len(snapshot) <= 50 and all(e.series <= 20 for e in snapshot.values())
+
+
+def test_cli_table_rows_from_as_json() -> None:
+    store = TelemetryStore()
+    store.ingest(
+        request(
+            [
+                counter(100.0, 11.0, start_s=10.0),
+                histogram([0.002] * 10, 11.0, start_s=10.0),
+                gauge("accelerator_memory_used_bytes", 2**30, device="0", source="process"),
+                gauge("server_draining", 1),
+            ]
+        ),
+        received_at=5.0,
+    )
+    body = json.loads(json.dumps(store.as_json(20.0)))
+    [row] = telemetry_rows(body)
+    assert row[0] == EP and "STALE" in row[1] and "DRAINING" in row[1]
+    assert row[2] == "100.0" and row[5] == "0.0%" and row[7] == "1.00G/- (process)"
+    assert main(["telemetry", "--admin", "127.0.0.1:1"]) == 1  # nothing listens there
+
+
+def test_topology_telemetry_section() -> None:
+    base = {"models": [{"name": "m", "sla_p99_ms": 5, "capacity_qps": 1}]}
+    assert parse_topology(base).telemetry == TelemetryOptions()
+    options = {"host": "127.0.0.1", "port": 4317, "window_s": 5, "forget_after_s": 60}
+    parsed = parse_topology({**base, "telemetry": options}).telemetry
+    assert parsed == TelemetryOptions("127.0.0.1", 4317, 5.0, 3.0, 60.0)
+    bad = {"port": 0, "window_s": -1, "stale_after_intervals": "x", "colour": 1}
+    with pytest.raises(TopologyError) as caught:
+        parse_topology({**base, "telemetry": bad})
+    assert len(caught.value.errors) == 4
+    assert any(e.startswith("telemetry.window_s: must be > 0") for e in caught.value.errors)
