@@ -194,8 +194,8 @@ def test_counter_histogram_and_gauge_mapping() -> None:
     point = out["inference_request_duration_seconds"].histogram.data_points[0]
     counts = list(point.bucket_counts)
     assert point.count == 4 and sum(counts) == 4
-    assert counts[list(point.explicit_bounds).index(0.00025)] == 2
-    assert counts[list(point.explicit_bounds).index(10.0)] == 1 and counts[-1] == 1
+    assert counts[list(point.explicit_bounds).index(0.0002)] == 2
+    assert counts[list(point.explicit_bounds).index(8.0)] == 1 and counts[-1] == 1
     assert out["server_draining"].gauge.data_points[0].as_double == 1
     kv = common_pb2.KeyValue
     assert isinstance(point.attributes[0], kv)
