@@ -15,6 +15,7 @@ worker thread, so a large request does not stall the event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import math
@@ -34,6 +35,8 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from opentelemetry.proto.metrics.v1 import metrics_pb2
+
+from control_plane.envoy_stats import EnvoyStats, is_envoy
 
 if TYPE_CHECKING:
     from control_plane.metrics import ControlPlaneMetrics
@@ -200,8 +203,10 @@ class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
         store: TelemetryStore,
         metrics: ControlPlaneMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        envoy: EnvoyStats | None = None,
     ) -> None:
         self.store = store
+        self.envoy = envoy
         self.metrics = metrics
         self.clock = clock
 
@@ -227,6 +232,13 @@ class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
     def _ingest(self, request: ExportMetricsServiceRequest | bytes, now: float) -> IngestResult:
         if isinstance(request, bytes):
             request = ExportMetricsServiceRequest.FromString(request)
+        if self.envoy is not None and any(is_envoy(r) for r in request.resource_metrics):
+            # Envoy's stat sink: its per-endpoint stats go to their own view.
+            from_envoy = [r for r in request.resource_metrics if is_envoy(r)]
+            used = self.envoy.ingest(from_envoy, now)
+            rest = [r for r in request.resource_metrics if not is_envoy(r)]
+            result = self.store.ingest(ExportMetricsServiceRequest(resource_metrics=rest), now)
+            return dataclasses.replace(result, points=result.points + used)
         return self.store.ingest(request, now)
 
     def _count(self, result: IngestResult | None, ignored: dict[str, int], started: float) -> None:
@@ -258,6 +270,7 @@ async def start_receiver(
     host: str,
     port: int,
     clock: Callable[[], float] = time.monotonic,
+    envoy: EnvoyStats | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """A started grpc.aio server with the receiver on HOST:PORT (0: a free port), and the
     bound port. Stop it with ``await server.stop(grace)``."""
@@ -267,7 +280,7 @@ async def start_receiver(
             ("grpc.so_reuseport", 0),
         ]
     )
-    add_receiver(MetricsReceiver(store, metrics, clock), server)
+    add_receiver(MetricsReceiver(store, metrics, clock, envoy), server)
     bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     await server.start()
     return server, bound

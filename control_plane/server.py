@@ -24,6 +24,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from control_plane.admin import AdminError, AdminServer
 from control_plane.ads import AdsServicer
+from control_plane.envoy_stats import EnvoyStats
 from control_plane.mesh import EndpointAddress, EndpointHealth
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.nodes import NodeRegistry
@@ -76,6 +77,7 @@ class ControlPlane:
         self.telemetry = TelemetryStore(
             options.window_s, options.stale_after_intervals, options.forget_after_s
         )
+        self.envoy_stats = EnvoyStats(options.window_s)
         self.otlp_server: grpc.aio.Server | None = None
         self.otlp_port = 0
         self.endpoints: tuple[EndpointAddress, ...] = ()
@@ -119,7 +121,7 @@ class ControlPlane:
         self.admin_port = self.admin.port
         otlp_port = t.telemetry.port if self.settings.otlp_port is None else self.settings.otlp_port
         self.otlp_server, self.otlp_port = await start_receiver(
-            self.telemetry, self.metrics, t.telemetry.host, otlp_port
+            self.telemetry, self.metrics, t.telemetry.host, otlp_port, envoy=self.envoy_stats
         )
         await self.poller.poll_once()  # the first snapshot already knows what is READY where
         self.rebuild("start")
@@ -257,7 +259,9 @@ class ControlPlane:
 
     async def telemetry_json(self) -> dict[str, Any]:
         # The store locks while it computes windows: keep that off the event loop.
-        return await asyncio.to_thread(self.telemetry.as_json, time.monotonic())
+        now = time.monotonic()
+        body = await asyncio.to_thread(self.telemetry.as_json, now)
+        return {**body, "envoy": self.envoy_stats.as_json(now)}
 
     async def status(self) -> dict[str, Any]:
         snapshot = self.cache.snapshot_for("*")

@@ -79,7 +79,9 @@ def write_topology(path: Path, listener_port: int, endpoints: list[str], **model
     return path
 
 
-def start_ads_envoy(workdir: Path, xds_port: int, listener_port: int, delta: bool) -> Envoy:
+def start_ads_envoy(
+    workdir: Path, xds_port: int, listener_port: int, delta: bool, otlp_port: int | None = None
+) -> Envoy:
     admin_port = free_port()
     config = render_bootstrap(
         node_id=f"envoy-{'delta' if delta else 'sotw'}",
@@ -88,5 +90,6 @@ def start_ads_envoy(workdir: Path, xds_port: int, listener_port: int, delta: boo
         xds_port=xds_port,
         admin_port=admin_port,
         delta=delta,
+        otlp_port=otlp_port,
     )
     return start_envoy(config, workdir, admin_port, listener_port)

@@ -62,7 +62,10 @@ def mesh(
     the_mesh = Mesh(servers, ControlPlaneThread(topology), None, topology, listener_port)
     try:
         xds_port = the_mesh.plane.plane.xds_port
-        the_mesh.envoy = start_ads_envoy(workdir, xds_port, listener_port, request.param == "delta")
+        the_mesh.envoy = start_ads_envoy(
+            workdir, xds_port, listener_port, request.param == "delta",
+            otlp_port=the_mesh.plane.plane.otlp_port,
+        )  # fmt: skip
         yield the_mesh
     finally:
         # Each stop runs even if one before it fails: no process may outlive the tests.
@@ -196,12 +199,12 @@ async def _rebuild(plane: object) -> None:
 
 def test_control_plane_restart_loses_no_request(mesh: Mesh) -> None:
     wait_endpoints(mesh, model_cluster("classifier"), 2)
-    xds_port = mesh.plane.plane.xds_port
+    xds_port, otlp_port = mesh.plane.plane.xds_port, mesh.plane.plane.otlp_port
     with Traffic(mesh.url, clients=4) as traffic:
         traffic.wait_ok(50)
         mesh.plane.stop()
         traffic.wait_ok(100)  # Envoy serves on its last config while the plane is away
-        mesh.plane = ControlPlaneThread(mesh.topology, xds_port=xds_port)
+        mesh.plane = ControlPlaneThread(mesh.topology, xds_port=xds_port, otlp_port=otlp_port)
 
         def resynced() -> bool:
             nodes = mesh.plane.admin_get("/status")["nodes"]
@@ -234,3 +237,20 @@ def test_topology_reload_adds_a_server_that_takes_traffic(
         write_topology(mesh.topology, mesh.listener_port, [s.url for s in mesh.servers])
         wait_endpoints(mesh, model_cluster("classifier"), 2)
         third.stop()
+
+
+def test_envoy_stats_arrive_through_its_opentelemetry_sink(mesh: Mesh) -> None:
+    """Envoy's per-endpoint view reaches the control plane's /telemetry over OTLP."""
+    wait_endpoints(mesh, model_cluster("classifier"), 2)
+    client = mesh.client()
+    servers = {s.url for s in mesh.servers}
+
+    def both_seen_with_traffic() -> bool:
+        infer(client)
+        seen = mesh.plane.admin_get("/telemetry")["envoy"]["endpoints"]
+        return all(seen.get(url, {}).get("requests_per_s", 0) > 0 for url in servers)
+
+    wait_for(both_seen_with_traffic, 15, "Envoy's per-endpoint request rates", interval=0.05)
+    envoy = mesh.plane.admin_get("/telemetry")["envoy"]
+    assert envoy["last_report_age_s"] < 3
+    assert all(envoy["endpoints"][url]["healthy"] for url in servers)

@@ -1,0 +1,101 @@
+"""Envoy's own view of each endpoint, from its OpenTelemetry stat sink (pure, no I/O).
+
+Envoy reports with the resource attribute telemetry.sdk.name = "envoy" and no
+service.instance.id; per-endpoint stats (``track_cluster_stats.per_endpoint_stats``) carry
+``envoy.cluster_name`` and ``envoy.endpoint_address``. They tell what Envoy sent each endpoint
+and how much failed, which the servers cannot see (a refused connection never reaches them).
+Envoy has no per-endpoint latency histogram: per-endpoint P99 comes from the servers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+from opentelemetry.proto.metrics.v1 import metrics_pb2
+
+ENVOY_SDK_NAME = "envoy"
+# Envoy stat (tag-extracted name) -> our signal name, and whether it is a counter.
+ENDPOINT_STATS = {
+    "cluster.endpoint.rq_total": ("requests", True),
+    "cluster.endpoint.rq_error": ("errors", True),
+    "cluster.endpoint.rq_active": ("active", False),
+    "cluster.endpoint.healthy": ("healthy", False),
+}
+MAX_ENDPOINTS = 10_000
+
+
+def is_envoy(resource_metrics: metrics_pb2.ResourceMetrics) -> bool:
+    return any(
+        a.key == "telemetry.sdk.name" and a.value.string_value == ENVOY_SDK_NAME
+        for a in resource_metrics.resource.attributes
+    )
+
+
+class EnvoyStats:
+    """Per endpoint and cluster: counter samples over a window, and the last gauges."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self.last_report: float | None = None
+        self._counters: dict[tuple[str, str, str], deque[tuple[float, float]]] = {}
+        self._gauges: dict[tuple[str, str, str], tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def ingest(self, resources: Iterable[metrics_pb2.ResourceMetrics], now: float) -> int:
+        used = 0
+        with self._lock:
+            self.last_report = now
+            for resource in resources:
+                for scope in resource.scope_metrics:
+                    for metric in scope.metrics:
+                        known = ENDPOINT_STATS.get(metric.name)
+                        if known is not None:
+                            used += self._metric(metric, known[0], known[1], now)
+        return used
+
+    def _metric(self, metric: metrics_pb2.Metric, name: str, counter: bool, now: float) -> int:
+        data = metric.sum.data_points if counter else metric.gauge.data_points
+        used = 0
+        for point in data:
+            attrs = {a.key: a.value.string_value for a in point.attributes}
+            address = attrs.get("envoy.endpoint_address", "")
+            if not address:
+                continue
+            key = (address, attrs.get("envoy.cluster_name", ""), name)
+            value = float(point.as_int if point.HasField("as_int") else point.as_double)
+            if counter:
+                samples = self._counters.get(key)
+                if samples is None:
+                    if len(self._counters) >= MAX_ENDPOINTS * 8:
+                        continue
+                    samples = self._counters[key] = deque(maxlen=256)
+                if samples and value < samples[-1][1]:
+                    samples.clear()  # Envoy restarted: a new series
+                samples.append((now, value))
+                while len(samples) > 2 and samples[1][0] < now - self.window_s:
+                    samples.popleft()
+            elif key in self._gauges or len(self._gauges) < MAX_ENDPOINTS * 8:
+                self._gauges[key] = (now, value)
+            used += 1
+        return used
+
+    def as_json(self, now: float) -> dict[str, Any]:
+        with self._lock:
+            endpoints: dict[str, dict[str, Any]] = {}
+            for (address, _cluster, name), samples in self._counters.items():
+                entry = endpoints.setdefault(address, {})
+                first, last = samples[0], samples[-1]
+                rate = (last[1] - first[1]) / (last[0] - first[0]) if last[0] > first[0] else 0.0
+                entry[f"{name}_per_s"] = round(entry.get(f"{name}_per_s", 0.0) + rate, 3)
+                entry["age_s"] = round(min(entry.get("age_s", 1e9), now - last[0]), 3)
+            for (address, _cluster, name), (_at, value) in self._gauges.items():
+                entry = endpoints.setdefault(address, {})
+                if name == "healthy":  # healthy in every cluster it is in
+                    entry[name] = bool(entry.get(name, True) and value > 0)
+                else:
+                    entry[name] = entry.get(name, 0.0) + value
+            age = None if self.last_report is None else round(now - self.last_report, 3)
+            return {"last_report_age_s": age, "endpoints": dict(sorted(endpoints.items()))}
