@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from control_plane.mesh import EndpointAssignment
 
 FAST_BUCKETS_S = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -52,3 +56,24 @@ class ControlPlaneMetrics:
         self.telemetry_endpoints = Gauge(
             "telemetry_endpoints", "Endpoints the telemetry store currently tracks", registry=r
         )
+        self.endpoint_weight = Gauge(
+            "xds_endpoint_weight",
+            "EDS load_balancing_weight pushed, per cluster and endpoint",
+            ["cluster", "endpoint"],
+            registry=r,
+        )
+        self.endpoint_health = Gauge(
+            "xds_endpoint_health",
+            "1 for the EDS health pushed for each endpoint in each cluster",
+            ["cluster", "endpoint", "health"],
+            registry=r,
+        )
+
+    def publish_assignments(self, clusters: Mapping[str, Sequence[EndpointAssignment]]) -> None:
+        """Replaces the weight and health series with what the snapshot just set."""
+        self.endpoint_weight.clear()
+        self.endpoint_health.clear()
+        for cluster, assignments in clusters.items():
+            for a in assignments:
+                self.endpoint_weight.labels(cluster, a.address.key).set(a.weight)
+                self.endpoint_health.labels(cluster, a.address.key, a.health.value).set(1)

@@ -173,6 +173,7 @@ class ControlPlane:
         }
         if changed:
             self.metrics.snapshots.inc()
+            self.metrics.publish_assignments(state.clusters)
             log.info("snapshot set (%s): %s", reason, snapshot.versions())
         self.mesh_state = state
         return changed

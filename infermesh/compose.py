@@ -1,9 +1,11 @@
 """Reads compose.yaml into the services the native launcher runs.
 
-Only what the launcher needs from the Compose specification: command, environment, depends_on
-(with conditions), healthcheck (CMD / CMD-SHELL, interval, timeout, retries, start_period),
-stop_signal and stop_grace_period, with ``${VAR}`` / ``${VAR:-default}`` interpolation and YAML
-merge keys. Containers get the same file from a real Compose implementation.
+Only what the launcher needs from the Compose specification: entrypoint + command,
+environment, depends_on (with conditions), healthcheck (CMD / CMD-SHELL, interval, timeout,
+retries, start_period), stop_signal and stop_grace_period, with ``${VAR}`` /
+``${VAR:-default}`` interpolation and YAML merge keys. Services with ``profiles`` are optional
+and container-only: the launcher skips them. Containers get the same file from a real
+Compose implementation.
 """
 
 from __future__ import annotations
@@ -98,8 +100,11 @@ def load_services(path: Path, env: Mapping[str, str] | None = None) -> list[Serv
     services: dict[str, Service] = {}
     for name, raw in (data.get("services") or {}).items():
         where = f"services.{name}"
-        command = raw.get("command")
-        if not isinstance(command, list) or not command:
+        if raw.get("profiles"):
+            continue  # optional services (containers only, e.g. Grafana): not run natively
+        entrypoint = raw.get("entrypoint") or []
+        command = [*entrypoint, *(raw.get("command") or [])]
+        if not isinstance(entrypoint, list) or not command:
             raise ComposeError(f"{where}.command: the launcher needs a command list")
         environment = raw.get("environment") or {}
         if isinstance(environment, list):

@@ -73,12 +73,25 @@ class Launcher:
 
     def _start(self, service: Service) -> None:
         log_path = self.log_dir / f"{service.name}.log"
-        with log_path.open("ab") as log_file:
-            proc = subprocess.Popen(
-                service.command, cwd=self.root, env=_environment(service),
-                stdout=log_file, stderr=subprocess.STDOUT,
-                start_new_session=True,  # Ctrl-C reaches the launcher only: it stops in order
-            )  # fmt: skip
+        try:
+            with log_path.open("ab") as log_file:
+                proc = subprocess.Popen(
+                    service.command, cwd=self.root, env=_environment(service),
+                    stdout=log_file, stderr=subprocess.STDOUT,
+                    start_new_session=True,  # Ctrl-C reaches the launcher only: it stops in order
+                )  # fmt: skip
+        except FileNotFoundError:
+            needed_by = [s.name for s in self.services if service.name in s.depends_on]
+            if needed_by:
+                raise LaunchError(
+                    f"{service.name}: {service.command[0]} is not installed "
+                    f"(needed by {', '.join(needed_by)})"
+                ) from None
+            print(
+                f"infermesh: {service.name} skipped: {service.command[0]} is not installed",
+                file=sys.stderr,
+            )
+            return
         self.running.append(Running(service, proc, log_path))
         print(f"infermesh: {service.name} started (pid {proc.pid}, log {log_path})", flush=True)
         if service.healthcheck is None:

@@ -46,6 +46,7 @@ def test_up_runs_the_compose_mesh_and_stops_it_in_order(demo_repo: Path, tmp_pat
     (tmp_path / "deploy" / "topology.yaml").write_text(topology)
     (tmp_path / "compose.yaml").write_text(compose)
     (tmp_path / "models").symlink_to(demo_repo)
+    (tmp_path / "otel").symlink_to(ROOT / "otel")
     envoy_port = free_port()
     env = {
         **os.environ,
@@ -54,6 +55,7 @@ def test_up_runs_the_compose_mesh_and_stops_it_in_order(demo_repo: Path, tmp_pat
         "INFERMESH_XDS_PORT": str(free_port()),
         "INFERMESH_ADMIN_PORT": str(free_port()),
         "INFERMESH_OTLP_PORT": str(free_port()),
+        "INFERMESH_PROMETHEUS_PORT": str(free_port()),
     }
     log = tmp_path / "up.log"
     command = [
@@ -63,6 +65,8 @@ def test_up_runs_the_compose_mesh_and_stops_it_in_order(demo_repo: Path, tmp_pat
         "up",
         "--compose",
         str(tmp_path / "compose.yaml"),
+        "--log-dir",
+        str(tmp_path / "logs"),
     ]
     with log.open("wb") as out:
         launcher = subprocess.Popen(
@@ -78,7 +82,7 @@ def test_up_runs_the_compose_mesh_and_stops_it_in_order(demo_repo: Path, tmp_pat
         assert launcher.poll() is None, text
         started = re.findall(r"infermesh: (\S+) started \(pid (\d+)", text)
         assert [name for name, _ in started] == [
-            "model-server-1", "model-server-2", "control-plane", "envoy",
+            "model-server-1", "model-server-2", "control-plane", "envoy", "prometheus",
         ]  # fmt: skip
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{envoy_port}")
         tensor = grpcclient.InferInput("input", [1, 3, 32, 32], "FP32")
@@ -92,7 +96,7 @@ def test_up_runs_the_compose_mesh_and_stops_it_in_order(demo_repo: Path, tmp_pat
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=90) == 0
         stopped = re.findall(r"infermesh: (\S+) stopped \(exit (\S+)\)", log.read_text())
-        order = ["envoy", "control-plane", "model-server-2", "model-server-1"]
+        order = ["prometheus", "envoy", "control-plane", "model-server-2", "model-server-1"]
         assert stopped == [(name, "0") for name in order]
         for _, pid in started:
             assert not Path(f"/proc/{pid}").exists() or _zombie(int(pid))
