@@ -100,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="HOST:PORT of an OTLP/gRPC metrics receiver; default: no export",
     )
     p.add_argument(
+        "--trace-endpoint",
+        type=lambda text: _endpoint(text) if text else None,
+        default=None,
+        help="HOST:PORT of an OTLP/gRPC trace receiver; default: no spans",
+    )
+    p.add_argument(
         "--telemetry-interval",
         type=_interval,
         default=1.0,
@@ -160,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         max_request_bytes=args.max_request_bytes,
         repository_poll_interval=args.repository_poll_interval,
         otlp_endpoint=args.otlp_endpoint,
+        trace_endpoint=args.trace_endpoint,
         telemetry_interval=args.telemetry_interval,
         enable_fault_injection=args.enable_fault_injection,
     )

@@ -31,6 +31,7 @@ from model_server.repository import ModelRepository
 from model_server.runtime import DeviceChoice, choose_device
 from model_server.service import InferenceService, ServingGate
 from model_server.telemetry import OtlpExporter
+from model_server.tracing import Tracing
 
 log = logging.getLogger("model_server")
 
@@ -55,6 +56,7 @@ class ServerSettings:
     max_request_bytes: int = 64 * 1024 * 1024
     repository_poll_interval: float = 0.0
     otlp_endpoint: str | None = None  # HOST:PORT of an OTLP/gRPC metrics receiver
+    trace_endpoint: str | None = None  # HOST:PORT of an OTLP/gRPC trace receiver
     telemetry_interval: float = 1.0
     enable_fault_injection: bool = False
 
@@ -92,6 +94,7 @@ class ModelServer:
         self.port = 0
         self.metrics_port = -1
         self._tasks: set[asyncio.Task[None]] = set()
+        self.tracing: Tracing | None = None
         self._http: AdminServer | None = None
         self.faults = FaultInjector(settings.enable_fault_injection)
         self.exporter: OtlpExporter | None = None
@@ -147,6 +150,8 @@ class ModelServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         await self.refresh_health()  # NOT_SERVING until the models are READY
         self.port = self.grpc_server.add_insecure_port(f"{s.host}:{s.port}")
+        # Spans name the endpoint by its advertised address, known once the port is bound.
+        self.tracing = service.tracing = Tracing(s.trace_endpoint, self.advertised)
         await self.grpc_server.start()
         if s.resolved_metrics_port() >= 0:
             self._http = start_admin_server(
@@ -293,6 +298,8 @@ class ModelServer:
     async def stop(self, grace: float | None = None) -> None:
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace)
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # flush the last spans
         for task in list(self._tasks):
             task.cancel()
         if self._http is not None:

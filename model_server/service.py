@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
@@ -24,6 +25,7 @@ from model_server.lifecycle import DurationStat, ModelState, ModelVersion
 from model_server.metrics import ServerMetrics
 from model_server.model_config import parse_config_override
 from model_server.repository import ModelRepository
+from model_server.tracing import Tracing
 from model_server.validation import decode_request, encode_response
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         max_request_bytes: int,
         on_repository_change: Callable[[str, bool], None],
         faults: FaultInjector | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.repository = repository
         self.metrics = metrics
@@ -77,6 +80,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.max_request_bytes = max_request_bytes
         self.on_repository_change = on_repository_change
         self.faults = faults or FaultInjector(enabled=False)
+        self.tracing = tracing or Tracing(None, "")
 
     # -- health and metadata ------------------------------------------------------------------
     async def ServerLive(self, request: object, context: grpc.aio.ServicerContext) -> object:
@@ -204,10 +208,15 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self, request: service_pb2.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> object:
-        try:
-            return await self._infer(request, _routed_version(context))
-        except InferenceError as exc:
-            await context.abort(exc.code, exc.message)
+        metadata = context.invocation_metadata() or ()
+        with self.tracing.span(metadata) as span:
+            try:
+                response = await self._infer(request, _routed_version(metadata), span)
+            except InferenceError as exc:
+                self.tracing.finish(span, exc.code, exc.message)
+                await context.abort(exc.code, exc.message)
+            self.tracing.finish(span, grpc.StatusCode.OK)
+            return response
         raise AssertionError("unreachable")
 
     async def ModelStreamInfer(
@@ -216,16 +225,22 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
         """Each request on the stream gets one response (or an error message) in order."""
-        routed = _routed_version(context)
+        metadata = context.invocation_metadata() or ()
+        routed = _routed_version(metadata)
         async for request in request_iterator:
-            try:
-                response = await self._infer(request, routed)
-            except InferenceError as exc:
-                yield service_pb2.ModelStreamInferResponse(error_message=exc.message)
-                continue
+            with self.tracing.span(metadata) as span:
+                try:
+                    response = await self._infer(request, routed, span)
+                except InferenceError as exc:
+                    self.tracing.finish(span, exc.code, exc.message)
+                    yield service_pb2.ModelStreamInferResponse(error_message=exc.message)
+                    continue
+                self.tracing.finish(span, grpc.StatusCode.OK)
             yield service_pb2.ModelStreamInferResponse(infer_response=response)
 
-    async def _infer(self, request: service_pb2.ModelInferRequest, routed_version: str) -> object:
+    async def _infer(
+        self, request: service_pb2.ModelInferRequest, routed_version: str, span: Any = None
+    ) -> object:
         started = time.monotonic_ns()
         version: ModelVersion | None = None
         code = grpc.StatusCode.OK
@@ -241,6 +256,10 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 assert version.spec is not None
                 decoded = decode_request(request, version.spec, self.max_request_bytes)
+                if span is not None:
+                    span.set_attribute("infermesh.model", version.name)
+                    span.set_attribute("infermesh.model.version", str(version.version))
+                    span.set_attribute("infermesh.batch_size", decoded.batch)
                 self.metrics.batch_size.labels(version.name).observe(decoded.batch)
                 if self.faults.enabled:
                     await self.faults.before_execute()
@@ -286,9 +305,9 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         raise AssertionError("unreachable")
 
 
-def _routed_version(context: grpc.aio.ServicerContext) -> str:
+def _routed_version(metadata: Sequence[tuple[str, Any]]) -> str:
     """The version Envoy routed a request to (a version split), for requests that name none."""
-    for key, value in context.invocation_metadata() or ():
+    for key, value in metadata:
         if key == ROUTED_VERSION_HEADER:
             return str(value)
     return ""
