@@ -7,6 +7,7 @@ GET  /status                     endpoints, clusters, snapshot versions, Envoy n
 GET  /metrics                    Prometheus text
 GET  /healthz                    200 once a snapshot is set
 GET  /telemetry                  every endpoint's signals (P99, QPS, memory, ...) with their ages
+GET  /decisions                  recent routing decisions (weights, ejections, returns) and why
 POST /endpoints/HOST:PORT        {"weight": 9} and/or {"health": "DRAINING"|"HEALTHY"|...};
                                  {"weight": null, "health": null} clears the override
 """
@@ -48,6 +49,7 @@ class AdminServer:
         status: StatusFn,
         override: OverrideFn,
         telemetry: StatusFn,
+        decisions: StatusFn,
     ) -> None:
         admin = self
 
@@ -58,6 +60,8 @@ class AdminServer:
             def do_GET(self) -> None:
                 if self.path == "/metrics":
                     self._send(HTTPStatus.OK, generate_latest(registry), CONTENT_TYPE_LATEST)
+                elif self.path in ("/decisions", "/decisions/"):
+                    self._json(HTTPStatus.OK, admin._call(decisions()))
                 elif self.path in ("/telemetry", "/telemetry/"):
                     self._json(HTTPStatus.OK, admin._call(telemetry()))
                 elif self.path in ("/status", "/status/"):

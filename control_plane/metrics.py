@@ -56,6 +56,12 @@ class ControlPlaneMetrics:
         self.telemetry_endpoints = Gauge(
             "telemetry_endpoints", "Endpoints the telemetry store currently tracks", registry=r
         )
+        self.routing_recompute = Histogram(
+            "routing_recompute_seconds",
+            "Time to turn telemetry into every pool's weights and ejections",
+            buckets=FAST_BUCKETS_S,
+            registry=r,
+        )
         self.endpoint_weight = Gauge(
             "xds_endpoint_weight",
             "EDS load_balancing_weight pushed, per cluster and endpoint",

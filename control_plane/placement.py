@@ -227,6 +227,8 @@ def build_mesh_state(
     reports: Reports,
     weights: Mapping[EndpointAddress, int] | None = None,
     health: Mapping[EndpointAddress, EndpointHealth] | None = None,
+    pool_weights: Mapping[str, Mapping[EndpointAddress, int]] | None = None,
+    pool_health: Mapping[str, Mapping[EndpointAddress, EndpointHealth]] | None = None,
 ) -> MeshState:
     """The mesh for a topology and the latest placement (pure; equal inputs, equal output).
 
@@ -235,7 +237,9 @@ def build_mesh_state(
     READY anywhere, holding the reachable endpoints where (M, V) is READY. ``SERVERS_CLUSTER``
     holds the reachable endpoints whose server is ready. Clusters may be empty; models not in
     the topology get none. Weights default to 1 (raised to 1 if lower: EDS needs >= 1),
-    health to HEALTHY. Cluster names and endpoints are sorted.
+    health to HEALTHY. ``pool_weights`` / ``pool_health`` (per model name: what telemetry-driven
+    routing decided) apply to that model's clusters; ``weights`` / ``health`` (operator
+    overrides) win over them everywhere. Cluster names and endpoints are sorted.
     """
     weights = weights or {}
     health = health or {}
@@ -255,9 +259,20 @@ def build_mesh_state(
                 members[model_cluster(name)].add(address)
                 members.setdefault(model_cluster(name, version), set()).add(address)
 
-    def assign(address: EndpointAddress) -> EndpointAssignment:
-        weight = max(1, int(weights.get(address, 1)))
-        return EndpointAssignment(address, weight, health.get(address, EndpointHealth.HEALTHY))
+    pool_weights = pool_weights or {}
+    pool_health = pool_health or {}
+    model_of = {model_cluster(m.name): m.name for m in topology.models}
+    for name in members:
+        if name.count(":") == 2:  # model:NAME:vN belongs to NAME's pool
+            model_of[name] = name.split(":")[1]
 
-    clusters = {name: tuple(assign(a) for a in sorted(members[name])) for name in sorted(members)}
+    def assign(address: EndpointAddress, cluster: str) -> EndpointAssignment:
+        model = model_of.get(cluster, "")
+        weight = weights.get(address, pool_weights.get(model, {}).get(address, 1))
+        state = health.get(address, pool_health.get(model, {}).get(address))
+        return EndpointAssignment(address, max(1, int(weight)), state or EndpointHealth.HEALTHY)
+
+    clusters = {
+        name: tuple(assign(a, name) for a in sorted(members[name])) for name in sorted(members)
+    }
     return MeshState(listener=topology.listener, models=topology.models, clusters=clusters)

@@ -31,6 +31,7 @@ from control_plane.nodes import NodeRegistry
 from control_plane.otlp_receiver import start_receiver
 from control_plane.placement import PlacementPoller, build_mesh_state
 from control_plane.resources import build_resources
+from control_plane.routing import Router
 from control_plane.snapshot import InconsistentSnapshot, SnapshotCache, build_snapshot
 from control_plane.telemetry import TelemetryStore
 from control_plane.topology import (
@@ -43,6 +44,7 @@ from control_plane.topology import (
 
 log = logging.getLogger("control_plane")
 TOPOLOGY_CHECK_INTERVAL_S = 1.0
+ROUTING_INTERVAL_S = 0.5  # how often telemetry is turned into weights and ejections
 DNS_REFRESH_INTERVAL_S = 5.0
 
 
@@ -53,6 +55,7 @@ class ControlPlaneSettings:
     admin_port: int | None = None
     listener_port: int | None = None  # overrides the topology's listener.port
     otlp_port: int | None = None  # overrides telemetry.port (0: a free port)
+    routing: bool = True  # telemetry-driven weights and ejection
 
 
 def load_with_overrides(settings: ControlPlaneSettings) -> Topology:
@@ -78,6 +81,7 @@ class ControlPlane:
             options.window_s, options.stale_after_intervals, options.forget_after_s
         )
         self.envoy_stats = EnvoyStats(options.window_s)
+        self.router = Router()
         self.otlp_server: grpc.aio.Server | None = None
         self.otlp_port = 0
         self.endpoints: tuple[EndpointAddress, ...] = ()
@@ -117,6 +121,7 @@ class ControlPlane:
             self.status,
             self.override,
             self.telemetry_json,
+            self.decisions,
         )
         self.admin_port = self.admin.port
         otlp_port = t.telemetry.port if self.settings.otlp_port is None else self.settings.otlp_port
@@ -129,6 +134,8 @@ class ControlPlane:
         self.admin.start()
         await self.poller.start()
         self._spawn(self._watch_topology())
+        if self.settings.routing:
+            self._spawn(self._route_by_telemetry())
         self._spawn(self._refresh_dns())
         log.info(
             "control plane listening: xds=%s:%d admin=%s:%d otlp=%s:%d topology=%s endpoints=%d",
@@ -156,7 +163,14 @@ class ControlPlane:
     # -- the one place that changes what Envoy is told ----------------------------------------
     def rebuild(self, reason: str) -> bool:
         started = time.perf_counter()
-        state = build_mesh_state(self.topology, self.poller.reports, self.weights, self.health)
+        state = build_mesh_state(
+            self.topology,
+            self.poller.reports,
+            self.weights,
+            self.health,
+            pool_weights=self.router.pool_weights(),
+            pool_health=self.router.pool_health(),
+        )
         try:
             snapshot = build_snapshot(build_resources(state))
         except InconsistentSnapshot as exc:  # a bug, not an operator error: keep the last good
@@ -180,6 +194,17 @@ class ControlPlane:
 
     def _on_placement_change(self, reports: Any) -> None:
         self.rebuild("placement changed")
+
+    async def _route_by_telemetry(self) -> None:
+        while True:
+            await asyncio.sleep(ROUTING_INTERVAL_S)
+            now = time.monotonic()
+            telemetry = await asyncio.to_thread(self.telemetry.snapshot, now)
+            started = time.perf_counter()
+            changed = self.router.recompute(self.topology, telemetry, self.poller.reports, now)
+            self.metrics.routing_recompute.observe(time.perf_counter() - started)
+            if changed:
+                self.rebuild("telemetry-driven weights or ejections")
 
     # -- topology and DNS ---------------------------------------------------------------------
     async def reload_topology(self, reason: str) -> None:
@@ -264,6 +289,9 @@ class ControlPlane:
         body = await asyncio.to_thread(self.telemetry.as_json, now)
         return {**body, "envoy": self.envoy_stats.as_json(now)}
 
+    async def decisions(self) -> dict[str, Any]:
+        return {"decisions": list(self.router.decisions)}
+
     async def status(self) -> dict[str, Any]:
         snapshot = self.cache.snapshot_for("*")
         state = getattr(self, "mesh_state", None)
@@ -291,6 +319,7 @@ class ControlPlane:
             "last_rebuild": self.last_rebuild,
             "endpoints": endpoints,
             "clusters": clusters,
+            "routing": self.router.explain(),
             "nodes": self.nodes.as_json(),
         }
 

@@ -1,0 +1,187 @@
+"""Telemetry-driven routing: per model pool, weights and ejections from what endpoints report.
+
+Every recompute turns the telemetry store's view and the placement into ``EndpointSignals``
+per pool, runs the scoring pipeline (filters -> scorers -> weights) and the ejection rules,
+applies slow start to endpoints that (re)joined, and keeps what it decided and why. The control
+plane pushes only when a pool's decision says so (hysteresis), so noise does not churn Envoy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from control_plane.mesh import EndpointAddress, EndpointHealth
+from control_plane.placement import EndpointReport
+from control_plane.scoring.ejection import EjectionState, decide_ejections
+from control_plane.scoring.pipeline import PoolDecision, PoolState, decide_pool
+from control_plane.scoring.slow_start import apply_slow_start
+from control_plane.scoring.types import EndpointSignals, PoolPolicy
+from control_plane.telemetry import EndpointTelemetry
+from control_plane.topology import Topology
+
+MAX_DECISIONS = 500
+
+
+@dataclass
+class PoolMemory:
+    """What one pool's previous recompute left behind."""
+
+    state: PoolState | None = None
+    ejections: dict[str, EjectionState] = field(default_factory=dict)
+    joined_at: dict[str, float] = field(default_factory=dict)  # for slow start
+    weights: dict[EndpointAddress, int] = field(default_factory=dict)
+    health: dict[EndpointAddress, EndpointHealth] = field(default_factory=dict)
+    explanation: dict[str, Any] = field(default_factory=dict)
+
+
+def _value(signal: Any) -> float | None:
+    return None if signal is None else float(signal.value)
+
+
+def pool_signals(
+    model: str,
+    telemetry: Mapping[str, EndpointTelemetry],
+    reports: Mapping[EndpointAddress, EndpointReport],
+) -> list[EndpointSignals]:
+    """The endpoints where ``model`` is READY, with their signals (None where missing)."""
+    signals = []
+    for address, report in sorted(reports.items()):
+        if not report.reachable or not any(m == model for m, _ in report.ready_models):
+            continue
+        seen = telemetry.get(address.key)
+        if seen is None:
+            signals.append(EndpointSignals(address.key, stale=True))
+            continue
+        per_model = next((m for m in seen.models if m.model == model), None)
+        signals.append(
+            EndpointSignals(
+                endpoint=address.key,
+                stale=seen.stale,
+                draining=bool(seen.draining and seen.draining.value),
+                qps=_value(per_model.qps if per_model else seen.qps),
+                p99_ms=_value(per_model.p99_ms if per_model else seen.p99_ms),
+                error_rate=_value(seen.error_rate),
+                memory_used_bytes=_value(seen.memory_used_bytes),
+                memory_total_bytes=_value(seen.memory_total_bytes),
+                kv_blocks_used=_value(seen.kv_blocks_used),
+                kv_blocks_total=_value(seen.kv_blocks_total),
+                queue_depth=_value(seen.queue_depth),
+            )
+        )
+    return signals
+
+
+def _address(key: str) -> EndpointAddress:
+    host, _, port = key.rpartition(":")
+    return EndpointAddress(host.strip("[]"), int(port))
+
+
+class Router:
+    def __init__(self) -> None:
+        self.pools: dict[str, PoolMemory] = {}
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=MAX_DECISIONS)
+
+    def _log(self, pool: str, event: str, now_wall: float) -> None:
+        self.decisions.append({"at": round(now_wall, 3), "pool": pool, "decision": event})
+
+    def recompute(
+        self,
+        topology: Topology,
+        telemetry: Mapping[str, EndpointTelemetry],
+        reports: Mapping[EndpointAddress, EndpointReport],
+        now: float,
+    ) -> bool:
+        """Updates every pool's weights and health; True when Envoy should be told."""
+        changed = False
+        wall = time.time()
+        for model in topology.models:
+            memory = self.pools.setdefault(model.name, PoolMemory())
+            policy = PoolPolicy(
+                capacity_qps=topology.capacity(model.name), sla_p99_ms=model.sla_p99_ms
+            )
+            signals = pool_signals(model.name, telemetry, reports)
+            decision, memory.state = decide_pool(signals, policy, memory.state)
+            ejection = decide_ejections(signals, policy, memory.ejections, now)
+            for event in ejection.events:
+                self._log(model.name, event, wall)
+            for endpoint in ejection.states.keys() - memory.ejections.keys():
+                memory.joined_at.setdefault(endpoint, now)
+            for endpoint, before in memory.ejections.items():
+                after = ejection.states.get(endpoint)
+                if before.ejected and after is not None and not after.ejected:
+                    memory.joined_at[endpoint] = now  # returning: ramp up again
+            memory.ejections = dict(ejection.states)
+            ramped = apply_slow_start(decision.weights, memory.joined_at, now, policy.slow_start_s)
+            weights = {_address(k): v for k, v in ramped.items()}
+            health = {_address(k): EndpointHealth(v) for k, v in ejection.health.items()}
+            pushed = self._push_wanted(decision, memory, weights, health)
+            if pushed:
+                self._log(model.name, f"weights {_describe(weights)}", wall)
+                memory.weights, memory.health = weights, health
+                changed = True
+            memory.explanation = {
+                "endpoints": {
+                    s.endpoint: {
+                        "score": _round(decision.scores.get(s.endpoint)),
+                        "weight": memory.weights.get(_address(s.endpoint)),
+                        "health": ejection.health.get(s.endpoint, "HEALTHY"),
+                        "reason": _reason(s.endpoint, decision, ejection.health, ejection.reasons)
+                        + _ramp(decision.weights.get(s.endpoint), ramped.get(s.endpoint)),
+                    }
+                    for s in signals
+                },
+                "fail_open": ejection.fail_open,
+            }
+        return changed
+
+    @staticmethod
+    def _push_wanted(
+        decision: PoolDecision,
+        memory: PoolMemory,
+        weights: dict[EndpointAddress, int],
+        health: dict[EndpointAddress, EndpointHealth],
+    ) -> bool:
+        if health != memory.health or weights.keys() != memory.weights.keys():
+            return True
+        return decision.push and weights != memory.weights
+
+    def pool_weights(self) -> dict[str, dict[EndpointAddress, int]]:
+        return {name: dict(m.weights) for name, m in self.pools.items()}
+
+    def pool_health(self) -> dict[str, dict[EndpointAddress, EndpointHealth]]:
+        return {name: dict(m.health) for name, m in self.pools.items()}
+
+    def explain(self) -> dict[str, Any]:
+        return {name: m.explanation for name, m in sorted(self.pools.items())}
+
+
+def _round(score: Any) -> float | None:
+    value = getattr(score, "score", score)
+    return None if value is None else round(float(value), 3)
+
+
+def _describe(weights: Mapping[EndpointAddress, int]) -> str:
+    return ", ".join(f"{a.key}={w}" for a, w in sorted(weights.items())) or "none"
+
+
+def _reason(
+    endpoint: str, decision: PoolDecision, health: Mapping[str, str], ejections: Mapping[str, str]
+) -> str:
+    """Why the endpoint has its weight or health, in words."""
+    if health.get(endpoint, "HEALTHY") != "HEALTHY":
+        return ejections.get(endpoint, "")
+    weight_reason = decision.reasons.get(endpoint, "")
+    ejection_reason = ejections.get(endpoint, "")
+    if ejection_reason.startswith("would eject"):  # held back by the share cap: say both
+        return f"{weight_reason}; {ejection_reason}"
+    return weight_reason
+
+
+def _ramp(computed: int | None, ramped: int | None) -> str:
+    if computed is None or ramped is None or computed == ramped:
+        return ""
+    return f", slow start -> {ramped}"

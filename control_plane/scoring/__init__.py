@@ -1,0 +1,1 @@
+"""Telemetry-driven routing: filters -> scorers -> weights -> ejection, as small pure steps."""

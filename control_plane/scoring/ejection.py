@@ -1,0 +1,204 @@
+"""Outlier ejection: which endpoints of a pool are taken out, for how long, and why.
+
+Pure: the previous per-endpoint states and the time come in, the new states come out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from control_plane.scoring.types import EndpointSignals, PoolPolicy
+
+HEALTHY = "HEALTHY"
+UNHEALTHY = "UNHEALTHY"
+DRAINING = "DRAINING"
+FAIL_OPEN_REASON = "every endpoint looks bad: failing open to weights"
+
+
+@dataclass(frozen=True)
+class EjectionState:
+    """What ejection remembers about one endpoint between recomputes."""
+
+    ejected: bool = False
+    reason: str = ""
+    ejected_at: float | None = None  # start of the current ejection
+    until: float | None = None  # end of the current back-off
+    times_ejected: int = 0  # ejections and extensions so far; sets the back-off length
+    latency_strikes: int = 0  # consecutive recomputes with p99 over factor x SLA
+    draining: bool = False
+    returned_at: float | None = None  # last return to service (feeds slow start)
+
+
+@dataclass(frozen=True)
+class EjectionDecision:
+    states: dict[str, EjectionState]
+    health: dict[str, str]  # HEALTHY, UNHEALTHY (ejected) or DRAINING
+    reasons: dict[str, str]
+    events: list[str] = field(default_factory=list)
+    fail_open: bool = False
+    fail_open_reason: str = ""
+
+
+def backoff_s(times_ejected: int, policy: PoolPolicy) -> float:
+    """base x 2**(n-1), capped; the exponent is bounded so huge counts cannot overflow."""
+    exponent = min(max(times_ejected - 1, 0), 64)
+    return float(min(policy.backoff_base_s * 2.0**exponent, policy.backoff_max_s))
+
+
+def _pct(value: float) -> str:
+    return f"{value * 100:.0f}%"
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    causes: tuple[str, ...]  # why the signals say "eject", empty when they do not
+    severity: tuple[float, float, float]  # memory, error, latency: larger is worse
+    strikes: int
+
+
+def _judge(sig: EndpointSignals, policy: PoolPolicy, prev: EjectionState) -> _Verdict:
+    """Eject conditions from the current signals; stale or missing signals never eject."""
+    if sig.stale:
+        return _Verdict((), (0.0, 0.0, 0.0), 0)
+    causes: list[str] = []
+    mem = err = lat = 0.0
+    used, total = sig.memory_used_bytes, sig.memory_total_bytes
+    if used is not None and total is not None and total > 0:
+        ratio = used / total
+        if ratio >= policy.memory_watermark:
+            mem = ratio
+            causes.append(f"memory {_pct(ratio)} >= watermark {_pct(policy.memory_watermark)}")
+    if sig.error_rate is not None and sig.error_rate >= policy.error_rate_eject:
+        err = sig.error_rate
+        causes.append(f"error rate {_pct(sig.error_rate)} >= {_pct(policy.error_rate_eject)}")
+    strikes = 0
+    limit = policy.latency_eject_factor * policy.sla_p99_ms
+    if sig.p99_ms is not None and sig.p99_ms > limit:
+        strikes = prev.latency_strikes + 1
+        if strikes >= policy.latency_eject_windows:
+            lat = sig.p99_ms / policy.sla_p99_ms if policy.sla_p99_ms > 0 else math.inf
+            causes.append(
+                f"p99 {sig.p99_ms:.0f} ms > {policy.latency_eject_factor:g} x SLA "
+                f"{policy.sla_p99_ms:.0f} ms for {strikes} window{'s' if strikes != 1 else ''}"
+            )
+    return _Verdict(tuple(causes), (mem, err, lat), strikes)
+
+
+def _max_out(serving: int, share: float) -> int:
+    # A pool of one is never emptied, whatever the share.
+    if serving <= 1:
+        return 0
+    return math.floor(min(max(share, 0.0), 1.0) * serving)
+
+
+def decide_ejections(
+    signals: Sequence[EndpointSignals],
+    policy: PoolPolicy,
+    previous: Mapping[str, EjectionState],
+    now: float,
+) -> EjectionDecision:
+    """Eject, extend, return or keep each endpoint; endpoints absent from signals are dropped."""
+    states: dict[str, EjectionState] = {}
+    health: dict[str, str] = {}
+    reasons: dict[str, str] = {}
+    events: list[str] = []
+
+    serving: list[EndpointSignals] = []
+    for sig in signals:
+        prev = previous.get(sig.endpoint, EjectionState())
+        if not sig.draining:
+            serving.append(sig)
+            continue
+        # Draining is the server's own choice: no back-off, not counted as ejected.
+        states[sig.endpoint] = replace(
+            prev, ejected=False, until=None, latency_strikes=0, draining=True
+        )
+        health[sig.endpoint] = DRAINING
+        reasons[sig.endpoint] = "draining: server reports draining"
+        if not prev.draining:
+            events.append(f"{sig.endpoint} is draining: the server reports draining.")
+
+    verdicts = {
+        s.endpoint: _judge(s, policy, previous.get(s.endpoint, EjectionState())) for s in serving
+    }
+
+    def wants_out(ep: str) -> bool:
+        prev = previous.get(ep, EjectionState())
+        in_backoff = prev.ejected and prev.until is not None and now < prev.until
+        return in_backoff or bool(verdicts[ep].causes)
+
+    candidates = [s.endpoint for s in serving if wants_out(s.endpoint)]
+    fail_open = bool(candidates) and len(candidates) == len(serving)
+    cap = _max_out(len(serving), policy.max_ejected_share)
+    chosen: set[str] = set()
+    if not fail_open:
+        # Already ejected first (no flapping), then the worst: memory, error rate, latency.
+        def rank(ep: str) -> tuple[bool, tuple[float, float, float], str]:
+            sev = verdicts[ep].severity
+            return (not previous.get(ep, EjectionState()).ejected, (-sev[0], -sev[1], -sev[2]), ep)
+
+        chosen = set(sorted(candidates, key=rank)[:cap])
+    if fail_open:
+        events.append(f"Pool fails open: {FAIL_OPEN_REASON}.")
+    share_text = f"at most {policy.max_ejected_share * 100:g}% of the pool may be out"
+
+    for sig in serving:
+        ep = sig.endpoint
+        prev = previous.get(ep, EjectionState())
+        verdict = verdicts[ep]
+        why = "; ".join(verdict.causes)
+        base = replace(prev, latency_strikes=verdict.strikes, draining=False)
+        if prev.draining:
+            base = replace(base, returned_at=now)  # back from draining: ramp up again
+            events.append(f"{ep} stopped draining.")
+        if ep in chosen:
+            health[ep] = UNHEALTHY
+            in_backoff = prev.ejected and prev.until is not None and now < prev.until
+            if in_backoff:
+                states[ep] = base
+                reasons[ep] = prev.reason
+                continue
+            times = prev.times_ejected + 1
+            out_for = backoff_s(times, policy)
+            reason = f"ejected: {why}"
+            states[ep] = replace(
+                base,
+                ejected=True,
+                reason=reason,
+                until=now + out_for,
+                times_ejected=times,
+                ejected_at=prev.ejected_at if prev.ejected else now,
+            )
+            reasons[ep] = reason
+            verb = "stays ejected" if prev.ejected else "ejected"
+            events.append(f"{ep} {verb} for {out_for:g} s: {why}.")
+            continue
+        health[ep] = HEALTHY
+        if ep in candidates:
+            what = why or "still in back-off"
+            limit = FAIL_OPEN_REASON if fail_open else share_text
+            reasons[ep] = f"would eject ({what}), but {limit}"
+        elif prev.ejected:
+            reasons[ep] = f"returned after {backoff_s(prev.times_ejected, policy):g} s back-off"
+        elif sig.stale:
+            reasons[ep] = "healthy (signals stale: not judged)"
+        else:
+            reasons[ep] = "healthy"
+        if prev.ejected:
+            states[ep] = replace(
+                base, ejected=False, until=None, returned_at=now, reason=reasons[ep]
+            )
+            early = ep in candidates  # cut by the share cap or by failing open
+            events.append(f"{ep} returned: {reasons[ep]}." if early else f"{ep} {reasons[ep]}.")
+        else:
+            states[ep] = replace(base, reason=reasons[ep])
+    return EjectionDecision(
+        states=states,
+        health=health,
+        reasons=reasons,
+        events=events,
+        fail_open=fail_open,
+        fail_open_reason=FAIL_OPEN_REASON if fail_open else "",
+    )

@@ -1,0 +1,133 @@
+"""Step 2-3: per-signal scores in [0, 1] (None when the signal is missing), and their weighted
+combination with the pool's ScoreWeights, renormalised over the scorers that have a value."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from control_plane.scoring.types import EndpointSignals, PoolPolicy
+
+
+def _clamp01(x: float) -> float:
+    return min(1.0, max(0.0, x))
+
+
+def _headroom(used: float | None, total: float | None) -> float | None:
+    """1 - used/total clamped to [0, 1]; None when either is missing or total is not positive."""
+    if used is None or total is None or total <= 0:
+        return None
+    return _clamp01(1.0 - used / total)
+
+
+class Scorer(Protocol):
+    # Names match the ScoreWeights fields, so a scorer's weight is getattr(weights, name).
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def consumes(self) -> tuple[str, ...]: ...
+
+    def score(
+        self, endpoint: EndpointSignals, pool: Sequence[EndpointSignals], policy: PoolPolicy
+    ) -> float | None: ...
+
+
+@dataclass(frozen=True)
+class QpsScorer:
+    name: str = "qps"
+    consumes: tuple[str, ...] = ("qps",)
+
+    def score(
+        self, endpoint: EndpointSignals, pool: Sequence[EndpointSignals], policy: PoolPolicy
+    ) -> float | None:
+        return _headroom(endpoint.qps, policy.capacity_qps)
+
+
+@dataclass(frozen=True)
+class LatencyScorer:
+    name: str = "latency"
+    consumes: tuple[str, ...] = ("p99_ms",)
+
+    def score(
+        self, endpoint: EndpointSignals, pool: Sequence[EndpointSignals], policy: PoolPolicy
+    ) -> float | None:
+        # p99 at or above the SLA scores 0: over-SLA endpoints are not ranked among themselves.
+        return _headroom(endpoint.p99_ms, policy.sla_p99_ms)
+
+
+@dataclass(frozen=True)
+class MemoryScorer:
+    name: str = "memory"
+    consumes: tuple[str, ...] = ("memory_used_bytes", "memory_total_bytes")
+
+    def score(
+        self, endpoint: EndpointSignals, pool: Sequence[EndpointSignals], policy: PoolPolicy
+    ) -> float | None:
+        return _headroom(endpoint.memory_used_bytes, endpoint.memory_total_bytes)
+
+
+@dataclass(frozen=True)
+class KvCacheScorer:
+    name: str = "kv_cache"
+    consumes: tuple[str, ...] = ("kv_blocks_used", "kv_blocks_total")
+
+    def score(
+        self, endpoint: EndpointSignals, pool: Sequence[EndpointSignals], policy: PoolPolicy
+    ) -> float | None:
+        return _headroom(endpoint.kv_blocks_used, endpoint.kv_blocks_total)
+
+
+@dataclass(frozen=True)
+class QueueScorer:
+    name: str = "queue"
+    consumes: tuple[str, ...] = ("queue_depth",)
+
+    def score(
+        self, endpoint: EndpointSignals, pool: Sequence[EndpointSignals], policy: PoolPolicy
+    ) -> float | None:
+        # Queue depth has no absolute scale, so it is relative to the deepest queue in the pool.
+        if endpoint.queue_depth is None:
+            return None
+        depths = [s.queue_depth for s in pool if s.queue_depth is not None]
+        deepest = max([endpoint.queue_depth, *depths])
+        if deepest <= 0:
+            return 1.0
+        return _clamp01(1.0 - endpoint.queue_depth / deepest)
+
+
+SCORERS: tuple[Scorer, ...] = (
+    QpsScorer(),
+    LatencyScorer(),
+    MemoryScorer(),
+    KvCacheScorer(),
+    QueueScorer(),
+)
+
+
+@dataclass(frozen=True)
+class EndpointScore:
+    endpoint: str
+    score: float | None  # None: no weighted scorer had a value (the endpoint is neutral)
+    parts: dict[str, float | None]  # each weighted scorer's value (weight-0 scorers left out)
+
+
+def weighted_mean(parts: Mapping[str, float | None], weights: Mapping[str, float]) -> float | None:
+    """Sum of weight x part over the parts with a value, the weights renormalised to sum 1."""
+    present = {n: v for n, v in parts.items() if v is not None and weights.get(n, 0.0) > 0}
+    total = sum(weights[n] for n in present)
+    if total <= 0:
+        return None
+    return sum(weights[n] * v for n, v in present.items()) / total
+
+
+def combine(
+    endpoint: EndpointSignals,
+    pool: Sequence[EndpointSignals],
+    policy: PoolPolicy,
+    scorers: Sequence[Scorer] = SCORERS,
+) -> EndpointScore:
+    weights = {s.name: float(getattr(policy.score_weights, s.name, 0.0)) for s in scorers}
+    parts = {s.name: s.score(endpoint, pool, policy) for s in scorers if weights[s.name] > 0}
+    return EndpointScore(endpoint.endpoint, weighted_mean(parts, weights), parts)

@@ -1,0 +1,141 @@
+"""Telemetry-driven routing for real: three servers behind Envoy, one of them degraded."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from control_plane.mesh import model_cluster
+from tests.envoy_support import Envoy, free_port
+from tests.mesh_support import ControlPlaneThread, start_ads_envoy, write_topology
+from tests.support import ServerProcess, Traffic, start_server, wait_for
+
+pytestmark = pytest.mark.integration
+MiB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def mesh(
+    demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[list[ServerProcess], ControlPlaneThread, Envoy, int]]:
+    workdir = tmp_path_factory.mktemp("routing")
+    otlp, listener = free_port(), free_port()
+    with contextlib.ExitStack() as stops:
+        servers = []
+        for i in (1, 2, 3):
+            server = start_server(
+                demo_repo, workdir / f"s{i}", "--models", "classifier",
+                "--otlp-endpoint", f"127.0.0.1:{otlp}", "--telemetry-interval", "0.2",
+                "--enable-fault-injection", "--memory-budget", "600MiB",
+            )  # fmt: skip
+            stops.callback(server.stop)
+            servers.append(server)
+        topology = write_topology(workdir / "t.yaml", listener, [s.url for s in servers])
+        plane = ControlPlaneThread(topology, otlp_port=otlp)
+        stops.callback(plane.stop)
+        envoy = start_ads_envoy(workdir, plane.plane.xds_port, listener, delta=False)
+        stops.callback(envoy.stop)
+        wait_for(
+            lambda: envoy.admin("/clusters").count("::health_flags::healthy") >= 3,
+            30,
+            "three healthy endpoints",
+        )
+        yield servers, plane, envoy, listener
+
+
+def faults(server: ServerProcess, body: dict[str, Any]) -> None:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{server.metrics_port}/faults",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"content-type": "application/json"},
+    )
+    urllib.request.urlopen(request, timeout=5).read()
+
+
+def routing(plane: ControlPlaneThread, server: ServerProcess) -> dict[str, Any]:
+    pools = plane.admin_get("/status")["routing"]
+    return dict(pools.get("classifier", {}).get("endpoints", {}).get(server.url, {}))
+
+
+def shares(servers: list[ServerProcess], listener: int, requests: int = 150) -> list[float]:
+    """Each server's share of ``requests`` sequential calls through Envoy."""
+
+    def served() -> list[int]:
+        out = []
+        for s in servers:
+            stats = s.client().get_inference_statistics("classifier").model_stats
+            out.append(sum(m.inference_count for m in stats))
+        return out
+
+    before = served()
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{listener}")
+    tensor = grpcclient.InferInput("input", [1, 3, 32, 32], "FP32")
+    tensor.set_data_from_numpy(np.zeros((1, 3, 32, 32), dtype=np.float32))
+    for _ in range(requests):
+        client.infer("classifier", [tensor])
+    return [(a - b) / requests for a, b in zip(served(), before, strict=True)]
+
+
+def test_a_slow_server_loses_weight_and_traffic(
+    mesh: tuple[list[ServerProcess], ControlPlaneThread, Envoy, int],
+) -> None:
+    servers, plane, _, listener = mesh
+    slow = servers[0]
+    faults(slow, {"latency_ms": 150})  # past the 100 ms SLA: its latency score is 0
+    try:
+        started = time.monotonic()
+        with Traffic(f"127.0.0.1:{listener}", clients=3):  # load, so the P99 moves
+
+            def weight_fell() -> bool:
+                others = [routing(plane, s).get("weight") or 0 for s in servers[1:]]
+                return (routing(plane, slow).get("weight") or 100) < 0.7 * min(others)
+
+            wait_for(weight_fell, 20, "the slow server's weight to fall", interval=0.1)
+            reaction = time.monotonic() - started
+        explained = routing(plane, slow)
+        print(f"weight fell after {reaction:.1f}s: {explained}")
+        assert "latency 0.00" in explained["reason"]
+        shares_now = shares(servers, listener, 200)
+        print(f"shares of 200 sequential requests through Envoy: {shares_now}")
+        assert shares_now[0] < 0.8 * min(shares_now[1:])  # a third each before
+        decisions = plane.admin_get("/decisions")["decisions"]
+        assert any("weights" in d["decision"] for d in decisions)
+    finally:
+        faults(slow, {"reset": True})
+
+
+def test_memory_over_the_watermark_ejects_and_return_is_gradual(
+    mesh: tuple[list[ServerProcess], ControlPlaneThread, Envoy, int],
+) -> None:
+    servers, plane, envoy, listener = mesh
+    hungry = servers[1]
+    faults(hungry, {"ballast_bytes": 560 * MiB})  # past 95% of the 600 MiB budget
+    try:
+        wait_for(lambda: routing(plane, hungry).get("health") == "UNHEALTHY", 15, "ejection")
+        assert "memory" in routing(plane, hungry)["reason"]
+        wait_for(
+            lambda: (
+                f"{model_cluster('classifier')}::{hungry.url}::health_flags::/eds_status_unhealthy"
+                in envoy.admin("/clusters")
+                or "failed_eds_health" in envoy.admin("/clusters")
+            ),
+            10,
+            "Envoy to see the ejection",
+        )
+        assert shares(servers, listener, 60)[1] == 0
+        # Only one of three is out: never more than the configured share.
+        healths = [routing(plane, s).get("health") for s in servers]
+        assert healths.count("UNHEALTHY") == 1
+    finally:
+        faults(hungry, {"ballast_bytes": 0})
+    wait_for(lambda: routing(plane, hungry).get("health") == "HEALTHY", 30, "return")
