@@ -10,6 +10,8 @@ GET  /telemetry                  every endpoint's signals (P99, QPS, memory, ...
 GET  /decisions                  recent routing decisions (weights, ejections, returns) and why
 POST /endpoints/HOST:PORT        {"weight": 9} and/or {"health": "DRAINING"|"HEALTHY"|...};
                                  {"weight": null, "health": null} clears the override
+POST /models/NAME/split          {"1": 90, "2": 10}: the model's version split from now on;
+                                 {} goes back to the topology's
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import threading
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
@@ -50,6 +53,7 @@ class AdminServer:
         override: OverrideFn,
         telemetry: StatusFn,
         decisions: StatusFn,
+        set_split: OverrideFn,
     ) -> None:
         admin = self
 
@@ -75,7 +79,8 @@ class AdminServer:
 
             def do_POST(self) -> None:
                 try:
-                    if not self.path.startswith("/endpoints/"):
+                    split = re.fullmatch(r"/models/([^/]+)/split", self.path)
+                    if not self.path.startswith("/endpoints/") and split is None:
                         raise AdminError(HTTPStatus.NOT_FOUND, f"no such path {self.path}")
                     length = int(self.headers.get("content-length") or 0)
                     if length > MAX_BODY_BYTES:
@@ -88,6 +93,9 @@ class AdminServer:
                         ) from exc
                     if not isinstance(body, dict):
                         raise AdminError(HTTPStatus.BAD_REQUEST, "body must be a JSON object")
+                    if split is not None:
+                        self._json(HTTPStatus.OK, admin._call(set_split(split.group(1), body)))
+                        return
                     key = self.path.removeprefix("/endpoints/")
                     self._json(HTTPStatus.OK, admin._call(override(key, body)))
                 except AdminError as exc:

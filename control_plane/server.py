@@ -82,6 +82,7 @@ class ControlPlane:
         )
         self.envoy_stats = EnvoyStats(options.window_s)
         self.router = Router()
+        self.splits: dict[str, tuple[tuple[str, int], ...]] = {}  # operator version splits
         self.otlp_server: grpc.aio.Server | None = None
         self.otlp_port = 0
         self.endpoints: tuple[EndpointAddress, ...] = ()
@@ -122,6 +123,7 @@ class ControlPlane:
             self.override,
             self.telemetry_json,
             self.decisions,
+            self.set_split,
         )
         self.admin_port = self.admin.port
         otlp_port = t.telemetry.port if self.settings.otlp_port is None else self.settings.otlp_port
@@ -164,7 +166,7 @@ class ControlPlane:
     def rebuild(self, reason: str) -> bool:
         started = time.perf_counter()
         state = build_mesh_state(
-            self.topology,
+            self.effective_topology(),
             self.poller.reports,
             self.weights,
             self.health,
@@ -289,6 +291,45 @@ class ControlPlane:
         body = await asyncio.to_thread(self.telemetry.as_json, now)
         return {**body, "envoy": self.envoy_stats.as_json(now)}
 
+    def effective_topology(self) -> Topology:
+        """The topology with the operator's version splits in place of the file's."""
+        if not self.splits:
+            return self.topology
+        models = tuple(
+            dataclasses.replace(m, version_split=self.splits[m.name])
+            if m.name in self.splits
+            else m
+            for m in self.topology.models
+        )
+        return dataclasses.replace(self.topology, models=models)
+
+    async def set_split(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
+        if model not in {m.name for m in self.topology.models}:
+            raise AdminError(HTTPStatus.NOT_FOUND, f"model {model!r} is not in the topology")
+        errors = [
+            f"version {v!r}: weight must be an integer >= 0, got {w!r}"
+            for v, w in body.items()
+            if not isinstance(w, int) or isinstance(w, bool) or w < 0
+        ]
+        errors += [f"version {v!r} is not a number" for v in body if not str(v).isdigit()]
+        if body and not errors and sum(body.values()) == 0:
+            errors.append("the weights must not all be 0")
+        if errors:
+            raise AdminError(HTTPStatus.BAD_REQUEST, "; ".join(errors))
+        split = tuple(
+            sorted(((str(int(v)), int(w)) for v, w in body.items()), key=lambda p: int(p[0]))
+        )
+        if split:
+            self.splits[model] = split
+        else:
+            self.splits.pop(model, None)
+        described = " ".join(f"v{v}={w}" for v, w in split) or "the topology's"
+        self.router.decisions.append(
+            {"at": round(time.time(), 3), "pool": model, "decision": f"version split {described}"}
+        )
+        changed = self.rebuild(f"version split of {model} set by an operator")
+        return {"model": model, "version_split": dict(split), "changed": changed}
+
     async def decisions(self) -> dict[str, Any]:
         return {"decisions": list(self.router.decisions)}
 
@@ -320,6 +361,9 @@ class ControlPlane:
             "endpoints": endpoints,
             "clusters": clusters,
             "routing": self.router.explain(),
+            "version_splits": {
+                m.name: dict(m.version_split) for m in self.effective_topology().models
+            },
             "nodes": self.nodes.as_json(),
         }
 

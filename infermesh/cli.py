@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,32 @@ def _telemetry(admin: str, raw: bool) -> int:
     return 0
 
 
+def _split(admin: str, model: str, pairs: list[str]) -> int:
+    body: dict[str, int] = {}
+    for pair in pairs:
+        version, _, weight = pair.partition("=")
+        if not version or not weight.isdigit():
+            print(f"infermesh: {pair!r} is not VERSION=WEIGHT (e.g. 2=10)", file=sys.stderr)
+            return 2
+        body[version] = int(weight)
+    request = urllib.request.Request(
+        f"http://{admin}/models/{model}/split",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"content-type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            print(json.dumps(json.loads(response.read()), sort_keys=True))
+    except urllib.error.HTTPError as exc:
+        print(f"infermesh: {json.loads(exc.read()).get('error', exc)}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"infermesh: control plane admin at {admin} does not answer: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="infermesh", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -129,7 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     tele = commands.add_parser("telemetry", help="what the model servers report (OTLP)")
     tele.add_argument("--admin", default=default_admin, help="control plane admin HOST:PORT")
     tele.add_argument("--json", action="store_true", help="print the raw telemetry JSON")
+    split = commands.add_parser(
+        "split", help="set a model's version split, e.g. `infermesh split classifier 1=90 2=10`"
+    )
+    split.add_argument("model")
+    split.add_argument("weights", nargs="*", help="VERSION=WEIGHT; none: back to the topology's")
+    split.add_argument("--admin", default=default_admin, help="control plane admin HOST:PORT")
     args = parser.parse_args(argv)
+    if args.command == "split":
+        return _split(args.admin, args.model, args.weights)
     if args.command == "up":
         return up(args.compose, args.compose.resolve().parent, args.log_dir)
     if args.command == "telemetry":

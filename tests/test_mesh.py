@@ -4,6 +4,8 @@ control plane (state-of-the-world and delta), with placement, overrides, NACKs a
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,3 +256,42 @@ def test_envoy_stats_arrive_through_its_opentelemetry_sink(mesh: Mesh) -> None:
     envoy = mesh.plane.admin_get("/telemetry")["envoy"]
     assert envoy["last_report_age_s"] < 3
     assert all(envoy["endpoints"][url]["healthy"] for url in servers)
+
+
+def test_version_split_changes_at_run_time_through_the_cli(mesh: Mesh) -> None:
+    """`infermesh split` moves header-less traffic between versions through RDS."""
+    wait_endpoints(mesh, model_cluster("classifier"), 2)
+    client = mesh.client()
+    admin = f"127.0.0.1:{mesh.plane.plane.admin_port}"
+
+    def split(*pairs: str) -> None:
+        out = subprocess.run(
+            [sys.executable, "-m", "infermesh.cli", "split", "classifier", *pairs,
+             "--admin", admin],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+
+    def versions(n: int) -> set[str]:
+        return {infer(client).get_response().model_version for _ in range(n)}
+
+    try:
+        split("1=100", "2=0")
+        wait_for(lambda: versions(20) == {"1"}, 10, "every request on version 1")
+        split("1=0", "2=100")
+        wait_for(lambda: versions(20) == {"2"}, 10, "every request on version 2")
+        split("1=50", "2=50")
+        wait_for(lambda: versions(40) == {"1", "2"}, 10, "both versions")
+        assert mesh.plane.admin_get("/status")["version_splits"]["classifier"] == {
+            "1": 50, "2": 50,
+        }  # fmt: skip
+        bad = subprocess.run(
+            [sys.executable, "-m", "infermesh.cli", "split", "classifier", "1=0", "--admin", admin],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        assert bad.returncode == 1 and "must not all be 0" in bad.stderr
+        decisions = mesh.plane.admin_get("/decisions")["decisions"]
+        assert any("version split v1=50 v2=50" in d["decision"] for d in decisions)
+    finally:
+        split()  # back to the topology's: no split
+    wait_for(lambda: versions(10) == {"2"}, 10, "the newest version again")
