@@ -62,6 +62,12 @@ class ControlPlaneMetrics:
             buckets=FAST_BUCKETS_S,
             registry=r,
         )
+        self.ejections = Counter(
+            "routing_ejections",
+            "Endpoints ejected by telemetry-driven routing, by cause",
+            ["cause"],
+            registry=r,
+        )
         self.endpoint_weight = Gauge(
             "xds_endpoint_weight",
             "EDS load_balancing_weight pushed, per cluster and endpoint",

@@ -84,6 +84,7 @@ class Router:
     def __init__(self) -> None:
         self.pools: dict[str, PoolMemory] = {}
         self.decisions: deque[dict[str, Any]] = deque(maxlen=MAX_DECISIONS)
+        self.new_ejections: list[str] = []  # causes since the caller last took them
 
     def _log(self, pool: str, event: str, now_wall: float) -> None:
         self.decisions.append({"at": round(now_wall, 3), "pool": pool, "decision": event})
@@ -114,6 +115,10 @@ class Router:
                 after = ejection.states.get(endpoint)
                 if before.ejected and after is not None and not after.ejected:
                     memory.joined_at[endpoint] = now  # returning: ramp up again
+            for endpoint, now_state in ejection.states.items():
+                was = memory.ejections.get(endpoint)
+                if now_state.ejected and (was is None or not was.ejected):
+                    self.new_ejections.append(ejection_cause(now_state.reason))
             memory.ejections = dict(ejection.states)
             ramped = apply_slow_start(decision.weights, memory.joined_at, now, policy.slow_start_s)
             weights = {_address(k): v for k, v in ramped.items()}
@@ -185,3 +190,12 @@ def _ramp(computed: int | None, ramped: int | None) -> str:
     if computed is None or ramped is None or computed == ramped:
         return ""
     return f", slow start -> {ramped}"
+
+
+def ejection_cause(reason: str) -> str:
+    """A short label for metrics: memory, latency or errors."""
+    lowered = reason.lower()
+    for cause, word in (("memory", "memory"), ("latency", "p99"), ("errors", "error")):
+        if word in lowered:
+            return cause
+    return "other"

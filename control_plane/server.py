@@ -205,6 +205,9 @@ class ControlPlane:
             started = time.perf_counter()
             changed = self.router.recompute(self.topology, telemetry, self.poller.reports, now)
             self.metrics.routing_recompute.observe(time.perf_counter() - started)
+            for cause in self.router.new_ejections:
+                self.metrics.ejections.labels(cause).inc()
+            self.router.new_ejections.clear()
             if changed:
                 self.rebuild("telemetry-driven weights or ejections")
 

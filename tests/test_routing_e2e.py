@@ -123,6 +123,8 @@ def test_memory_over_the_watermark_ejects_and_return_is_gradual(
     try:
         wait_for(lambda: routing(plane, hungry).get("health") == "UNHEALTHY", 15, "ejection")
         assert "memory" in routing(plane, hungry)["reason"]
+        metrics = plane.admin_get("/metrics")
+        assert 'routing_ejections_total{cause="memory"} 1.0' in metrics
         wait_for(
             lambda: (
                 f"{model_cluster('classifier')}::{hungry.url}::health_flags::/eds_status_unhealthy"
