@@ -5,6 +5,7 @@ Every process is started here, stopped by its own PID, and waited for with deadl
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -12,10 +13,11 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -238,3 +240,14 @@ class Traffic:
                     self.ok += 1
                     key = response.model_version
                     self.versions[key] = self.versions.get(key, 0) + 1
+
+
+def post_faults(server: ServerProcess, body: dict[str, Any]) -> None:
+    """Sets a model server's injected faults (it must run with --enable-fault-injection)."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{server.metrics_port}/faults",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"content-type": "application/json"},
+    )
+    urllib.request.urlopen(request, timeout=5).read()

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +15,7 @@ import tritonclient.grpc as grpcclient
 from control_plane.mesh import model_cluster
 from tests.envoy_support import Envoy, free_port
 from tests.mesh_support import ControlPlaneThread, start_ads_envoy, write_topology
-from tests.support import ServerProcess, Traffic, start_server, wait_for
+from tests.support import ServerProcess, Traffic, post_faults, start_server, wait_for
 
 pytestmark = pytest.mark.integration
 MiB = 1024 * 1024
@@ -52,16 +50,6 @@ def mesh(
         yield servers, plane, envoy, listener
 
 
-def faults(server: ServerProcess, body: dict[str, Any]) -> None:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{server.metrics_port}/faults",
-        data=json.dumps(body).encode(),
-        method="POST",
-        headers={"content-type": "application/json"},
-    )
-    urllib.request.urlopen(request, timeout=5).read()
-
-
 def routing(plane: ControlPlaneThread, server: ServerProcess) -> dict[str, Any]:
     pools = plane.admin_get("/status")["routing"]
     return dict(pools.get("classifier", {}).get("endpoints", {}).get(server.url, {}))
@@ -91,7 +79,7 @@ def test_a_slow_server_loses_weight_and_traffic(
 ) -> None:
     servers, plane, _, listener = mesh
     slow = servers[0]
-    faults(slow, {"latency_ms": 150})  # past the 100 ms SLA: its latency score is 0
+    post_faults(slow, {"latency_ms": 150})  # past the 100 ms SLA: its latency score is 0
     try:
         started = time.monotonic()
         with Traffic(f"127.0.0.1:{listener}", clients=3):  # load, so the P99 moves
@@ -111,7 +99,7 @@ def test_a_slow_server_loses_weight_and_traffic(
         decisions = plane.admin_get("/decisions")["decisions"]
         assert any("weights" in d["decision"] for d in decisions)
     finally:
-        faults(slow, {"reset": True})
+        post_faults(slow, {"reset": True})
 
 
 def test_memory_over_the_watermark_ejects_and_return_is_gradual(
@@ -119,7 +107,7 @@ def test_memory_over_the_watermark_ejects_and_return_is_gradual(
 ) -> None:
     servers, plane, envoy, listener = mesh
     hungry = servers[1]
-    faults(hungry, {"ballast_bytes": 560 * MiB})  # past 95% of the 600 MiB budget
+    post_faults(hungry, {"ballast_bytes": 560 * MiB})  # past 95% of the 600 MiB budget
     try:
         wait_for(lambda: routing(plane, hungry).get("health") == "UNHEALTHY", 15, "ejection")
         assert "memory" in routing(plane, hungry)["reason"]
@@ -139,5 +127,5 @@ def test_memory_over_the_watermark_ejects_and_return_is_gradual(
         healths = [routing(plane, s).get("health") for s in servers]
         assert healths.count("UNHEALTHY") == 1
     finally:
-        faults(hungry, {"ballast_bytes": 0})
+        post_faults(hungry, {"ballast_bytes": 0})
     wait_for(lambda: routing(plane, hungry).get("health") == "HEALTHY", 30, "return")

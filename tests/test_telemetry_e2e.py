@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,7 @@ import tritonclient.grpc as grpcclient
 
 from tests.envoy_support import free_port
 from tests.mesh_support import ControlPlaneThread, write_topology
-from tests.support import ServerProcess, start_server, wait_for
+from tests.support import ServerProcess, post_faults, start_server, wait_for
 
 pytestmark = pytest.mark.integration
 INTERVAL_S = 0.2
@@ -46,16 +44,6 @@ def telemetry_mesh(
         plane = ControlPlaneThread(topology, otlp_port=otlp)
         stops.callback(plane.stop)
         yield servers, plane
-
-
-def post_faults(server: ServerProcess, body: dict[str, Any]) -> None:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{server.metrics_port}/faults",
-        data=json.dumps(body).encode(),
-        method="POST",
-        headers={"content-type": "application/json"},
-    )
-    urllib.request.urlopen(request, timeout=5).read()
 
 
 def endpoint(plane: ControlPlaneThread, server: ServerProcess) -> dict[str, Any]:
