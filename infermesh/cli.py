@@ -39,6 +39,16 @@ def _status(admin: str, raw: bool) -> int:
     for name, endpoints in sorted(status["clusters"].items()):
         members = ", ".join(f"{m['endpoint']} w={m['weight']} {m['health']}" for m in endpoints)
         print(f"  {name:28} {members or '(empty)'}")
+    for pool, routing in sorted(status.get("routing", {}).items()):
+        split = status.get("version_splits", {}).get(pool) or {}
+        described = " ".join(f"v{v}={w}" for v, w in split.items()) or "none"
+        fail_open = " (FAILING OPEN)" if routing.get("fail_open") else ""
+        print(f"routing {pool}{fail_open}: version split {described}")
+        for endpoint, e in sorted(routing.get("endpoints", {}).items()):
+            print(
+                f"  {endpoint:22} weight={e['weight']} {e['health']:9} score={e['score']}  "
+                f"{e['reason']}"
+            )
     print("envoy nodes:")
     for node in status["nodes"]:
         connected = "connected" if node["connected"] else "disconnected"

@@ -93,6 +93,7 @@ def test_up_runs_the_compose_mesh_and_stops_it_in_order(demo_repo: Path, tmp_pat
             capture_output=True, text=True, timeout=30, check=False,
         )  # fmt: skip
         assert status.returncode == 0 and "model:classifier" in status.stdout, status.stdout
+        assert "routing classifier: version split none" in status.stdout, status.stdout
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=90) == 0
         stopped = re.findall(r"infermesh: (\S+) stopped \(exit (\S+)\)", log.read_text())
