@@ -19,7 +19,7 @@ from control_plane.placement import EndpointReport
 from control_plane.scoring.ejection import EjectionState, decide_ejections
 from control_plane.scoring.pipeline import PoolDecision, PoolState, decide_pool
 from control_plane.scoring.slow_start import apply_slow_start
-from control_plane.scoring.types import EndpointSignals, PoolPolicy
+from control_plane.scoring.types import EndpointSignals
 from control_plane.telemetry import EndpointTelemetry
 from control_plane.topology import Topology
 
@@ -101,9 +101,7 @@ class Router:
         wall = time.time()
         for model in topology.models:
             memory = self.pools.setdefault(model.name, PoolMemory())
-            policy = PoolPolicy(
-                capacity_qps=topology.capacity(model.name), sla_p99_ms=model.sla_p99_ms
-            )
+            policy = topology.policy(model.name)
             signals = pool_signals(model.name, telemetry, reports)
             decision, memory.state = decide_pool(signals, policy, memory.state)
             ejection = decide_ejections(signals, policy, memory.ejections, now)

@@ -43,6 +43,7 @@ fingerprint *before* loading, so a write in between only costs one more reload.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import ipaddress
 import json
@@ -59,6 +60,7 @@ from typing import Any
 import yaml
 
 from control_plane.mesh import EndpointAddress, ListenerOptions, ModelRoute
+from control_plane.scoring.types import PoolPolicy, ScoreWeights
 
 log = logging.getLogger(__name__)
 
@@ -125,10 +127,19 @@ class Topology:
     capacity_qps: tuple[tuple[str, float], ...] = ()  # (model name, capacity), file order
     source: str = ""
     telemetry: TelemetryOptions = TelemetryOptions()
+    policies: tuple[tuple[str, PoolPolicy], ...] = ()  # (model name, routing policy)
 
     def capacity(self, model: str) -> float:
         """The model's declared capacity in queries per second; KeyError if not a model."""
         return dict(self.capacity_qps)[model]
+
+    def policy(self, model: str) -> PoolPolicy:
+        """How telemetry-driven routing treats the model's pool (KeyError if not a model)."""
+        found = dict(self.policies).get(model)
+        if found is not None:
+            return found
+        route = next(m for m in self.models if m.name == model)
+        return PoolPolicy(capacity_qps=self.capacity(model), sla_p99_ms=route.sla_p99_ms)
 
 
 def load_topology(path: str | os.PathLike[str]) -> Topology:
@@ -194,8 +205,17 @@ _TELEMETRY = {
 }  # fmt: skip
 _MODEL = {
     "name": "name", "sla_p99_ms": "positive", "capacity_qps": "positive",
-    "timeout_s": "positive", "version_split": "split",
+    "timeout_s": "positive", "version_split": "split", "routing": "routing",
 }  # fmt: skip
+# models[].routing: telemetry-driven routing of the model's pool (defaults: PoolPolicy's).
+_ROUTING = {
+    "score_weights": "score_weights", "memory_watermark": "fraction",
+    "latency_eject_factor": "positive", "latency_eject_windows": "count",
+    "error_rate_eject": "fraction", "max_ejected_share": "fraction",
+    "backoff_base_s": "positive", "backoff_max_s": "positive", "slow_start_s": "nonnegative",
+    "ewma_alpha": "fraction", "hysteresis": "fraction", "max_step": "fraction",
+}  # fmt: skip
+_SCORE_WEIGHTS = {k: "nonnegative" for k in ("qps", "latency", "memory", "kv_cache", "queue")}
 _TOP = ("listener", "xds", "admin", "placement", "telemetry", "models", "endpoints")
 
 
@@ -211,21 +231,26 @@ def _build(data: object, source: str, early_errors: list[str]) -> Topology:
     admin = EndpointAddress(**c.section(root, "admin", _BIND, d.admin))
     placement = PlacementOptions(**c.section(root, "placement", _PLACEMENT, d.placement))
     telemetry = TelemetryOptions(**c.section(root, "telemetry", _TELEMETRY, d.telemetry))
-    models, capacity = _models(c, root["models"]) if "models" in root else ((), ())
+    models, capacity, policies = _models(c, root["models"]) if "models" in root else ((), (), ())
     endpoints = _endpoints(c, root.get("endpoints", []))
     if c.errors:
         raise TopologyError(source, c.errors)
-    return Topology(listener, xds, admin, placement, models, endpoints, capacity, source, telemetry)
+    return Topology(
+        listener, xds, admin, placement, models, endpoints, capacity, source, telemetry, policies
+    )
 
 
 def _models(
     c: _Checker, value: object
-) -> tuple[tuple[ModelRoute, ...], tuple[tuple[str, float], ...]]:
+) -> tuple[
+    tuple[ModelRoute, ...], tuple[tuple[str, float], ...], tuple[tuple[str, PoolPolicy], ...]
+]:
     items = c.sequence(value, "models")
     if items == []:
         c.errors.append("models: must list at least one model")
     routes: list[ModelRoute] = []
     capacity: list[tuple[str, float]] = []
+    policies: list[tuple[str, PoolPolicy]] = []
     first: dict[str, int] = {}
     for index, item in enumerate(items or []):
         path = f"models[{index}]"
@@ -242,7 +267,36 @@ def _models(
         split = c.value(m, path, "version_split", "split", ())
         routes.append(ModelRoute(name, sla, timeout, split))
         capacity.append((name, c.value(m, path, "capacity_qps", "positive", 1.0)))
-    return tuple(routes), tuple(capacity)
+        policies.append(
+            (name, _policy(c, m.get("routing", {}), f"{path}.routing", capacity[-1][1], sla))
+        )
+    return tuple(routes), tuple(capacity), tuple(policies)
+
+
+def _policy(c: _Checker, value: object, path: str, capacity: float, sla: float) -> PoolPolicy:
+    default = PoolPolicy(capacity_qps=capacity, sla_p99_ms=sla)
+    m = c.mapping(value, path) or {}
+    c.keys(m, path, _ROUTING)
+    options = {
+        k: c.value(m, path, k, kind, getattr(default, k))
+        for k, kind in _ROUTING.items()
+        if kind != "score_weights"
+    }
+    if "latency_eject_windows" in m and options["latency_eject_windows"] < 1:
+        c.errors.append(
+            f"{path}.latency_eject_windows: must be >= 1, got {options['latency_eject_windows']}"
+        )
+    w = c.mapping(m.get("score_weights", {}), f"{path}.score_weights") or {}
+    c.keys(w, f"{path}.score_weights", _SCORE_WEIGHTS)
+    weights = ScoreWeights(
+        **{
+            k: c.value(w, f"{path}.score_weights", k, kind, getattr(default.score_weights, k))
+            for k, kind in _SCORE_WEIGHTS.items()
+        }
+    )
+    if sum(dataclasses.astuple(weights)) <= 0:
+        c.errors.append(f"{path}.score_weights: at least one weight must be > 0")
+    return dataclasses.replace(default, score_weights=weights, **options)
 
 
 def _endpoints(c: _Checker, value: object) -> tuple[EndpointSource, ...]:
@@ -304,6 +358,8 @@ _NUM = "a number"
 # kind -> (rule on a value of the right type, the type it needs first, what it must be)
 _RULES: dict[str, tuple[Any, str, str]] = {
     "positive": (lambda v: v > 0, _NUM, "> 0"),
+    "nonnegative": (lambda v: v >= 0, _NUM, ">= 0"),
+    "fraction": (lambda v: 0 <= v <= 1, _NUM, "in 0..1"),
     "percent": (lambda v: 0 <= v <= 100, _NUM, "in 0..100"),
     "count": (lambda v: isinstance(v, int) and v >= 0, _NUM, "an integer >= 0"),
     "port": (lambda v: isinstance(v, int) and 1 <= v <= 65535, _NUM, "a port in 1..65535"),
@@ -312,6 +368,9 @@ _RULES: dict[str, tuple[Any, str, str]] = {
     "host": (lambda v: _is_ip(v) or _HOST_NAME.fullmatch(v), _STR, "a host name or IP"),
     "name": (_MODEL_NAME.fullmatch, _STR, "a model name (letters, digits, '_', '.', '-')"),
 }
+
+
+_FLOAT_KINDS = ("positive", "percent", "nonnegative", "fraction")
 
 
 class _Checker:
@@ -361,7 +420,11 @@ class _Checker:
         rule, needs, what = _RULES[kind]
         typed = _is_number(value) if needs == _NUM else needs != _STR or isinstance(value, str)
         if typed and rule(value):
-            return float(value) if kind in ("positive", "percent") else value
+            return (
+                float(value)
+                if kind in ("positive", "percent", "nonnegative", "fraction")
+                else value
+            )
         self.fail(where, f"must be {what if typed else needs}", value)
         return default
 

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from control_plane.mesh import EndpointAddress, ListenerOptions, ModelRoute
+from control_plane.scoring.types import PoolPolicy
 from control_plane.topology import (
     DnsEndpoint,
     EndpointResolver,
@@ -73,6 +74,7 @@ def test_defaults() -> None:
         endpoints=(),
         capacity_qps=(("classifier", 1000.0),),
         source="<topology>",
+        policies=(("classifier", PoolPolicy(capacity_qps=1000.0, sla_p99_ms=50.0)),),
     )
     with pytest.raises(KeyError):
         topology.capacity("nope")
@@ -149,7 +151,7 @@ ERROR_CASES = [
     ("models.0.name", "", "models[0].name: must be a model name (letters, digits, '_', '.', '-'), got \"\""),  # noqa: E501
     ("models.0.name", "a:b", "models[0].name: must be a model name (letters, digits, '_', '.', '-'), got \"a:b\""),  # noqa: E501
     ("models.0.name", 7, "models[0].name: must be a string, got 7"),
-    ("models.0.sla_p99", 5, "models[0].sla_p99: unknown key (expected one of: name, sla_p99_ms, capacity_qps, timeout_s, version_split)"),  # noqa: E501
+    ("models.0.sla_p99", 5, "models[0].sla_p99: unknown key (expected one of: name, sla_p99_ms, capacity_qps, timeout_s, version_split, routing)"),  # noqa: E501
     ("models.0.version_split", {}, "models[0].version_split: must be a non-empty mapping of version to weight, got {}"),  # noqa: E501
     ("models.0.version_split", [1, 2], "models[0].version_split: must be a non-empty mapping of version to weight, got [1, 2]"),  # noqa: E501
     ("models.0.version_split", {"v1": 1}, 'models[0].version_split: versions must be numbers like "1", got "v1"'),  # noqa: E501
@@ -359,3 +361,56 @@ def test_resolver_logs_a_failing_name_once(caplog: pytest.LogCaptureFixture) -> 
     assert first == second and EndpointAddress("127.0.0.1", 9) in first
     warnings = [r for r in caplog.records if "no-such-host.invalid" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_model_routing_policy_from_the_topology() -> None:
+    from control_plane.topology import parse_topology_text
+
+    text = """
+models:
+  - name: llm
+    sla_p99_ms: 200
+    capacity_qps: 50
+    routing:
+      score_weights: {qps: 0.2, latency: 0.4, memory: 0.1, kv_cache: 0.2, queue: 0.1}
+      memory_watermark: 0.9
+      latency_eject_windows: 2
+      slow_start_s: 0
+  - name: classifier
+    sla_p99_ms: 50
+    capacity_qps: 1000
+"""
+    topology = parse_topology_text(text)
+    llm = topology.policy("llm")
+    assert llm.capacity_qps == 50 and llm.sla_p99_ms == 200
+    assert llm.score_weights.kv_cache == 0.2 and llm.memory_watermark == 0.9
+    assert llm.latency_eject_windows == 2 and llm.slow_start_s == 0
+    default = topology.policy("classifier")
+    assert default.score_weights.qps == 0.4 and default.memory_watermark == 0.95
+
+
+def test_model_routing_policy_errors_are_all_reported() -> None:
+    from control_plane.topology import TopologyError, parse_topology_text
+
+    text = """
+models:
+  - name: m
+    sla_p99_ms: 10
+    capacity_qps: 10
+    routing:
+      score_weights: {qps: 0, latency: 0, memory: 0, speed: 1}
+      memory_watermark: 1.5
+      latency_eject_windows: 0
+      surprise: true
+"""
+    with pytest.raises(TopologyError) as caught:
+        parse_topology_text(text)
+    message = str(caught.value)
+    for fragment in (
+        "models[0].routing.score_weights.speed: unknown key",
+        "models[0].routing.memory_watermark: must be in 0..1",
+        "models[0].routing.latency_eject_windows: must be >= 1",
+        "models[0].routing.surprise: unknown key",
+        "models[0].routing.score_weights: at least one weight must be > 0",
+    ):
+        assert fragment in message
