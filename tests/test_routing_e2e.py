@@ -129,3 +129,14 @@ def test_memory_over_the_watermark_ejects_and_return_is_gradual(
     finally:
         post_faults(hungry, {"ballast_bytes": 0})
     wait_for(lambda: routing(plane, hungry).get("health") == "HEALTHY", 30, "return")
+    # Back through slow start: a small weight first, the full one after the 10 s ramp.
+    others = [s for s in servers if s is not hungry]
+    first = routing(plane, hungry)
+    assert "slow start" in first["reason"], first
+    assert first["weight"] < min(routing(plane, s)["weight"] for s in others)
+    wait_for(
+        lambda: "slow start" not in routing(plane, hungry)["reason"],
+        20,
+        "the end of the slow start ramp",
+        interval=0.2,
+    )
