@@ -25,6 +25,12 @@ def model_cluster(model: str, version: str | None = None) -> str:
     return f"model:{model}" if version is None else f"model:{model}:v{version}"
 
 
+def cluster_model(cluster: str) -> str | None:
+    """The model a ``model_cluster`` name belongs to (None for other clusters)."""
+    kind, _, rest = cluster.partition(":")
+    return rest.split(":")[0] if kind == "model" and rest else None
+
+
 @dataclass(frozen=True, order=True)
 class EndpointAddress:
     host: str

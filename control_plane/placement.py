@@ -27,6 +27,7 @@ from control_plane.mesh import (
     EndpointAssignment,
     EndpointHealth,
     MeshState,
+    cluster_model,
     model_cluster,
 )
 from control_plane.topology import Topology
@@ -261,13 +262,9 @@ def build_mesh_state(
 
     pool_weights = pool_weights or {}
     pool_health = pool_health or {}
-    model_of = {model_cluster(m.name): m.name for m in topology.models}
-    for name in members:
-        if name.count(":") == 2:  # model:NAME:vN belongs to NAME's pool
-            model_of[name] = name.split(":")[1]
 
     def assign(address: EndpointAddress, cluster: str) -> EndpointAssignment:
-        model = model_of.get(cluster, "")
+        model = cluster_model(cluster) or ""
         weight = weights.get(address, pool_weights.get(model, {}).get(address, 1))
         state = health.get(address, pool_health.get(model, {}).get(address))
         return EndpointAssignment(address, max(1, int(weight)), state or EndpointHealth.HEALTHY)

@@ -25,7 +25,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc
 from control_plane.admin import AdminError, AdminServer
 from control_plane.ads import AdsServicer
 from control_plane.envoy_stats import EnvoyStats
-from control_plane.mesh import EndpointAddress, EndpointHealth
+from control_plane.mesh import EndpointAddress, EndpointHealth, MeshState
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.nodes import NodeRegistry
 from control_plane.otlp_receiver import start_receiver
@@ -95,6 +95,7 @@ class ControlPlane:
             self._on_placement_change,
         )
         self.last_rebuild: dict[str, Any] = {}
+        self.mesh_state: MeshState | None = None  # what the current snapshot was built from
         self.grpc_server: grpc.aio.Server | None = None
         self.admin: AdminServer | None = None
         self.xds_port = 0
@@ -338,7 +339,7 @@ class ControlPlane:
 
     async def status(self) -> dict[str, Any]:
         snapshot = self.cache.snapshot_for("*")
-        state = getattr(self, "mesh_state", None)
+        state = self.mesh_state
         clusters = {
             name: [{"endpoint": a.address.key, "weight": a.weight, "health": a.health.value}
                    for a in assignments]

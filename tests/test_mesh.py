@@ -161,6 +161,7 @@ def test_nack_keeps_traffic_flowing_and_shows_in_status(mesh: Mesh) -> None:
     plane = mesh.plane.plane
 
     async def set_invalid() -> None:
+        assert plane.mesh_state is not None
         resources = build_resources(plane.mesh_state)
         broken = cluster_pb2.Cluster()
         broken.CopyFrom(resources[CLUSTER_TYPE][model_cluster("classifier")])
