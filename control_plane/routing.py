@@ -19,7 +19,8 @@ from control_plane.placement import EndpointReport
 from control_plane.scoring.ejection import EjectionState, decide_ejections
 from control_plane.scoring.pipeline import PoolDecision, PoolState, decide_pool
 from control_plane.scoring.slow_start import apply_slow_start
-from control_plane.scoring.types import EndpointSignals
+from control_plane.scoring.types import EndpointSignals, PoolPolicy
+from control_plane.scoring.weights import needs_push
 from control_plane.telemetry import EndpointTelemetry
 from control_plane.topology import Topology
 
@@ -121,7 +122,7 @@ class Router:
             ramped = apply_slow_start(decision.weights, memory.joined_at, now, policy.slow_start_s)
             weights = {_address(k): v for k, v in ramped.items()}
             health = {_address(k): EndpointHealth(v) for k, v in ejection.health.items()}
-            pushed = self._push_wanted(decision, memory, weights, health)
+            pushed = self._push_wanted(policy, memory, weights, health)
             if pushed:
                 self._log(model.name, f"weights {_describe(weights)}", wall)
                 memory.weights, memory.health = weights, health
@@ -143,14 +144,21 @@ class Router:
 
     @staticmethod
     def _push_wanted(
-        decision: PoolDecision,
+        policy: PoolPolicy,
         memory: PoolMemory,
         weights: dict[EndpointAddress, int],
         health: dict[EndpointAddress, EndpointHealth],
     ) -> bool:
+        """Compares what would be pushed now (slow start applied) with what was pushed last.
+
+        The pool decision alone cannot say: its weights stay put while a slow-start ramp
+        moves the pushed ones, so judging by it would leave a ramp stuck at its first step.
+        """
         if health != memory.health or weights.keys() != memory.weights.keys():
             return True
-        return decision.push and weights != memory.weights
+        before = {a.key: w for a, w in memory.weights.items()}
+        after = {a.key: w for a, w in weights.items()}
+        return needs_push(before, after, policy.hysteresis, policy.max_weight)
 
     def pool_weights(self) -> dict[str, dict[EndpointAddress, int]]:
         return {name: dict(m.weights) for name, m in self.pools.items()}
