@@ -17,6 +17,8 @@ VERSION_HEADER = "x-model-version"
 # Cluster for server-level calls (ServerLive, ServerReady, ServerMetadata, RepositoryIndex).
 SERVERS_CLUSTER = "servers"
 LISTENER_NAME = "infermesh"
+# Envoy load-balancing policies a topology may choose for the model clusters.
+LB_POLICIES = ("least_request", "round_robin")
 ROUTE_CONFIG_NAME = "infermesh-routes"
 
 
@@ -81,6 +83,7 @@ class ListenerOptions:
     max_retries: int = 3
     retry_budget_percent: float = 25.0
     body_routing: bool = True  # Lua filter reads the model name from unary request bodies
+    lb_policy: str = "least_request"  # one of LB_POLICIES; EDS weights apply under both
 
 
 @dataclass(frozen=True)

@@ -327,6 +327,12 @@ def outlier_detection() -> outlier_detection_pb2.OutlierDetection:
     )
 
 
+_LB_POLICY = {
+    "least_request": cluster_pb2.Cluster.LEAST_REQUEST,
+    "round_robin": cluster_pb2.Cluster.ROUND_ROBIN,
+}
+
+
 def build_cluster(state: MeshState, name: str) -> cluster_pb2.Cluster:
     options = state.listener
     return cluster_pb2.Cluster(
@@ -337,7 +343,7 @@ def build_cluster(state: MeshState, name: str) -> cluster_pb2.Cluster:
         ),
         connect_timeout=duration(options.connect_timeout_s),
         typed_extension_protocol_options=http2_options(),
-        lb_policy=cluster_pb2.Cluster.LEAST_REQUEST,
+        lb_policy=_LB_POLICY[options.lb_policy],
         # The 1 s default delays health changes on the worker load balancers.
         common_lb_config=cluster_pb2.Cluster.CommonLbConfig(update_merge_window=duration(0)),
         health_checks=[health_check(options.health_check_interval_s)],

@@ -14,6 +14,7 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
       max_retries: 3                # integer >= 0
       retry_budget_percent: 25      # 0..100
       body_routing: true            # Lua filter reads the model name from the request body
+      lb_policy: least_request      # or round_robin: how Envoy picks within a model's pool
     xds: {host: 127.0.0.1, port: 18000}      # where the control plane serves ADS
     admin: {host: 127.0.0.1, port: 19000}    # the control plane's status HTTP
     placement: {poll_interval_s: 1.0, timeout_s: 1.0}   # model server polling, both > 0
@@ -59,7 +60,7 @@ from typing import Any
 
 import yaml
 
-from control_plane.mesh import EndpointAddress, ListenerOptions, ModelRoute
+from control_plane.mesh import LB_POLICIES, EndpointAddress, ListenerOptions, ModelRoute
 from control_plane.scoring.types import PoolPolicy, ScoreWeights
 
 log = logging.getLogger(__name__)
@@ -195,7 +196,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 _LISTENER = {
     "host": "ip", "port": "port", "health_check_interval_s": "positive",
     "connect_timeout_s": "positive", "max_retries": "count", "retry_budget_percent": "percent",
-    "body_routing": "bool",
+    "body_routing": "bool", "lb_policy": "lb_policy",
 }  # fmt: skip
 _BIND = {"host": "host", "port": "port"}
 _PLACEMENT = {"poll_interval_s": "positive", "timeout_s": "positive"}
@@ -367,6 +368,7 @@ _RULES: dict[str, tuple[Any, str, str]] = {
     "ip": (_is_ip, "", "an IP address"),
     "host": (lambda v: _is_ip(v) or _HOST_NAME.fullmatch(v), _STR, "a host name or IP"),
     "name": (_MODEL_NAME.fullmatch, _STR, "a model name (letters, digits, '_', '.', '-')"),
+    "lb_policy": (lambda v: v in LB_POLICIES, _STR, f"one of {', '.join(LB_POLICIES)}"),
 }
 
 

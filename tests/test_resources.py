@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 from collections.abc import Iterator
@@ -216,6 +217,14 @@ def test_model_route_split_timeout_and_retries(resources: Resources) -> None:
     (predicate,) = retry.retry_host_predicate
     assert predicate.name == "envoy.retry_host_predicates.previous_hosts"
     assert by_name[V2].route.cluster == V2 and by_name[V2].route.timeout == duration(2.5)
+
+
+def test_round_robin_when_the_topology_asks() -> None:
+    state = mesh_state()
+    listener = dataclasses.replace(state.listener, lb_policy="round_robin")
+    resources = build_resources(dataclasses.replace(state, listener=listener))
+    policies = {c.lb_policy for c in resources[CLUSTER_TYPE].values()}
+    assert policies == {cluster_pb2.Cluster.ROUND_ROBIN}
 
 
 def test_cluster_settings(resources: Resources) -> None:

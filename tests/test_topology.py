@@ -171,9 +171,10 @@ ERROR_CASES = [
     ("listener.max_retries", -1, "listener.max_retries: must be an integer >= 0, got -1"),
     ("listener.retry_budget_percent", 101, "listener.retry_budget_percent: must be in 0..100, got 101"),  # noqa: E501
     ("listener.body_routing", "yes", 'listener.body_routing: must be true or false, got "yes"'),
+    ("listener.lb_policy", "random", 'listener.lb_policy: must be one of least_request, round_robin, got "random"'),  # noqa: E501
     ("listener.health_check_interval_s", 0, "listener.health_check_interval_s: must be > 0, got 0"),
     ("listener.connect_timeout_s", -0.1, "listener.connect_timeout_s: must be > 0, got -0.1"),
-    ("listener.prot", 1, "listener.prot: unknown key (expected one of: host, port, health_check_interval_s, connect_timeout_s, max_retries, retry_budget_percent, body_routing)"),  # noqa: E501
+    ("listener.prot", 1, "listener.prot: unknown key (expected one of: host, port, health_check_interval_s, connect_timeout_s, max_retries, retry_budget_percent, body_routing, lb_policy)"),  # noqa: E501
     ("listener", [], "listener: must be a mapping with string keys, got []"),
     ("xds.port", 70000, "xds.port: must be a port in 1..65535, got 70000"),
     ("xds.host", "a b", 'xds.host: must be a host name or IP, got "a b"'),
@@ -244,7 +245,7 @@ def test_many_errors_are_reported_at_once(tmp_path: Path) -> None:
     assert info.value.errors == (
         'line 3: duplicate key "xds" (first at line 2)',
         "listener.prot: unknown key (expected one of: host, port, health_check_interval_s, "
-        "connect_timeout_s, max_retries, retry_budget_percent, body_routing)",
+        "connect_timeout_s, max_retries, retry_budget_percent, body_routing, lb_policy)",
         "listener.port: must be a port in 1..65535, got 0",
         'listener.body_routing: must be true or false, got "maybe"',
         "placement.poll_interval_s: must be > 0, got -1",
