@@ -23,6 +23,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-port", type=int, default=None, help="override admin.port")
     p.add_argument("--listener-port", type=int, default=None, help="override listener.port")
     p.add_argument("--otlp-port", type=int, default=None, help="override telemetry.port")
+    p.add_argument(
+        "--no-routing",
+        action="store_true",
+        help="no telemetry-driven weights or ejection: Envoy balances alone (for comparison)",
+    )
     add_log_level(p)
     return p
 
@@ -31,7 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
     settings = ControlPlaneSettings(
-        args.topology, args.xds_port, args.admin_port, args.listener_port, args.otlp_port
+        args.topology,
+        args.xds_port,
+        args.admin_port,
+        args.listener_port,
+        args.otlp_port,
+        routing=not args.no_routing,
     )
     try:
         return asyncio.run(serve(settings))
