@@ -10,8 +10,13 @@ GET  /telemetry                  every endpoint's signals (P99, QPS, memory, ...
 GET  /decisions                  recent routing decisions (weights, ejections, returns) and why
 POST /endpoints/HOST:PORT        {"weight": 9} and/or {"health": "DRAINING"|"HEALTHY"|...};
                                  {"weight": null, "health": null} clears the override
+GET  /canaries                   every canary run: status, percent, reason, each step's record
 POST /models/NAME/split          {"1": 90, "2": 10}: the model's version split from now on;
-                                 {} goes back to the topology's
+                                 {} goes back to the topology's (aborts a running canary)
+POST /models/NAME/canary         {"version": "2"} starts an SLO-gated canary of version 2 against
+                                 the stable version (default: the one with the most weight now);
+                                 optional "stable" and any canary policy field ("steps",
+                                 "dwell_s", ...); {"abort": true} stops it at 0%
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import json
 import logging
 import re
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -40,20 +45,21 @@ class AdminError(Exception):
 
 StatusFn = Callable[[], Awaitable[dict[str, Any]]]
 OverrideFn = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
+# POST routes: a path pattern with one group (the endpoint or model) and what handles it.
+PostRoutes = Sequence[tuple[str, OverrideFn]]
 
 
 class AdminServer:
+    """``gets`` maps a path ("/status") to its handler; ``posts`` are (pattern, handler)."""
+
     def __init__(
         self,
         host: str,
         port: int,
         loop: asyncio.AbstractEventLoop,
         registry: CollectorRegistry,
-        status: StatusFn,
-        override: OverrideFn,
-        telemetry: StatusFn,
-        decisions: StatusFn,
-        set_split: OverrideFn,
+        gets: Mapping[str, StatusFn],
+        posts: PostRoutes,
     ) -> None:
         admin = self
 
@@ -62,16 +68,13 @@ class AdminServer:
                 log.debug("admin: " + format, *args)
 
             def do_GET(self) -> None:
-                if self.path == "/metrics":
+                path = self.path.rstrip("/") or "/"
+                if path == "/metrics":
                     self._send(HTTPStatus.OK, generate_latest(registry), CONTENT_TYPE_LATEST)
-                elif self.path in ("/decisions", "/decisions/"):
-                    self._json(HTTPStatus.OK, admin._call(decisions()))
-                elif self.path in ("/telemetry", "/telemetry/"):
-                    self._json(HTTPStatus.OK, admin._call(telemetry()))
-                elif self.path in ("/status", "/status/"):
-                    self._json(HTTPStatus.OK, admin._call(status()))
-                elif self.path == "/healthz":
-                    body = admin._call(status())
+                elif path in gets:
+                    self._json(HTTPStatus.OK, admin._call(gets[path]()))
+                elif path == "/healthz":
+                    body = admin._call(gets["/status"]())
                     ok = bool(body.get("snapshot"))
                     self._json(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, {"ok": ok})
                 else:
@@ -79,8 +82,10 @@ class AdminServer:
 
             def do_POST(self) -> None:
                 try:
-                    split = re.fullmatch(r"/models/([^/]+)/split", self.path)
-                    if not self.path.startswith("/endpoints/") and split is None:
+                    route = next(
+                        ((m, fn) for p, fn in posts if (m := re.fullmatch(p, self.path))), None
+                    )
+                    if route is None:
                         raise AdminError(HTTPStatus.NOT_FOUND, f"no such path {self.path}")
                     length = int(self.headers.get("content-length") or 0)
                     if length > MAX_BODY_BYTES:
@@ -93,11 +98,8 @@ class AdminServer:
                         ) from exc
                     if not isinstance(body, dict):
                         raise AdminError(HTTPStatus.BAD_REQUEST, "body must be a JSON object")
-                    if split is not None:
-                        self._json(HTTPStatus.OK, admin._call(set_split(split.group(1), body)))
-                        return
-                    key = self.path.removeprefix("/endpoints/")
-                    self._json(HTTPStatus.OK, admin._call(override(key, body)))
+                    match, handler = route
+                    self._json(HTTPStatus.OK, admin._call(handler(match.group(1), body)))
                 except AdminError as exc:
                     self._json(exc.status, {"error": str(exc)})
 

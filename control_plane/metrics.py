@@ -68,6 +68,16 @@ class ControlPlaneMetrics:
             ["cause"],
             registry=r,
         )
+        self.canary_percent = Gauge(
+            "canary_percent", "Share of a model's traffic on its canary version", ["model"],
+            registry=r,
+        )  # fmt: skip
+        self.canary_transitions = Counter(
+            "canary_transitions",
+            "Canary steps by outcome (started, advanced, promoted, rolled_back, aborted)",
+            ["model", "outcome"],
+            registry=r,
+        )
         self.endpoint_weight = Gauge(
             "xds_endpoint_weight",
             "EDS load_balancing_weight pushed, per cluster and endpoint",

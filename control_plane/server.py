@@ -24,6 +24,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from control_plane.admin import AdminError, AdminServer
 from control_plane.ads import AdsServicer
+from control_plane.canary_runs import CanaryRuns
 from control_plane.envoy_stats import EnvoyStats
 from control_plane.mesh import EndpointAddress, EndpointHealth, MeshState
 from control_plane.metrics import ControlPlaneMetrics
@@ -33,7 +34,7 @@ from control_plane.placement import PlacementPoller, build_mesh_state
 from control_plane.resources import build_resources
 from control_plane.routing import Router
 from control_plane.snapshot import InconsistentSnapshot, SnapshotCache, build_snapshot
-from control_plane.telemetry import TelemetryStore
+from control_plane.telemetry import TelemetryStore, VersionTelemetry
 from control_plane.topology import (
     EndpointResolver,
     Topology,
@@ -45,6 +46,7 @@ from control_plane.topology import (
 log = logging.getLogger("control_plane")
 TOPOLOGY_CHECK_INTERVAL_S = 1.0
 ROUTING_INTERVAL_S = 0.5  # how often telemetry is turned into weights and ejections
+CANARY_INTERVAL_S = 0.5  # how often running canaries are judged
 DNS_REFRESH_INTERVAL_S = 5.0
 
 
@@ -82,7 +84,8 @@ class ControlPlane:
         )
         self.envoy_stats = EnvoyStats(options.window_s)
         self.router = Router()
-        self.splits: dict[str, tuple[tuple[str, int], ...]] = {}  # operator version splits
+        self.splits: dict[str, tuple[tuple[str, int], ...]] = {}  # operator and canary splits
+        self.canaries = CanaryRuns(self.router.decisions, self.metrics)
         self.otlp_server: grpc.aio.Server | None = None
         self.otlp_port = 0
         self.endpoints: tuple[EndpointAddress, ...] = ()
@@ -120,11 +123,17 @@ class ControlPlane:
             admin_port,
             asyncio.get_running_loop(),
             self.metrics.registry,
-            self.status,
-            self.override,
-            self.telemetry_json,
-            self.decisions,
-            self.set_split,
+            gets={
+                "/status": self.status,
+                "/telemetry": self.telemetry_json,
+                "/decisions": self.decisions,
+                "/canaries": self.canaries_json,
+            },
+            posts=[
+                (r"/endpoints/([^/]+)", self.override),
+                (r"/models/([^/]+)/split", self.set_split),
+                (r"/models/([^/]+)/canary", self.canary_request),
+            ],
         )
         self.admin_port = self.admin.port
         otlp_port = t.telemetry.port if self.settings.otlp_port is None else self.settings.otlp_port
@@ -140,6 +149,7 @@ class ControlPlane:
         if self.settings.routing:
             self._spawn(self._route_by_telemetry())
         self._spawn(self._refresh_dns())
+        self._spawn(self._judge_canaries())
         log.info(
             "control plane listening: xds=%s:%d admin=%s:%d otlp=%s:%d topology=%s endpoints=%d",
             t.xds.host, self.xds_port, t.admin.host, self.admin_port,
@@ -211,6 +221,32 @@ class ControlPlane:
             self.router.new_ejections.clear()
             if changed:
                 self.rebuild("telemetry-driven weights or ejections")
+
+    async def _judge_canaries(self) -> None:
+        while True:
+            await asyncio.sleep(CANARY_INTERVAL_S)
+            models = [m for m in self.canaries.runs if self.canaries.running(m)]
+            if not models:
+                continue
+            now = time.monotonic()
+            stats = await asyncio.to_thread(self._version_stats, models, now)
+            changed = self.canaries.tick(stats, self.version_ready, now, time.time())
+            for model in changed:
+                self.splits[model] = self.canaries.runs[model].split()
+                self.rebuild(f"canary of {model}: {self.canaries.runs[model].reason}")
+
+    def _version_stats(
+        self, models: list[str], now: float
+    ) -> dict[str, dict[str, VersionTelemetry]]:
+        # A canary is judged on what its versions did since it started, not before.
+        since = {m: self.canaries.runs[m].started_at for m in models}
+        return {m: self.telemetry.version_stats(m, now, since[m]) for m in models}
+
+    def version_ready(self, model: str, version: str) -> bool:
+        """Whether some reachable endpoint has this version of the model READY."""
+        return any(
+            r.reachable and (model, version) in r.ready_models for r in self.poller.reports.values()
+        )
 
     # -- topology and DNS ---------------------------------------------------------------------
     async def reload_topology(self, reason: str) -> None:
@@ -323,6 +359,8 @@ class ControlPlane:
         split = tuple(
             sorted(((str(int(v)), int(w)) for v, w in body.items()), key=lambda p: int(p[0]))
         )
+        wall = time.time()
+        self.canaries.abort(model, "an operator set the version split", wall)
         if split:
             self.splits[model] = split
         else:
@@ -333,6 +371,22 @@ class ControlPlane:
         )
         changed = self.rebuild(f"version split of {model} set by an operator")
         return {"model": model, "version_split": dict(split), "changed": changed}
+
+    async def canary_request(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
+        now, wall = time.monotonic(), time.time()
+        ready = {
+            v for r in self.poller.reports.values() if r.reachable for m, v in r.ready_models
+            if m == model
+        }  # fmt: skip
+        route = next((m for m in self.effective_topology().models if m.name == model), None)
+        split = route.version_split if route else ()
+        run = self.canaries.request(self.topology, model, body, split, ready, now, wall)
+        self.splits[model] = run.split()
+        self.rebuild(f"canary of {model}: {run.reason}")
+        return run.as_json(now)
+
+    async def canaries_json(self) -> dict[str, Any]:
+        return {"canaries": self.canaries.as_json(time.monotonic())}
 
     async def decisions(self) -> dict[str, Any]:
         return {"decisions": list(self.router.decisions)}
@@ -365,6 +419,7 @@ class ControlPlane:
             "endpoints": endpoints,
             "clusters": clusters,
             "routing": self.router.explain(),
+            "canaries": self.canaries.as_json(time.monotonic()),
             "version_splits": {
                 m.name: dict(m.version_split) for m in self.effective_topology().models
             },

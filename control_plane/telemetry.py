@@ -63,6 +63,15 @@ class ModelTelemetry:
 
 
 @dataclass(frozen=True)
+class VersionTelemetry:
+    """One model version across every endpoint, over the window."""
+
+    requests: float
+    p99_ms: Signal | None
+    error_rate: Signal | None
+
+
+@dataclass(frozen=True)
 class EndpointTelemetry:
     endpoint: str
     age_s: float  # since the last report
@@ -231,6 +240,35 @@ class TelemetryStore:
             "endpoints": {k: dataclasses.asdict(snapshot[k]) for k in sorted(snapshot)},
         }
 
+    def version_stats(
+        self, model: str, now: float, since: float | None = None
+    ) -> dict[str, VersionTelemetry]:
+        """Per version of ``model`` across every endpoint: requests, p99 and error rate over the
+        window (only what arrived after ``since``, when given), histograms merged first."""
+        durations: dict[str, Labeled] = {}
+        requests: dict[str, Labeled] = {}
+        with self._lock:
+            for e in self._endpoints.values():
+                for (name, attrs), s in e.series.items():
+                    labels = dict(attrs)
+                    if labels.get("model") != model or not s.samples:
+                        continue
+                    if s.samples[-1][0] < e.last_seen - self.window_s:
+                        continue  # an unloaded version
+                    into = durations if name == DURATION else requests if name == REQUESTS else None
+                    if into is not None:
+                        series = s if since is None else _after(s, since)
+                        if series.samples:  # else nothing arrived since
+                            into.setdefault(labels.get("version", ""), []).append((labels, series))
+            return {
+                version: VersionTelemetry(
+                    _count(requests.get(version, []), self.window_s),
+                    _percentile_ms(durations.get(version, []), 0.99, now, self.window_s),
+                    _error_rate(requests.get(version, []), now, self.window_s),
+                )
+                for version in sorted(durations.keys() | requests.keys())
+            }
+
     def _telemetry(self, key: str, e: _Endpoint, now: float) -> EndpointTelemetry:
         live = [
             (name, dict(attrs), s)
@@ -317,6 +355,17 @@ def _rate(series: Labeled, now: float, window_s: float) -> Signal | None:
         if span > 0:
             total, newest, found = total + delta[0] / span, max(newest, t), True
     return Signal(total, now - newest) if found else None
+
+
+def _after(series: _Series, since: float) -> _Series:
+    """A copy holding only the samples that arrived at or after ``since``."""
+    copy = _Series(series.kind, series.bounds)
+    copy.samples.extend(sample for sample in series.samples if sample[0] >= since)
+    return copy
+
+
+def _count(series: Labeled, window_s: float) -> float:
+    return sum(window_delta(s.samples, window_s)[0][0] for _, s in series)
 
 
 def _error_rate(series: Labeled, now: float, window_s: float) -> Signal | None:

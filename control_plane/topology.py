@@ -30,6 +30,14 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
         capacity_qps: 1000          # required, > 0
         timeout_s: 5                # optional, > 0; default max(1.0, 20 * sla_p99_ms / 1000)
         version_split: {"1": 90, "2": 10}   # optional; version -> weight (int >= 0), sum > 0
+        routing: {...}              # optional: telemetry-driven routing (PoolPolicy's fields)
+        canary:                     # optional: how a canary started by an operator progresses
+          steps: [10, 25, 50, 100]  # percent on the canary; rising, ends at 100
+          dwell_s: 30               # >= 0: at least this long on each step
+          max_error_rate: 0.01      # 0..1: above it the canary rolls back at once
+          p99_margin: 1.25          # >= 1: canary P99 <= margin x the stable version's
+          error_margin: 0.01        # 0..1: canary error rate <= the stable's + margin
+          min_requests: 20          # >= 1: canary requests in the window before judging
     endpoints:                      # optional, default none; each item has exactly one key
       - address: 127.0.0.1:8001     # a static IP:port ([::1]:8001 for IPv6); unique
       - dns: model-servers.local:8001   # a name re-resolved to all its A/AAAA records
@@ -60,6 +68,7 @@ from typing import Any
 
 import yaml
 
+from control_plane.canary import CanaryPolicy, parse_policy
 from control_plane.mesh import LB_POLICIES, EndpointAddress, ListenerOptions, ModelRoute
 from control_plane.scoring.types import PoolPolicy, ScoreWeights
 
@@ -129,6 +138,11 @@ class Topology:
     source: str = ""
     telemetry: TelemetryOptions = TelemetryOptions()
     policies: tuple[tuple[str, PoolPolicy], ...] = ()  # (model name, routing policy)
+    canaries: tuple[tuple[str, CanaryPolicy], ...] = ()  # (model name, canary progression)
+
+    def canary_policy(self, model: str) -> CanaryPolicy:
+        """How a canary of the model progresses (the defaults unless the topology says)."""
+        return dict(self.canaries).get(model, CanaryPolicy())
 
     def capacity(self, model: str) -> float:
         """The model's declared capacity in queries per second; KeyError if not a model."""
@@ -206,7 +220,7 @@ _TELEMETRY = {
 }  # fmt: skip
 _MODEL = {
     "name": "name", "sla_p99_ms": "positive", "capacity_qps": "positive",
-    "timeout_s": "positive", "version_split": "split", "routing": "routing",
+    "timeout_s": "positive", "version_split": "split", "routing": "routing", "canary": "canary",
 }  # fmt: skip
 # models[].routing: telemetry-driven routing of the model's pool (defaults: PoolPolicy's).
 _ROUTING = {
@@ -232,19 +246,25 @@ def _build(data: object, source: str, early_errors: list[str]) -> Topology:
     admin = EndpointAddress(**c.section(root, "admin", _BIND, d.admin))
     placement = PlacementOptions(**c.section(root, "placement", _PLACEMENT, d.placement))
     telemetry = TelemetryOptions(**c.section(root, "telemetry", _TELEMETRY, d.telemetry))
-    models, capacity, policies = _models(c, root["models"]) if "models" in root else ((), (), ())
+    models, capacity, policies, canaries = (
+        _models(c, root["models"]) if "models" in root else ((), (), (), ())
+    )
     endpoints = _endpoints(c, root.get("endpoints", []))
     if c.errors:
         raise TopologyError(source, c.errors)
     return Topology(
-        listener, xds, admin, placement, models, endpoints, capacity, source, telemetry, policies
-    )
+        listener, xds, admin, placement, models, endpoints, capacity, source, telemetry, policies,
+        canaries,
+    )  # fmt: skip
 
 
 def _models(
     c: _Checker, value: object
 ) -> tuple[
-    tuple[ModelRoute, ...], tuple[tuple[str, float], ...], tuple[tuple[str, PoolPolicy], ...]
+    tuple[ModelRoute, ...],
+    tuple[tuple[str, float], ...],
+    tuple[tuple[str, PoolPolicy], ...],
+    tuple[tuple[str, CanaryPolicy], ...],
 ]:
     items = c.sequence(value, "models")
     if items == []:
@@ -252,6 +272,7 @@ def _models(
     routes: list[ModelRoute] = []
     capacity: list[tuple[str, float]] = []
     policies: list[tuple[str, PoolPolicy]] = []
+    canaries: list[tuple[str, CanaryPolicy]] = []
     first: dict[str, int] = {}
     for index, item in enumerate(items or []):
         path = f"models[{index}]"
@@ -271,7 +292,11 @@ def _models(
         policies.append(
             (name, _policy(c, m.get("routing", {}), f"{path}.routing", capacity[-1][1], sla))
         )
-    return tuple(routes), tuple(capacity), tuple(policies)
+        if "canary" in m and (canary := c.mapping(m["canary"], f"{path}.canary")) is not None:
+            policy, errors = parse_policy(canary, CanaryPolicy(), f"{path}.canary.")
+            c.errors.extend(errors)
+            canaries.append((name, policy))
+    return tuple(routes), tuple(capacity), tuple(policies), tuple(canaries)
 
 
 def _policy(c: _Checker, value: object, path: str, capacity: float, sla: float) -> PoolPolicy:

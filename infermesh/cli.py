@@ -1,5 +1,5 @@
 """``infermesh``: run the mesh natively (``up``), see the control plane's view (``status``) and
-what the model servers report (``telemetry``)."""
+what the model servers report (``telemetry``), shift versions (``split``, ``canary``)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,12 @@ def _status(admin: str, raw: bool) -> int:
         described = " ".join(f"v{v}={w}" for v, w in split.items()) or "none"
         fail_open = " (FAILING OPEN)" if routing.get("fail_open") else ""
         print(f"routing {pool}{fail_open}: version split {described}")
+        run = status.get("canaries", {}).get(pool)
+        if run:
+            print(
+                f"  canary v{run['canary']} against v{run['stable']}: {run['status']} at "
+                f"{run['percent']}% (step {run['step']}): {run['reason']}"
+            )
         for endpoint, e in sorted(routing.get("endpoints", {}).items()):
             print(
                 f"  {endpoint:22} weight={e['weight']} {e['health']:9} score={e['score']}  "
@@ -135,8 +141,30 @@ def _split(admin: str, model: str, pairs: list[str]) -> int:
             print(f"infermesh: {pair!r} is not VERSION=WEIGHT (e.g. 2=10)", file=sys.stderr)
             return 2
         body[version] = int(weight)
+    return _post(admin, f"/models/{model}/split", body)
+
+
+def _canary(admin: str, args: argparse.Namespace) -> int:
+    if args.abort:
+        return _post(admin, f"/models/{args.model}/canary", {"abort": True})
+    if args.version is None:
+        print("infermesh: canary needs a VERSION (or --abort)", file=sys.stderr)
+        return 2
+    body: dict[str, Any] = {"version": args.version}
+    if args.steps is not None:
+        try:
+            body["steps"] = [int(step) for step in args.steps.split(",")]
+        except ValueError:
+            print(f"infermesh: --steps {args.steps!r}: expected e.g. 10,25,50,100", file=sys.stderr)
+            return 2
+    options = ("stable", "dwell_s", "max_error_rate", "p99_margin", "error_margin", "min_requests")
+    body.update({k: getattr(args, k) for k in options if getattr(args, k) is not None})
+    return _post(admin, f"/models/{args.model}/canary", body)
+
+
+def _post(admin: str, path: str, body: dict[str, Any]) -> int:
     request = urllib.request.Request(
-        f"http://{admin}/models/{model}/split",
+        f"http://{admin}{path}",
         data=json.dumps(body).encode(),
         method="POST",
         headers={"content-type": "application/json"},
@@ -151,6 +179,24 @@ def _split(admin: str, model: str, pairs: list[str]) -> int:
         print(f"infermesh: control plane admin at {admin} does not answer: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _add_canary_parser(commands: Any, default_admin: str) -> None:
+    canary = commands.add_parser(
+        "canary",
+        help="start an SLO-gated canary (`infermesh canary classifier 2`) or --abort it",
+    )
+    canary.add_argument("model")
+    canary.add_argument("version", nargs="?", help="the canary version")
+    canary.add_argument("--abort", action="store_true", help="stop it: all traffic to stable")
+    canary.add_argument("--stable", help="compare against this version (default: most traffic)")
+    canary.add_argument("--steps", help="percentages, e.g. 10,25,50,100 (default: topology's)")
+    canary.add_argument("--dwell-s", type=float, help="seconds on each step at least")
+    canary.add_argument("--max-error-rate", type=float, help="0..1, the SLA on errors")
+    canary.add_argument("--p99-margin", type=float, help="canary P99 <= margin x stable's")
+    canary.add_argument("--error-margin", type=float, help="canary errors <= stable's + margin")
+    canary.add_argument("--min-requests", type=int, help="evidence needed before judging")
+    canary.add_argument("--admin", default=default_admin, help="control plane admin HOST:PORT")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,7 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     split.add_argument("model")
     split.add_argument("weights", nargs="*", help="VERSION=WEIGHT; none: back to the topology's")
     split.add_argument("--admin", default=default_admin, help="control plane admin HOST:PORT")
+    _add_canary_parser(commands, default_admin)
     args = parser.parse_args(argv)
+    if args.command == "canary":
+        return _canary(args.admin, args)
     if args.command == "split":
         return _split(args.admin, args.model, args.weights)
     if args.command == "up":

@@ -48,12 +48,13 @@ def histogram(
     temporality: m.AggregationTemporality.ValueType = CUM,
     model: str = "m",
     start_s: float = 0.0,
+    version: str = "1",
 ) -> m.Metric:
     counts = [0] * (len(BOUNDS) + 1)
     for x in latencies:
         counts[bisect.bisect_left(BOUNDS, x)] += 1
     point = m.HistogramDataPoint(
-        attributes=attrs(model=model, version="1"),
+        attributes=attrs(model=model, version=version),
         start_time_unix_nano=int(start_s * S) + 1,
         time_unix_nano=int(t_s * S) + 1,
         count=len(latencies),
@@ -73,9 +74,10 @@ def counter(
     code: str = "OK",
     temporality: m.AggregationTemporality.ValueType = CUM,
     start_s: float = 0.0,
+    version: str = "1",
 ) -> m.Metric:
     point = m.NumberDataPoint(
-        attributes=attrs(model="m", version="1", code=code),
+        attributes=attrs(model="m", version=version, code=code),
         start_time_unix_nano=int(start_s * S) + 1,
         time_unix_nano=int(t_s * S) + 1,
         as_double=value,
@@ -179,6 +181,30 @@ def test_qps_error_rate_and_models() -> None:
     assert [(x.model, x.qps.value if x.qps else None) for x in e.models] == [
         ("m", pytest.approx(30.0))
     ]
+
+
+def test_version_stats_merge_every_endpoint() -> None:
+    """A canary is judged on one version across the pool: histograms merge before the P99."""
+    store = TelemetryStore(window_s=10)
+    fast, slow = [0.004] * 50, [0.09] * 50
+    for t, n in ((100.0, 0), (102.0, 1)):
+        a = [histogram(fast * n, t, version="2"), histogram([0.01] * 99 * n, t, version="1"),
+             counter(45.0 * n, t, version="2"), counter(5.0 * n, t, "INTERNAL", version="2"),
+             counter(99.0 * n, t, version="1")]  # fmt: skip
+        b = [histogram(slow * n, t, version="2"), counter(50.0 * n, t, version="2")]
+        store.ingest(request(a, "10.0.0.1:1"), received_at=t)
+        store.ingest(request(b, "10.0.0.2:1"), received_at=t)
+    stats = store.version_stats("m", 103.0)
+    assert set(stats) == {"1", "2"}
+    v2 = stats["2"]
+    assert v2.requests == pytest.approx(100)
+    assert v2.error_rate is not None and v2.error_rate.value == pytest.approx(0.05)
+    assert v2.p99_ms is not None and 75 <= v2.p99_ms.value <= 100  # the slow endpoint's tail
+    assert stats["1"].p99_ms is not None and stats["1"].p99_ms.value <= 10
+    assert store.version_stats("other", 103.0) == {}
+    since = store.version_stats("m", 103.0, since=101.0)  # only what arrived after 101
+    assert since["2"].requests == 0 and since["2"].p99_ms is None
+    assert store.version_stats("m", 103.0, since=102.5) == {}  # nothing arrived since
 
 
 def test_counter_reset_restarts_the_window() -> None:
