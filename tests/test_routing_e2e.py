@@ -144,3 +144,31 @@ def test_memory_over_the_watermark_ejects_and_return_is_gradual(
         "the end of the slow start ramp, pushed",
         interval=0.2,
     )
+
+
+def test_never_more_than_the_configured_share_is_ejected(
+    mesh: tuple[list[ServerProcess], ControlPlaneThread, Envoy, int],
+) -> None:
+    servers, plane, _, _ = mesh
+    hungry = [servers[0], servers[2]]  # two of three over the watermark; the cap is half
+    for server in hungry:
+        post_faults(server, {"ballast_bytes": 560 * MiB})
+    try:
+        wait_for(
+            lambda: [routing(plane, s).get("health") for s in hungry].count("UNHEALTHY") == 1,
+            25,
+            "one of the two ejected",
+        )
+        held = next(s for s in hungry if routing(plane, s).get("health") == "HEALTHY")
+        wait_for(lambda: "would eject" in routing(plane, held)["reason"], 10, "the cap, said")
+        watch_until = time.monotonic() + 3  # observe several recomputes, never two out
+        while time.monotonic() < watch_until:
+            healths = [routing(plane, s).get("health") for s in servers]
+            assert healths.count("UNHEALTHY") <= 1, healths
+            time.sleep(0.1)
+    finally:
+        for server in hungry:
+            post_faults(server, {"ballast_bytes": 0})
+    wait_for(
+        lambda: all(routing(plane, s).get("health") == "HEALTHY" for s in servers), 30, "return"
+    )
