@@ -80,6 +80,7 @@ TUNED_POLICY: dict[str, Any] = {
     "ewma_alpha": 1.0,
     "max_step": 1.0,
     "hysteresis": 0.05,
+    "backoff_base_s": 4.0,
 }
 HOST_RE = re.compile(
     rf"^model:{MODEL_NAME}::127\.0\.0\.1:(\d+)::(weight|health_flags|rq_total)::(.*)$", re.M

@@ -222,7 +222,7 @@ def test_model_route_split_timeout_and_retries(resources: Resources) -> None:
 def test_round_robin_when_the_topology_asks() -> None:
     state = mesh_state()
     listener = dataclasses.replace(state.listener, lb_policy="round_robin")
-    resources = build_resources(dataclasses.replace(state, listener=listener))
+    resources: Resources = build_resources(dataclasses.replace(state, listener=listener))
     policies = {c.lb_policy for c in resources[CLUSTER_TYPE].values()}
     assert policies == {cluster_pb2.Cluster.ROUND_ROBIN}
 
