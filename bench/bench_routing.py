@@ -119,7 +119,9 @@ class ModeRun:
     codes: list[str]
     polls: list[Poll]
     applied: dict[str, float]  # phase name -> when its action was in force (s from t0)
+    t0_wall: float  # time.time() at t0 (the decisions' "at" is wall time)
     log_problems: list[str] = field(default_factory=list)
+    decisions: list[dict[str, Any]] = field(default_factory=list)  # control plane /decisions
 
 
 @dataclass
@@ -380,12 +382,14 @@ def run_mode(args: argparse.Namespace, mode: str, phases: list[Phase],
              req: service_pb2.ModelInferRequest) -> ModeRun:  # fmt: skip
     with tempfile.TemporaryDirectory(prefix=f"bench-routing-{mode}-") as tmp:
         workdir, hogs = Path(tmp), CpuHogs(args.cpu_hogs, args.degraded_cpu if args.pin else None)
-        with mesh(args, mode, workdir) as (servers, listener, envoy_admin, _):
+        decisions: list[dict[str, Any]] = []
+        with mesh(args, mode, workdir) as (servers, listener, envoy_admin, cp_admin):
             target, total = f"{HOST}:{listener}", phases[-1].end
             warm0 = time.perf_counter() + 0.05
             asyncio.run(open_loop(target, req, args.rate, args.warmup, args.channels,
                                   args.timeout, warm0))  # fmt: skip  # discarded
             t0 = time.perf_counter() + 0.2
+            t0_wall = time.time() + (t0 - time.perf_counter())
             poller = Poller(envoy_admin, t0, args.poll_interval)
             director = Director(phases, t0, servers[2][2] or 0, hogs, args)
             poller.start()
@@ -400,6 +404,8 @@ def run_mode(args: argparse.Namespace, mode: str, phases: list[Phase],
                     post_faults(servers[2][2] or 0, {"reset": True})
                 poller.stopped.set()
                 poller.join(5)
+            with suppress(*bm.NET_ERRORS, ValueError):
+                decisions = json.loads(bm.Admin(cp_admin).call("/decisions"))["decisions"]
             if director.error:
                 sys.exit(f"{mode}: fault injection failed: {director.error}")
         problems = [f"{f.name}: {ln}" for f in sorted(workdir.glob("*.log"))
@@ -408,7 +414,7 @@ def run_mode(args: argparse.Namespace, mode: str, phases: list[Phase],
     order = np.argsort(sched)
     return ModeRun(mode, [p for _, p, _ in servers], np.asarray(sched)[order],
                    np.asarray(lat)[order], [codes[i] for i in order], poller.polls,
-                   director.applied, problems)  # fmt: skip
+                   director.applied, t0_wall, problems, decisions)  # fmt: skip
 
 
 def counts(run: ModeRun) -> dict[int, np.ndarray]:
@@ -599,6 +605,22 @@ def plot(runs: list[ModeRun], phases: list[Phase], out: Path, sla_ms: float) -> 
     return paths
 
 
+def results_json(args: argparse.Namespace, phases: list[Phase], runs: list[ModeRun],
+                 stats: list[PhaseStats],
+                 result: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+    """Per-phase results, targets, and the control plane's decisions (at: wall time)."""
+    return {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "routing": merged_routing(args.policy),
+        "phases": [asdict(p) for p in phases],
+        "applied": {r.mode: r.applied for r in runs},
+        "t0_wall": {r.mode: r.t0_wall for r in runs},
+        "stats": [asdict(s) for s in stats],
+        "targets": result,
+        "decisions": {r.mode: r.decisions for r in runs if r.decisions},
+    }
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Round robin vs least_request vs InferMesh routing "
                                 "with one degraded server of three.")  # fmt: skip
@@ -673,10 +695,7 @@ def main() -> int:
     for path in plot(runs, phases, args.plots, args.sla_ms):
         print(f"plot: {path}")
     if args.json:
-        args.json.write_text(json.dumps({
-            "routing": merged_routing(args.policy), "phases": [asdict(p) for p in phases],
-            "applied": {r.mode: r.applied for r in runs},
-            "stats": [asdict(s) for s in stats], "targets": result}, indent=1))  # fmt: skip
+        args.json.write_text(json.dumps(results_json(args, phases, runs, stats, result), indent=1))
     return 0
 
 

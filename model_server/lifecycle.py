@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import model_config_pb2
 
+from model_server.batching import DeadlineExceeded, DynamicBatcher, QueueFull, batching_policy
 from model_server.datatypes import BY_CONFIG_TYPE, Datatype, to_onnx_strings
 from model_server.errors import ModelUnavailable
 from model_server.memory import MemoryGuard, estimate_model_bytes, process_rss
@@ -97,6 +98,7 @@ class ModelVersion:
         self.load_ms = 0.0
         self.slots_total = instance_count(declared)
         self._executor: ThreadPoolExecutor | None = None
+        self.batcher: DynamicBatcher | None = None  # when config.pbtxt asks for dynamic_batching
         self._stats_lock = threading.Lock()
         self._submitted = 0  # changed on the event loop
         self._started = 0  # changed by worker threads, under _stats_lock
@@ -104,6 +106,8 @@ class ModelVersion:
         # Labelled children looked up once: labels() costs a lock and a tuple per call.
         self._request_counters: dict[str, Any] = {}
         self.duration_metric = metrics.request_duration.labels(name, str(version))
+        self._queue_metric = metrics.queue_duration.labels(name)
+        self._executed_metric = metrics.executed_batch_size.labels(name)
         self._idle = asyncio.Event()
         self._idle.set()
         self._set_state(ModelState.INITIALIZING)
@@ -144,7 +148,19 @@ class ModelVersion:
             guard.release(expected)
         self.load_ms = (time.monotonic() - started) * 1000
         self.metrics.model_load_time.labels(self.name).observe(self.load_ms)
-        assert self.session is not None
+        assert self.session is not None and self.spec is not None
+        policy = batching_policy(self.spec.config)
+        if policy is not None:
+            executor = self._executor
+            self.batcher = DynamicBatcher(
+                policy,
+                self._run_batch,
+                self.slots_total,
+                lambda job: loop.run_in_executor(executor, job),
+                label=self.label,
+                on_dequeue=self._dequeued,
+            )
+            self.batcher.start()
         self._set_state(ModelState.READY, f"on {self.session.provider}")
 
     def _open_session(self) -> None:
@@ -161,15 +177,28 @@ class ModelVersion:
                 self.session.run(outputs, feeds)
 
     async def execute(
-        self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str], batch: int
+        self,
+        feeds: Mapping[str, np.ndarray],
+        outputs: Sequence[str],
+        batch: int,
+        priority: int = 0,
+        timeout_s: float | None = None,
     ) -> list[np.ndarray]:
         """Runs one request on the version's worker threads (the instance_group count).
 
-        Requests beyond that wait in the executor's queue: that wait is the queue depth, and a
-        request whose client cancels while it waits never runs.
+        With dynamic batching the batcher queues it (priority, deadline) and joins it with
+        others. Otherwise requests beyond the slots wait in the executor's queue: that wait is
+        the queue depth, and a request whose client cancels while it waits never runs.
         """
         if self.session is None or self._executor is None:
             raise ModelUnavailable(f"{self.label} is {self.state.value}")
+        if self.batcher is not None:
+            try:
+                return await self.batcher.submit(feeds, outputs, batch, priority, timeout_s)
+            except (QueueFull, DeadlineExceeded) as exc:
+                reason = "queue_full" if isinstance(exc, QueueFull) else "deadline"
+                self.metrics.rejections.labels(self.name, reason).inc()
+                raise
         job = self._executor.submit(
             self._run, self.session, outputs, feeds, batch, time.monotonic_ns()
         )
@@ -190,23 +219,47 @@ class ModelVersion:
         queued_ns: int,
     ) -> list[np.ndarray]:
         """In a worker thread: the request leaves the queue, runs, and is counted."""
-        started = time.monotonic_ns()
         with self._stats_lock:
             self._started += 1
-            self.stats.queue.add(started - queued_ns)
+        self._dequeued((time.monotonic_ns() - queued_ns) / 1e9)
+        return self._compute(session, outputs, feeds, batch)
+
+    def _run_batch(
+        self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str], rows: int
+    ) -> list[np.ndarray]:
+        """In a worker thread: one dynamic batch (the batcher joined the inputs)."""
+        if self.session is None:
+            raise ModelUnavailable(f"{self.label} is {self.state.value}")
+        return self._compute(self.session, outputs, feeds, rows)
+
+    def _dequeued(self, waited_s: float) -> None:
+        with self._stats_lock:
+            self.stats.queue.add(int(waited_s * 1e9))
+        self._queue_metric.observe(waited_s)
+
+    def _compute(
+        self,
+        session: OnnxSession,
+        outputs: Sequence[str],
+        feeds: Mapping[str, np.ndarray],
+        rows: int,
+    ) -> list[np.ndarray]:
+        started = time.monotonic_ns()
         result = session.run(outputs, feeds)
         finished = time.monotonic_ns()
         with self._stats_lock:
             self.stats.compute_infer.add(finished - started)
             self.stats.execution_count += 1
-            self.stats.inference_count += batch
+            self.stats.inference_count += rows
             self.stats.last_inference_ms = time.time_ns() // 1_000_000
+        self._executed_metric.observe(rows)
         return result
 
     @property
     def waiting(self) -> int:
-        """Requests submitted and not yet started by a worker."""
-        return self._submitted - self._started
+        """Requests submitted and not yet started by a worker (or queued in the batcher)."""
+        queued = self.batcher.queued if self.batcher is not None else 0
+        return self._submitted - self._started + queued
 
     def request_counter(self, code: str) -> Any:
         """The inference_requests_total child for this version and ``code`` (cached)."""
@@ -230,11 +283,14 @@ class ModelVersion:
         if self.state is ModelState.READY:
             self._set_state(ModelState.UNLOADING)
         await self._idle.wait()
+        if self.batcher is not None:
+            await self.batcher.stop()
         self._close()
         self._set_state(ModelState.UNAVAILABLE, "unloaded")
 
     def _close(self) -> None:
         self.session = None
+        self.batcher = None
         if self._executor is not None:
             self._executor.shutdown(wait=False)
             self._executor = None

@@ -94,6 +94,27 @@ class ServerMetrics:
             buckets=BATCH_BUCKETS,
             registry=r,
         )
+        self.queue_duration = Histogram(
+            "inference_queue_duration_seconds",
+            "Time a request waited for an execution slot or a dynamic batch",
+            ["model"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.executed_batch_size = Histogram(
+            "inference_executed_batch_size",
+            "Samples per ONNX Runtime execution (dynamic batching joins requests)",
+            ["model"],
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.rejections = Counter(
+            "inference_rejections",
+            "Requests answered without running: queue_full (RESOURCE_EXHAUSTED) or deadline "
+            "(DEADLINE_EXCEEDED while queued)",
+            ["model", "reason"],
+            registry=r,
+        )
         self.kv_blocks_used = Gauge(
             "kv_cache_blocks_used",
             "KV-cache blocks in use (0 until generative models exist)",

@@ -18,6 +18,7 @@ import yaml
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 
+from model_server.batching import batching_errors
 from model_server.datatypes import BY_CONFIG_TYPE, BY_ONNX_TYPE, Datatype
 from model_server.errors import ModelConfigError
 
@@ -125,6 +126,7 @@ def check_declared_config(config: model_config_pb2.ModelConfig, dir_name: str) -
         errors.append(f"backend {config.backend!r} is not supported (expected onnxruntime)")
     if config.max_batch_size < 0:
         errors.append(f"max_batch_size must be >= 0, got {config.max_batch_size}")
+    errors += batching_errors(config)
     for kind, tensors in (("input", config.input), ("output", config.output)):
         seen: set[str] = set()
         for tensor in tensors:

@@ -26,7 +26,7 @@ from model_server.metrics import ServerMetrics
 from model_server.model_config import parse_config_override
 from model_server.repository import ModelRepository
 from model_server.tracing import Tracing
-from model_server.validation import decode_request, encode_response
+from model_server.validation import decode_request, encode_response, request_scheduling
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,9 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         metadata = context.invocation_metadata() or ()
         with self.tracing.span(metadata) as span:
             try:
-                response = await self._infer(request, _routed_version(metadata), span)
+                response = await self._infer(
+                    request, _routed_version(metadata), span, metadata, context.time_remaining()
+                )
             except InferenceError as exc:
                 self.tracing.finish(span, exc.code, exc.message)
                 await context.abort(exc.code, exc.message)
@@ -230,7 +232,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         async for request in request_iterator:
             with self.tracing.span(metadata) as span:
                 try:
-                    response = await self._infer(request, routed, span)
+                    response = await self._infer(request, routed, span, metadata)
                 except InferenceError as exc:
                     self.tracing.finish(span, exc.code, exc.message)
                     yield service_pb2.ModelStreamInferResponse(error_message=exc.message)
@@ -239,7 +241,12 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             yield service_pb2.ModelStreamInferResponse(infer_response=response)
 
     async def _infer(
-        self, request: service_pb2.ModelInferRequest, routed_version: str, span: Any = None
+        self,
+        request: service_pb2.ModelInferRequest,
+        routed_version: str,
+        span: Any = None,
+        metadata: Sequence[tuple[str, Any]] = (),
+        time_remaining_s: float | None = None,
     ) -> object:
         started = time.monotonic_ns()
         version: ModelVersion | None = None
@@ -256,6 +263,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 assert version.spec is not None
                 decoded = decode_request(request, version.spec, self.max_request_bytes)
+                priority, timeout_s = request_scheduling(request, metadata, time_remaining_s)
                 if span is not None:
                     span.set_attribute("infermesh.model", version.name)
                     span.set_attribute("infermesh.model.version", str(version.version))
@@ -263,7 +271,9 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 self.metrics.batch_size.labels(version.name).observe(decoded.batch)
                 if self.faults.enabled:
                     await self.faults.before_execute()
-                arrays = await version.execute(decoded.feeds, decoded.outputs, decoded.batch)
+                arrays = await version.execute(
+                    decoded.feeds, decoded.outputs, decoded.batch, priority, timeout_s
+                )
                 return encode_response(
                     request, version.spec, version.version, decoded.outputs, arrays
                 )

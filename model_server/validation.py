@@ -8,7 +8,9 @@ count of typed contents. Errors name the model, the input and what was expected.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from tritonclient.grpc import service_pb2
@@ -239,3 +241,45 @@ def encode_response(
                 np.ascontiguousarray(array, dtype=declared.datatype.numpy).tobytes()
             )
     return response
+
+
+PRIORITY_HEADER = "x-priority"
+
+
+def request_scheduling(
+    request: service_pb2.ModelInferRequest,
+    metadata: Sequence[tuple[str, Any]],
+    time_remaining_s: float | None,
+) -> tuple[int, float | None]:
+    """(priority, timeout in seconds) as Triton reads them: the "priority" parameter (or the
+    x-priority header; 0 is the model's default) and the sooner of the "timeout" parameter
+    (microseconds; 0 is none) and the gRPC deadline."""
+    priority = _whole_parameter(request, "priority")
+    if priority is None:
+        header = next((str(v) for k, v in metadata if k == PRIORITY_HEADER), None)
+        if header is not None:
+            if not header.isdigit():
+                raise InvalidInput(
+                    f"header {PRIORITY_HEADER}: expected a number >= 0, got {header!r}"
+                )
+            priority = int(header)
+    timeouts = [t for t in (time_remaining_s,) if t is not None]
+    micros = _whole_parameter(request, "timeout")
+    if micros:
+        timeouts.append(micros / 1e6)
+    return priority or 0, min(timeouts) if timeouts else None
+
+
+def _whole_parameter(request: service_pb2.ModelInferRequest, name: str) -> int | None:
+    if name not in request.parameters:
+        return None
+    parameter = request.parameters[name]
+    kind = parameter.WhichOneof("parameter_choice")
+    value = getattr(parameter, kind) if kind in ("int64_param", "uint64_param") else None
+    if value is None or value < 0:
+        shown = getattr(parameter, kind) if kind else None
+        raise InvalidInput(
+            f"parameters[{name!r}]: expected an int64 or uint64 >= 0, got {kind or 'nothing'} "
+            f"{shown!r}"
+        )
+    return int(value)

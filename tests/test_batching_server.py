@@ -1,0 +1,104 @@
+"""Dynamic batching in the real model server: joined executions, exact answers, a bounded queue."""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+import pytest
+from tritonclient.grpc import service_pb2_grpc
+
+from tests.support import ServerProcess, classifier_request, metric_value, start_server
+
+pytestmark = pytest.mark.integration
+
+
+def with_batching(repo: Path, dynamic_batching: str, max_batch_size: int = 32) -> Path:
+    config = repo / "classifier" / "config.pbtxt"
+    text = config.read_text().replace("max_batch_size: 32", f"max_batch_size: {max_batch_size}")
+    config.write_text(text + f"dynamic_batching {{ {dynamic_batching} }}\n")
+    return repo
+
+
+def hammer(
+    server: ServerProcess, clients: int, each: int
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[grpc.RpcError]]:
+    """``clients`` threads, ``each`` requests apiece, all at once: (input, output) pairs, errors."""
+    answers: list[tuple[np.ndarray, np.ndarray]] = []
+    errors: list[grpc.RpcError] = []
+    lock = threading.Lock()
+    start = threading.Barrier(clients)
+
+    def client(index: int) -> None:
+        rng = np.random.default_rng(index)
+        with grpc.insecure_channel(server.url) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            start.wait()
+            for _ in range(each):
+                images = rng.random((1, 3, 32, 32), dtype=np.float32)
+                try:
+                    response = stub.ModelInfer(classifier_request(images, "1"), timeout=30)
+                except grpc.RpcError as error:
+                    with lock:
+                        errors.append(error)
+                    continue
+                probs = np.frombuffer(response.raw_output_contents[0], np.float32).reshape(1, 10)
+                with lock:
+                    answers.append((images, probs))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    return answers, errors
+
+
+@pytest.fixture
+def batching_server(copy_repo: Path, tmp_path: Path) -> Iterator[ServerProcess]:
+    repo = with_batching(copy_repo, "max_queue_delay_microseconds: 2000")
+    server = start_server(repo, tmp_path / "logs", "--models", "classifier")
+    yield server
+    server.stop()
+
+
+def test_concurrent_requests_share_executions_and_answers_are_exact(
+    batching_server: ServerProcess, copy_repo: Path
+) -> None:
+    answers, errors = hammer(batching_server, clients=16, each=8)
+    assert not errors and len(answers) == 128
+    session = ort.InferenceSession(str(copy_repo / "classifier" / "1" / "model.onnx"))
+    for images, probs in answers:
+        expected = session.run(None, {"input": images})[0]
+        np.testing.assert_allclose(probs, expected, rtol=1e-5, atol=1e-6)
+    stats = batching_server.client().get_inference_statistics("classifier", "1").model_stats[0]
+    assert stats.inference_count >= 128
+    assert stats.execution_count < stats.inference_count  # joined into fewer ONNX Runtime calls
+    config = batching_server.client().get_model_config("classifier").config
+    assert config.dynamic_batching.max_queue_delay_microseconds == 2000
+
+
+def test_a_full_queue_answers_resource_exhausted_and_the_rest_are_served(
+    copy_repo: Path, tmp_path: Path
+) -> None:
+    repo = with_batching(copy_repo, "default_queue_policy { max_queue_size: 2 }", max_batch_size=2)
+    server = start_server(repo, tmp_path / "logs", "--models", "classifier")
+    try:
+        answers, errors = hammer(server, clients=24, each=6)
+        assert answers and errors, (len(answers), len(errors))
+        assert {e.code() for e in errors} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert all("queue full (2 requests waiting)" in (e.details() or "") for e in errors)
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics") as r:
+            metrics = r.read().decode()
+        rejected = metric_value(metrics, "inference_rejections_total", reason="queue_full")
+        assert rejected == len(errors)
+        exhausted = metric_value(metrics, "inference_requests_total", code="RESOURCE_EXHAUSTED")
+        assert exhausted == len(errors)
+        assert server.client().is_server_ready()  # and it keeps serving
+    finally:
+        server.stop()
