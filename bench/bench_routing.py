@@ -76,11 +76,12 @@ BENCH_TIMING: dict[str, Any] = {"backoff_base_s": 2.0, "backoff_max_s": 8.0, "sl
 TUNED_POLICY: dict[str, Any] = {
     "score_weights": {"qps": 0.1, "latency": 0.8, "memory": 0.1},
     "latency_eject_factor": 3.0,
-    "latency_eject_windows": 2,
+    "latency_eject_windows": 1,
     "ewma_alpha": 1.0,
     "max_step": 1.0,
     "hysteresis": 0.05,
-    "backoff_base_s": 4.0,
+    "backoff_base_s": 10.0,
+    "backoff_max_s": 10.0,
 }
 HOST_RE = re.compile(
     rf"^model:{MODEL_NAME}::127\.0\.0\.1:(\d+)::(weight|health_flags|rq_total)::(.*)$", re.M

@@ -58,18 +58,43 @@ class EndpointAssignment:
     health: EndpointHealth = EndpointHealth.HEALTHY
 
 
+def fallback_cluster(cluster: str) -> str:
+    """The aggregate cluster that tries ``cluster`` first and the model's fallback after."""
+    return f"fallback:{cluster}"
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """A token bucket in Envoy on a model's routes: ``requests_per_s`` refill, ``burst`` size."""
+
+    requests_per_s: float
+    burst: int
+
+
+@dataclass(frozen=True)
+class CircuitBreaker:
+    """Envoy's limits per model cluster; past them Envoy answers UNAVAILABLE at once."""
+
+    max_requests: int = 1_000_000  # in flight to the cluster
+    max_pending_requests: int = 1_000_000  # waiting for a connection or stream
+
+
 @dataclass(frozen=True)
 class ModelRoute:
     """How requests for one model are routed.
 
     ``version_split`` holds (version, weight) pairs: requests without a version header are
     split across those versions' clusters by weight. Empty: one cluster for all versions.
+    ``rate_limit``, ``circuit_breaker`` and ``fallback`` protect the model (None: off).
     """
 
     name: str
     sla_p99_ms: float
     timeout_s: float
     version_split: tuple[tuple[str, int], ...] = ()
+    rate_limit: RateLimit | None = None
+    circuit_breaker: CircuitBreaker | None = None
+    fallback: str | None = None  # a model whose pool serves when this one's has no healthy host
 
 
 @dataclass(frozen=True)

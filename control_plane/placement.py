@@ -11,6 +11,7 @@ the latest reports to the ``MeshState`` the Envoy resources are built from.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -239,8 +240,9 @@ def build_mesh_state(
     holds the reachable endpoints whose server is ready. Clusters may be empty; models not in
     the topology get none. Weights default to 1 (raised to 1 if lower: EDS needs >= 1),
     health to HEALTHY. ``pool_weights`` / ``pool_health`` (per model name: what telemetry-driven
-    routing decided) apply to that model's clusters; ``weights`` / ``health`` (operator
-    overrides) win over them everywhere. Cluster names and endpoints are sorted.
+    routing decided) apply to that model's clusters, except that routing never ejects every
+    endpoint of a cluster; ``weights`` / ``health`` (operator overrides) win over them
+    everywhere. Cluster names and endpoints are sorted.
     """
     weights = weights or {}
     health = health or {}
@@ -269,7 +271,20 @@ def build_mesh_state(
         state = health.get(address, pool_health.get(model, {}).get(address))
         return EndpointAssignment(address, max(1, int(weight)), state or EndpointHealth.HEALTHY)
 
+    def fail_open(assigned: tuple[EndpointAssignment, ...]) -> tuple[EndpointAssignment, ...]:
+        # The pool's ejection cap counts the whole model; a version cluster may hold only the
+        # ejected ones. Routing never empties a cluster (an operator's UNHEALTHY still does).
+        if any(a.health is EndpointHealth.HEALTHY for a in assigned):
+            return assigned
+        return tuple(
+            dataclasses.replace(a, health=EndpointHealth.HEALTHY)
+            if a.health is EndpointHealth.UNHEALTHY and a.address not in health
+            else a
+            for a in assigned
+        )
+
     clusters = {
-        name: tuple(assign(a, name) for a in sorted(members[name])) for name in sorted(members)
+        name: fail_open(tuple(assign(a, name) for a in sorted(members[name])))
+        for name in sorted(members)
     }
     return MeshState(listener=topology.listener, models=topology.models, clusters=clusters)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from envoy.config.cluster.v3 import circuit_breaker_pb2 as cb_pb2
 from envoy.config.cluster.v3 import cluster_pb2, outlier_detection_pb2
 from envoy.config.core.v3 import address_pb2, base_pb2, config_source_pb2, protocol_pb2
 from envoy.config.core.v3 import health_check_pb2 as hc_pb2
@@ -45,7 +44,18 @@ from control_plane.mesh import (
     EndpointHealth,
     MeshState,
     ModelRoute,
+    cluster_model,
+    fallback_cluster,
     model_cluster,
+)
+from control_plane.protection import (
+    FALLBACK_HEADER,
+    NO_SPILL_OVERPROVISIONING,
+    RATE_LIMIT_FILTER,
+    aggregate_cluster,
+    circuit_breakers,
+    rate_limit_filter,
+    route_rate_limit,
 )
 
 LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
@@ -71,8 +81,6 @@ GRPC_INVALID_ARGUMENT = 3
 # Largest header-less request the Lua filter can buffer: the model servers' default request cap
 # (64 MiB of tensors) plus their 16 MiB gRPC headroom.
 BODY_BUFFER_LIMIT_BYTES = 80 * 1024 * 1024
-# Effectively unlimited: the retry budget, not a fixed count, bounds retries.
-CIRCUIT_BREAKER_LIMIT = 1_000_000
 
 _HEALTH = {
     EndpointHealth.HEALTHY: hc_pb2.HEALTHY,
@@ -107,8 +115,11 @@ def socket_address(host: str, port: int) -> address_pb2.Address:
 # --- listener -------------------------------------------------------------------------------
 
 
-def http_filters(body_routing: bool) -> list[hcm_pb2.HttpFilter]:
+def http_filters(body_routing: bool, rate_limits: bool = False) -> list[hcm_pb2.HttpFilter]:
+    """[Lua body routing], [the rate limit, after Lua so it sees the re-selected route], router."""
     filters = [hcm_pb2.HttpFilter(name=ROUTER_FILTER, typed_config=packed(router_pb2.Router()))]
+    if rate_limits:
+        filters.insert(0, rate_limit_filter())
     if body_routing:
         lua = lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=lua_source()))
         filters.insert(0, hcm_pb2.HttpFilter(name=LUA_FILTER, typed_config=packed(lua)))
@@ -121,7 +132,7 @@ def build_listener(state: MeshState) -> listener_pb2.Listener:
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
         stat_prefix=LISTENER_NAME,
         rds=hcm_pb2.Rds(route_config_name=ROUTE_CONFIG_NAME, config_source=ads_source()),
-        http_filters=http_filters(options.body_routing),
+        http_filters=http_filters(options.body_routing, any(m.rate_limit for m in state.models)),
     )
     if options.body_routing:
         # On HTTP/2 the stream window bounds a body a filter buffers (16 MiB by default, then
@@ -211,6 +222,10 @@ def model_action(
     )
     weights = [] if cluster else split_weights(model)
     versions = [v for v, w in model.version_split if w > 0]  # the same order as split_weights
+    target = cluster or model_cluster(model.name)
+    if model.fallback is not None:  # each target through its aggregate with the fallback
+        weights = [(fallback_cluster(name), weight) for name, weight in weights]
+        target = fallback_cluster(target)
     for (name, weight), version in zip(weights, versions, strict=False):
         entry = action.weighted_clusters.clusters.add(name=name, weight=UInt32Value(value=weight))
         # The server picks the version from the body; a request that names none is told here
@@ -219,8 +234,21 @@ def model_action(
         header.header.key, header.header.value = VERSION_HEADER, version
         header.append_action = header.ADD_IF_ABSENT
     if not weights:
-        action.cluster = cluster or model_cluster(model.name)
+        action.cluster = target
     return action
+
+
+def protect(item: rc_pb2.Route, model: ModelRoute) -> rc_pb2.Route:
+    """Adds the model's rate limit and fallback header to one of its routes."""
+    if model.rate_limit is not None:
+        item.typed_per_filter_config[RATE_LIMIT_FILTER].CopyFrom(
+            route_rate_limit(model.name, model.rate_limit)
+        )
+    if model.fallback is not None:
+        header = item.request_headers_to_add.add()
+        header.header.key, header.header.value = FALLBACK_HEADER, model.fallback
+        header.append_action = header.OVERWRITE_IF_EXISTS_OR_ADD
+    return item
 
 
 def cluster_versions(state: MeshState, model: str) -> list[str]:
@@ -244,10 +272,12 @@ def build_route_config(state: MeshState) -> route_pb2.RouteConfiguration:
         for version in cluster_versions(state, model.name):
             cluster = model_cluster(model.name, version)
             action = model_action(state, model, cluster)
-            routes.append(route(cluster, model_match(model.name, version), route=action))
+            item = route(cluster, model_match(model.name, version), route=action)
+            routes.append(protect(item, model))
     for model in state.models:
         action = model_action(state, model)
-        routes.append(route(model_cluster(model.name), model_match(model.name), route=action))
+        item = route(model_cluster(model.name), model_match(model.name), route=action)
+        routes.append(protect(item, model))
     has_header = rc_pb2.HeaderMatcher(name=MODEL_HEADER, present_match=True)
     routes += [
         grpc_error(
@@ -273,7 +303,8 @@ def build_route_config(state: MeshState) -> route_pb2.RouteConfiguration:
     ]
     if not state.listener.body_routing:
         for item in routes:
-            item.ClearField("typed_per_filter_config")  # no Lua filter to configure
+            if LUA_FILTER in item.typed_per_filter_config:  # no Lua filter to configure
+                del item.typed_per_filter_config[LUA_FILTER]
     host = rc_pb2.VirtualHost(name=LISTENER_NAME, domains=["*"], routes=routes)
     return route_pb2.RouteConfiguration(name=ROUTE_CONFIG_NAME, virtual_hosts=[host])
 
@@ -302,19 +333,6 @@ def health_check(interval_s: float) -> hc_pb2.HealthCheck:
     )
 
 
-def circuit_breakers(budget_percent: float) -> cb_pb2.CircuitBreakers:
-    # The default allows 3 concurrent retries per cluster, which overflows under load.
-    limit = UInt32Value(value=CIRCUIT_BREAKER_LIMIT)
-    budget = cb_pb2.CircuitBreakers.Thresholds.RetryBudget(
-        budget_percent=percent_pb2.Percent(value=budget_percent),
-        min_retry_concurrency=UInt32Value(value=10),
-    )
-    thresholds = cb_pb2.CircuitBreakers.Thresholds(
-        max_connections=limit, max_pending_requests=limit, max_requests=limit, retry_budget=budget
-    )
-    return cb_pb2.CircuitBreakers(thresholds=[thresholds])
-
-
 def outlier_detection() -> outlier_detection_pb2.OutlierDetection:
     return outlier_detection_pb2.OutlierDetection(
         consecutive_5xx=UInt32Value(value=5),
@@ -335,6 +353,7 @@ _LB_POLICY = {
 
 def build_cluster(state: MeshState, name: str) -> cluster_pb2.Cluster:
     options = state.listener
+    model = next((m for m in state.models if m.name == cluster_model(name)), None)
     return cluster_pb2.Cluster(
         name=name,
         type=cluster_pb2.Cluster.EDS,
@@ -344,11 +363,18 @@ def build_cluster(state: MeshState, name: str) -> cluster_pb2.Cluster:
         connect_timeout=duration(options.connect_timeout_s),
         typed_extension_protocol_options=http2_options(),
         lb_policy=_LB_POLICY[options.lb_policy],
-        # The 1 s default delays health changes on the worker load balancers.
-        common_lb_config=cluster_pb2.Cluster.CommonLbConfig(update_merge_window=duration(0)),
+        common_lb_config=cluster_pb2.Cluster.CommonLbConfig(
+            # The 1 s default delays health changes on the worker load balancers.
+            update_merge_window=duration(0),
+            # No panic mode: an ejected or failing server gets no traffic even when most of the
+            # pool is out; the control plane caps ejections, and a fallback takes over at zero.
+            healthy_panic_threshold=percent_pb2.Percent(value=0),
+        ),
         health_checks=[health_check(options.health_check_interval_s)],
         outlier_detection=outlier_detection(),
-        circuit_breakers=circuit_breakers(options.retry_budget_percent),
+        circuit_breakers=circuit_breakers(
+            options.retry_budget_percent, model.circuit_breaker if model else None
+        ),
         track_cluster_stats=cluster_pb2.TrackClusterStats(per_endpoint_stats=True),
         ignore_health_on_host_removal=True,
     )
@@ -364,10 +390,14 @@ def lb_endpoint(assignment: EndpointAssignment) -> ep_pb2.LbEndpoint:
 
 
 def build_assignment(
-    name: str, assignments: Iterable[EndpointAssignment]
+    name: str, assignments: Iterable[EndpointAssignment], no_spill: bool = False
 ) -> endpoint_pb2.ClusterLoadAssignment:
+    """``no_spill``: the cluster keeps all its traffic while any endpoint is healthy (it is the
+    first of a fallback aggregate)."""
     endpoints = [lb_endpoint(a) for a in sorted(assignments, key=lambda a: a.address)]
     load = endpoint_pb2.ClusterLoadAssignment(cluster_name=name)
+    if no_spill:
+        load.policy.overprovisioning_factor.value = NO_SPILL_OVERPROVISIONING
     if endpoints:
         load.endpoints.add(lb_endpoints=endpoints)
     return load
@@ -391,14 +421,32 @@ def build_resources(state: MeshState) -> dict[str, dict[str, Message]]:
     that Envoy answers "no healthy upstream" (UNAVAILABLE) rather than "cluster not found".
     """
     route_config = build_route_config(state)
+    fallbacks = fallback_members(state, route_clusters(route_config))
     members = dict(state.clusters)
-    for name in route_clusters(route_config) - members.keys():
-        members[name] = ()
+    named = {c for c in route_clusters(route_config) if c not in fallbacks}
+    for name in named | {c for pair in fallbacks.values() for c in pair}:
+        members.setdefault(name, ())
     names = sorted(members)
+    primaries = {pair[0] for pair in fallbacks.values()}
+    clusters = {name: build_cluster(state, name) for name in names}
+    clusters.update({name: aggregate_cluster(name, list(pair)) for name, pair in fallbacks.items()})
     listener = build_listener(state)
     return {
         LISTENER_TYPE: {listener.name: listener},
         ROUTE_TYPE: {route_config.name: route_config},
-        CLUSTER_TYPE: {name: build_cluster(state, name) for name in names},
-        ENDPOINT_TYPE: {name: build_assignment(name, members[name]) for name in names},
+        CLUSTER_TYPE: dict(sorted(clusters.items())),
+        ENDPOINT_TYPE: {
+            name: build_assignment(name, members[name], name in primaries) for name in names
+        },
     }
+
+
+def fallback_members(state: MeshState, named: set[str]) -> dict[str, tuple[str, str]]:
+    """Each fallback aggregate the routes name -> (its own cluster, the fallback's cluster)."""
+    fallbacks = {}
+    for name in named:
+        primary = name.removeprefix(fallback_cluster(""))
+        model = next((m for m in state.models if m.name == cluster_model(primary)), None)
+        if primary != name and model is not None and model.fallback is not None:
+            fallbacks[name] = (primary, model_cluster(model.fallback))
+    return fallbacks

@@ -121,11 +121,15 @@ class Checker:
                 self.errors.append(f"{prefix}{key}: unknown key (expected one of: {expected})")
         self.errors.extend(f"{prefix}{key}: required" for key in required if key not in m)
 
-    def section(self, root: dict[str, Any], key: str, kinds: dict[str, str], default: Any) -> Any:
-        """The keyword arguments of one section's dataclass, defaults filled in."""
-        m = self.mapping(root.get(key, {}), key) or {}
-        self.keys(m, key, kinds)
-        return {k: self.value(m, key, k, kind, getattr(default, k)) for k, kind in kinds.items()}
+    def section(
+        self, root: dict[str, Any], key: str, kinds: dict[str, str], default: Any, within: str = ""
+    ) -> Any:
+        """The keyword arguments of one section's dataclass, defaults filled in; ``within`` is
+        the path of ``root`` for error messages ("models[0]")."""
+        path = f"{within}.{key}" if within else key
+        m = self.mapping(root.get(key, {}), path) or {}
+        self.keys(m, path, kinds)
+        return {k: self.value(m, path, k, kind, getattr(default, k)) for k, kind in kinds.items()}
 
     def value(self, m: dict[str, Any], path: str, key: str, kind: str, default: Any) -> Any:
         if key not in m:

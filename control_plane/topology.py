@@ -31,6 +31,9 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
         timeout_s: 5                # optional, > 0; default max(1.0, 20 * sla_p99_ms / 1000)
         version_split: {"1": 90, "2": 10}   # optional; version -> weight (int >= 0), sum > 0
         routing: {...}              # optional: telemetry-driven routing (PoolPolicy's fields)
+        rate_limit: {requests_per_s: 500, burst: 500}   # optional: Envoy token bucket per route
+        circuit_breaker: {max_requests: 256, max_pending_requests: 64}   # optional, each >= 1
+        fallback: classifier-small  # optional: another model (without a fallback of its own)
         canary:                     # optional: how a canary started by an operator progresses
           steps: [10, 25, 50, 100]  # percent on the canary; rising, ends at 100
           dwell_s: 30               # >= 0: at least this long on each step
@@ -55,16 +58,24 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
+import math
 import os
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from control_plane.canary import CanaryPolicy, parse_policy
-from control_plane.mesh import EndpointAddress, ListenerOptions, ModelRoute
+from control_plane.mesh import (
+    CircuitBreaker,
+    EndpointAddress,
+    ListenerOptions,
+    ModelRoute,
+    RateLimit,
+)
 from control_plane.schema import Checker, UniqueKeyLoader, show
 from control_plane.scoring.types import PoolPolicy, ScoreWeights
 
@@ -193,7 +204,10 @@ _TELEMETRY = {
 _MODEL = {
     "name": "name", "sla_p99_ms": "positive", "capacity_qps": "positive",
     "timeout_s": "positive", "version_split": "split", "routing": "routing", "canary": "canary",
+    "rate_limit": "rate_limit", "circuit_breaker": "circuit_breaker", "fallback": "name",
 }  # fmt: skip
+_RATE_LIMIT = {"requests_per_s": "positive", "burst": "count"}
+_CIRCUIT_BREAKER = {"max_requests": "count", "max_pending_requests": "count"}
 # models[].routing: telemetry-driven routing of the model's pool (defaults: PoolPolicy's).
 _ROUTING = {
     "score_weights": "score_weights", "memory_watermark": "fraction",
@@ -259,7 +273,12 @@ def _models(
         sla = c.value(m, path, "sla_p99_ms", "positive", 1.0)
         timeout = c.value(m, path, "timeout_s", "positive", max(1.0, 20 * sla / 1000))
         split = c.value(m, path, "version_split", "split", ())
-        routes.append(ModelRoute(name, sla, timeout, split))
+        routes.append(
+            ModelRoute(
+                name, sla, timeout, split, _rate_limit(c, m, path), _breaker(c, m, path),
+                c.value(m, path, "fallback", "name", None),
+            )
+        )  # fmt: skip
         capacity.append((name, c.value(m, path, "capacity_qps", "positive", 1.0)))
         policies.append(
             (name, _policy(c, m.get("routing", {}), f"{path}.routing", capacity[-1][1], sla))
@@ -268,7 +287,51 @@ def _models(
             policy, errors = parse_policy(canary, CanaryPolicy(), f"{path}.canary.")
             c.errors.extend(errors)
             canaries.append((name, policy))
+    _check_fallbacks(c, routes)
     return tuple(routes), tuple(capacity), tuple(policies), tuple(canaries)
+
+
+def _rate_limit(c: Checker, m: dict[str, Any], path: str) -> RateLimit | None:
+    if "rate_limit" not in m:
+        return None
+    fields = c.section(m, "rate_limit", _RATE_LIMIT, RateLimit(1.0, 0), path)
+    given = m["rate_limit"] if isinstance(m["rate_limit"], dict) else {}
+    if "requests_per_s" not in given:
+        c.errors.append(f"{path}.rate_limit.requests_per_s: required")
+    if "burst" in given and fields["burst"] == 0:
+        c.errors.append(f"{path}.rate_limit.burst: must be >= 1, got 0")
+    # The default burst is one second's worth.
+    return RateLimit(
+        fields["requests_per_s"], fields["burst"] or math.ceil(fields["requests_per_s"])
+    )
+
+
+def _breaker(c: Checker, m: dict[str, Any], path: str) -> CircuitBreaker | None:
+    if "circuit_breaker" not in m:
+        return None
+    fields = c.section(m, "circuit_breaker", _CIRCUIT_BREAKER, CircuitBreaker(), path)
+    for key, value in fields.items():
+        if value < 1:
+            c.errors.append(f"{path}.circuit_breaker.{key}: must be >= 1, got {value}")
+    return CircuitBreaker(**fields)
+
+
+def _check_fallbacks(c: Checker, routes: list[ModelRoute]) -> None:
+    """A fallback is another model of the topology, without a fallback of its own."""
+    by_name = {r.name: r for r in routes}
+    for index, route in enumerate(routes):
+        if route.fallback is None:
+            continue
+        target = by_name.get(route.fallback)
+        where = f"models[{index}].fallback"
+        if route.fallback == route.name:
+            c.errors.append(f"{where}: a model cannot be its own fallback")
+        elif target is None:
+            c.errors.append(f"{where}: {show(route.fallback)} is not a model of the topology")
+        elif target.fallback is not None:
+            c.errors.append(
+                f"{where}: {show(route.fallback)} has a fallback of its own (one level only)"
+            )
 
 
 def _policy(c: Checker, value: object, path: str, capacity: float, sla: float) -> PoolPolicy:

@@ -34,6 +34,10 @@ SERVER_NAME = "infermesh"
 EXTENSIONS = ("model_repository", "model_configuration", "statistics", "binary_tensor_data")
 # Set by Envoy on the share of a version split that a request without a version was sent to.
 ROUTED_VERSION_HEADER = "x-model-version"
+# Set by Envoy on the routes of a model with a fallback (control_plane.protection): a server
+# without the requested model serves this one instead and says so in the response.
+FALLBACK_HEADER = "x-infermesh-fallback"
+FALLBACK_PARAMETER = "infermesh_fallback_from"
 UNKNOWN_MODEL_LABEL = "_unknown"  # never a client-chosen string: label sets stay bounded
 
 
@@ -258,7 +262,15 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             raise
         try:
             wanted = request.model_version or routed_version
-            version = self.repository.resolve(request.model_name, wanted)
+            fallback_from = ""
+            try:
+                version = self.repository.resolve(request.model_name, wanted)
+            except (ModelNotFound, ModelUnavailable):
+                fallback = _header(metadata, FALLBACK_HEADER)
+                if not fallback or fallback == request.model_name:
+                    raise
+                version = self.repository.resolve(fallback, "")  # its newest READY version
+                fallback_from = request.model_name
             version.begin_request()
             try:
                 assert version.spec is not None
@@ -274,9 +286,12 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 arrays = await version.execute(
                     decoded.feeds, decoded.outputs, decoded.batch, priority, timeout_s
                 )
-                return encode_response(
+                response = encode_response(
                     request, version.spec, version.version, decoded.outputs, arrays
                 )
+                if fallback_from:
+                    response.parameters[FALLBACK_PARAMETER].string_param = fallback_from
+                return response
             finally:
                 version.end_request()
         except InferenceError as exc:
@@ -317,10 +332,11 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
 def _routed_version(metadata: Sequence[tuple[str, Any]]) -> str:
     """The version Envoy routed a request to (a version split), for requests that name none."""
-    for key, value in metadata:
-        if key == ROUTED_VERSION_HEADER:
-            return str(value)
-    return ""
+    return _header(metadata, ROUTED_VERSION_HEADER)
+
+
+def _header(metadata: Sequence[tuple[str, Any]], name: str) -> str:
+    return next((str(value) for key, value in metadata if key == name), "")
 
 
 def _duration(target: service_pb2.StatisticDuration, source: DurationStat) -> None:

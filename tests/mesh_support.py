@@ -8,10 +8,11 @@ it the way an operator would (its admin HTTP) and can still reach inside when a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import urllib.request
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -20,6 +21,7 @@ import yaml
 from control_plane.bootstrap import render_bootstrap
 from control_plane.server import ControlPlane, ControlPlaneSettings
 from tests.envoy_support import Envoy, free_port, start_envoy
+from tests.support import wait_for
 
 T = TypeVar("T")
 
@@ -66,14 +68,28 @@ class ControlPlaneThread:
             self.thread.join(timeout=10)
 
 
-def write_topology(path: Path, listener_port: int, endpoints: list[str], **model: Any) -> Path:
-    data = {
+def write_topology(
+    path: Path,
+    listener_port: int,
+    endpoints: list[str],
+    *,
+    top: dict[str, Any] | None = None,
+    more_models: Sequence[dict[str, Any]] = (),
+    **model: Any,
+) -> Path:
+    """The classifier (``model`` overrides its fields), ``more_models`` after it, and ``top``
+    sections (e.g. ``telemetry``) over the defaults."""
+    data: dict[str, Any] = {
         "listener": {"host": "127.0.0.1", "port": listener_port, "health_check_interval_s": 0.5},
         "xds": {"host": "127.0.0.1", "port": 18000},
         "admin": {"host": "127.0.0.1", "port": 19000},
         "placement": {"poll_interval_s": 0.2, "timeout_s": 1.0},
-        "models": [{"name": "classifier", "sla_p99_ms": 100, "capacity_qps": 1000, **model}],
+        "models": [
+            {"name": "classifier", "sla_p99_ms": 100, "capacity_qps": 1000, **model},
+            *more_models,
+        ],
         "endpoints": [{"address": e} for e in endpoints],
+        **(top or {}),
     }
     path.write_text(yaml.safe_dump(data))
     return path
@@ -93,3 +109,25 @@ def start_ads_envoy(
         otlp_port=otlp_port,
     )
     return start_envoy(config, workdir, admin_port, listener_port)
+
+
+def start_plane_and_envoy(
+    stops: contextlib.ExitStack,
+    workdir: Path,
+    topology: Path,
+    listener_port: int,
+    healthy: int,
+    otlp_port: int = 0,
+) -> tuple[ControlPlaneThread, Envoy]:
+    """The control plane (in a thread) and Envoy over SotW ADS, stopped by ``stops``; returns
+    once Envoy's /clusters lists ``healthy`` healthy endpoint entries."""
+    plane = ControlPlaneThread(topology, otlp_port=otlp_port)
+    stops.callback(plane.stop)
+    envoy = start_ads_envoy(workdir, plane.plane.xds_port, listener_port, delta=False)
+    stops.callback(envoy.stop)
+    wait_for(
+        lambda: envoy.admin("/clusters").count("::health_flags::healthy") >= healthy,
+        30,
+        f"{healthy} healthy endpoint entries in Envoy",
+    )
+    return plane, envoy

@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from tests.envoy_support import Envoy, free_port
-from tests.mesh_support import ControlPlaneThread, start_ads_envoy, write_topology
+from tests.mesh_support import ControlPlaneThread, start_plane_and_envoy, write_topology
 from tests.support import ServerProcess, Traffic, post_faults, start_server, wait_for
 
 pytestmark = pytest.mark.integration
@@ -50,19 +49,10 @@ def mesh(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             servers.append(server)
         # A generous SLA: this machine is shared, and only injected errors should roll back.
         urls = [s.url for s in servers]
-        path = write_topology(workdir / "t.yaml", listener, urls, sla_p99_ms=1000)
-        topology = yaml.safe_load(path.read_text())
-        topology["telemetry"] = {"window_s": 3}
-        path.write_text(yaml.safe_dump(topology))
-        plane = ControlPlaneThread(path, otlp_port=otlp)
-        stops.callback(plane.stop)
-        envoy = start_ads_envoy(workdir, plane.plane.xds_port, listener, delta=False)
-        stops.callback(envoy.stop)
-        wait_for(
-            lambda: envoy.admin("/clusters").count("::health_flags::healthy") >= 4,
-            30,
-            "both servers healthy in the model and version clusters",
+        path = write_topology(
+            workdir / "t.yaml", listener, urls, top={"telemetry": {"window_s": 3}}, sla_p99_ms=1000
         )
+        plane, envoy = start_plane_and_envoy(stops, workdir, path, listener, 4, otlp_port=otlp)
         yield servers[0], servers[1], plane, envoy, listener
 
 
@@ -118,6 +108,7 @@ def test_a_healthy_canary_reaches_100_percent(mesh: Mesh) -> None:
     reset(plane, v1, v2)
     with Traffic(f"127.0.0.1:{listener}", clients=4) as traffic:
         flags = ["--steps", "10,50,100", "--dwell-s", "1.5", "--min-requests", "5"]
+        flags += ["--p99-margin", "4"]  # a P99 of a few requests on a busy host is noise
         assert '"status": "running"' in cli(plane, "canary", "classifier", "2", *flags)
         try:
             run = wait_for(lambda: canary(plane, "promoted"), 45, "promotion")

@@ -112,6 +112,22 @@ def test_weights_and_health() -> None:
     )
 
 
+def test_routing_never_ejects_every_endpoint_of_a_cluster() -> None:
+    """A's ejection counts against the whole pool (A, B), but v2 is READY on A alone."""
+    reports = {A: report(A, BOTH), B: report(B, {("classifier", "1")})}
+    ejected = {"classifier": {A: EndpointHealth.UNHEALTHY}}
+    state = build_mesh_state(topology(), reports, pool_health=ejected)
+    health = {n: [e.health for e in state.clusters[n]] for n in state.clusters}
+    assert health[model_cluster("classifier")] == [EndpointHealth.UNHEALTHY, EndpointHealth.HEALTHY]
+    assert health[model_cluster("classifier", "2")] == [EndpointHealth.HEALTHY]  # failed open
+    # An operator's UNHEALTHY is obeyed even when it empties a cluster.
+    operator = {A: EndpointHealth.UNHEALTHY}
+    state = build_mesh_state(topology(), reports, health=operator, pool_health=ejected)
+    assert [e.health for e in state.clusters[model_cluster("classifier", "2")]] == [
+        EndpointHealth.UNHEALTHY
+    ]
+
+
 def test_identical_inputs_give_identical_state() -> None:
     rng = random.Random(7)
     addresses = [EndpointAddress("127.0.0.1", 8000 + i) for i in range(12)]

@@ -233,6 +233,7 @@ def test_cluster_settings(resources: Resources) -> None:
         assert cluster.connect_timeout == duration(1)
         assert cluster.common_lb_config.update_merge_window == duration(0)
         assert cluster.common_lb_config.HasField("update_merge_window")
+        assert cluster.common_lb_config.healthy_panic_threshold.value == 0
         (check,) = cluster.health_checks
         assert check.HasField("grpc_health_check") and check.grpc_health_check.service_name == ""
         assert check.interval == check.no_traffic_interval == duration(0.5)

@@ -14,7 +14,7 @@ import tritonclient.grpc as grpcclient
 
 from control_plane.mesh import model_cluster
 from tests.envoy_support import Envoy, free_port
-from tests.mesh_support import ControlPlaneThread, start_ads_envoy, write_topology
+from tests.mesh_support import ControlPlaneThread, start_plane_and_envoy, write_topology
 from tests.support import ServerProcess, Traffic, post_faults, start_server, wait_for
 
 pytestmark = pytest.mark.integration
@@ -38,15 +38,7 @@ def mesh(
             stops.callback(server.stop)
             servers.append(server)
         topology = write_topology(workdir / "t.yaml", listener, [s.url for s in servers])
-        plane = ControlPlaneThread(topology, otlp_port=otlp)
-        stops.callback(plane.stop)
-        envoy = start_ads_envoy(workdir, plane.plane.xds_port, listener, delta=False)
-        stops.callback(envoy.stop)
-        wait_for(
-            lambda: envoy.admin("/clusters").count("::health_flags::healthy") >= 3,
-            30,
-            "three healthy endpoints",
-        )
+        plane, envoy = start_plane_and_envoy(stops, workdir, topology, listener, 3, otlp)
         yield servers, plane, envoy, listener
 
 

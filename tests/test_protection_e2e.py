@@ -1,0 +1,164 @@
+"""Mesh protection through the real Envoy: rate limit, circuit breaker, fallback and back."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from tritonclient.grpc import service_pb2_grpc
+
+from tests.envoy_support import Envoy, free_port
+from tests.mesh_support import ControlPlaneThread, start_plane_and_envoy, write_topology
+from tests.support import (
+    ServerProcess,
+    classifier_request,
+    post_faults,
+    start_server,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+SMALL = "classifier-small"
+Mesh = tuple[ServerProcess, ServerProcess, ControlPlaneThread, Envoy, int]
+
+
+def small_repository(demo_repo: Path, target: Path) -> Path:
+    """The demo classifier again, named classifier-small (v1 only)."""
+    shutil.copytree(demo_repo / "classifier", target / SMALL)
+    shutil.rmtree(target / SMALL / "2")
+    config = target / SMALL / "config.pbtxt"
+    config.write_text(config.read_text().replace('name: "classifier"', f'name: "{SMALL}"'))
+    return target
+
+
+@pytest.fixture(scope="module")
+def mesh(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    workdir = tmp_path_factory.mktemp("protection")
+    listener = free_port()
+    with contextlib.ExitStack() as stops:
+        big = start_server(demo_repo, workdir / "big", "--enable-fault-injection")
+        stops.callback(big.stop)
+        small = start_server(small_repository(demo_repo, workdir / "small-repo"), workdir / "s")
+        stops.callback(small.stop)
+        small_model = {"name": SMALL, "sla_p99_ms": 1000, "capacity_qps": 1000,
+                       "rate_limit": {"requests_per_s": 2, "burst": 4}}  # fmt: skip
+        path = write_topology(
+            workdir / "t.yaml", listener, [big.url, small.url], more_models=[small_model],
+            circuit_breaker={"max_requests": 2, "max_pending_requests": 1}, fallback=SMALL,
+        )  # fmt: skip
+        plane, envoy = start_plane_and_envoy(stops, workdir, path, listener, healthy=4)
+        yield big, small, plane, envoy, listener
+
+
+def call(listener: int, model: str, timeout: float = 10) -> tuple[Any, Any]:
+    """One ModelInfer through Envoy (routed by the body, as stock clients are)."""
+    request = classifier_request(np.zeros((1, 3, 32, 32), dtype=np.float32))
+    request.model_name = model
+    with grpc.insecure_channel(f"127.0.0.1:{listener}") as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            response, rpc = stub.ModelInfer.with_call(request, timeout=timeout)
+            return response, rpc
+        except grpc.RpcError as error:
+            return None, error
+
+
+def test_the_rate_limit_trips_at_the_configured_burst_and_refills(mesh: Mesh) -> None:
+    _, _, _, _, listener = mesh
+    wait_for(lambda: call(listener, SMALL)[0] is not None, 10, "a token")  # a full bucket again
+    # The bucket refills at 2 tokens/s up to its burst of 4: what is tested is time itself.
+    time.sleep(2.5)
+    outcomes = [call(listener, SMALL) for _ in range(10)]
+    served = [r for r, _ in outcomes if r is not None]
+    limited = [e for r, e in outcomes if r is None]
+    assert 4 <= len(served) <= 5, len(served)  # the burst (plus a refill while calling)
+    assert {e.code() for e in limited} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    trailers = dict(limited[0].trailing_metadata() or ())
+    assert trailers.get("retry-after") == "1"
+    assert trailers.get("x-infermesh-rate-limited") == SMALL
+    wait_for(lambda: call(listener, SMALL)[0] is not None, 3, "a refilled token")
+
+
+def test_the_circuit_breaker_answers_unavailable_at_once_past_its_limit(mesh: Mesh) -> None:
+    big, _, _, envoy, listener = mesh
+    post_faults(big, {"latency_ms": 400})
+    try:
+        results: list[tuple[Any, Any, float]] = []
+        lock = threading.Lock()
+
+        def client() -> None:
+            started = time.monotonic()
+            response, error = call(listener, "classifier")
+            with lock:
+                results.append((response, error, time.monotonic() - started))
+
+        threads = [threading.Thread(target=client) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+    finally:
+        post_faults(big, {"reset": True})
+    served = [r for r, _, _ in results if r is not None]
+    refused = [(e, took) for r, e, took in results if r is None]
+    assert served and refused, (len(served), len(refused))
+    assert len(served) <= 3  # two in flight and one pending, at most
+    assert {e.code() for e, _ in refused} == {grpc.StatusCode.UNAVAILABLE}
+    assert all(took < 0.3 for _, took in refused)  # refused before any server answered
+    # Envoy counts them (":" in cluster names becomes "_" in stat names).
+    stats = dict(
+        line.split(": ", 1) for line in envoy.admin("/stats?filter=overflow").splitlines() if line
+    )
+    prefix = "cluster.model_classifier.upstream_rq_"
+    overflows = int(stats[prefix + "pending_overflow"]) + int(stats[prefix + "active_overflow"])
+    assert overflows >= len(refused)
+
+
+def test_fallback_takes_over_when_the_pool_is_ejected_and_gives_it_back(mesh: Mesh) -> None:
+    big, _, plane, _, listener = mesh
+    response, _ = call(listener, "classifier")
+    assert response.model_name == "classifier"
+    plane.admin_post(f"/endpoints/{big.url}", {"health": "UNHEALTHY"})
+    try:
+        fallback = wait_for(
+            lambda: (
+                (r := call(listener, "classifier")[0]) is not None and r.model_name == SMALL and r
+            ),
+            10,
+            "the fallback to answer",
+        )
+        assert fallback.parameters["infermesh_fallback_from"].string_param == "classifier"
+        assert len(fallback.raw_output_contents[0]) == 10 * 4  # the small model's answer
+    finally:
+        plane.admin_post(f"/endpoints/{big.url}", {"health": None})
+    wait_for(
+        lambda: (r := call(listener, "classifier")[0]) is not None and r.model_name == "classifier",
+        10,
+        "the model's own pool to serve again",
+    )
+
+
+def test_without_a_fallback_unavailable_says_why(mesh: Mesh) -> None:
+    _, small, plane, _, listener = mesh
+    plane.admin_post(f"/endpoints/{small.url}", {"health": "UNHEALTHY"})
+    try:
+        error = wait_for(
+            lambda: (
+                (e := call(listener, SMALL)[1]) is not None
+                and e.code() == grpc.StatusCode.UNAVAILABLE
+                and e
+            ),
+            10,
+            "UNAVAILABLE",
+        )
+        assert "no healthy upstream" in (error.details() or "")
+    finally:
+        plane.admin_post(f"/endpoints/{small.url}", {"health": None})
