@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -92,7 +93,8 @@ class ModelVersion:
         self.state = ModelState.INITIALIZING
         self.reason = ""
         self.spec: ModelSpec | None = None
-        self.session: OnnxSession | None = None
+        self.session: OnnxSession | None = None  # the first instance (metadata, provider)
+        self._instances: queue.SimpleQueue[OnnxSession] = queue.SimpleQueue()  # free ones
         self.stats = VersionStats()
         self.memory_bytes = 0
         self.load_ms = 0.0
@@ -129,7 +131,7 @@ class ModelVersion:
         self._set_state(ModelState.LOADING)
         expected = 0
         try:
-            expected = estimate_model_bytes(self.path)
+            expected = estimate_model_bytes(self.path) * self.slots_total  # a session each
             guard.reserve(self.label, expected)
             before = process_rss()
             self._executor = ThreadPoolExecutor(
@@ -165,16 +167,23 @@ class ModelVersion:
 
     def _open_session(self) -> None:
         parameters = {k: v.string_value for k, v in self.declared.parameters.items()}
-        session = OnnxSession(self.path, self.device, parameters)
-        self.spec = complete_spec(self.declared, session.inputs, session.outputs)
-        self.session = session
+        # One session per instance (instance_group count), each with its own worker thread
+        # and memory arena: concurrent runs never share a session's scratch buffers.
+        sessions = [
+            OnnxSession(self.path, self.device, parameters) for _ in range(self.slots_total)
+        ]
+        self.spec = complete_spec(self.declared, sessions[0].inputs, sessions[0].outputs)
+        for session in sessions:
+            self._instances.put(session)
+        self.session = sessions[0]
 
     def _warm_up(self) -> None:
         assert self.session is not None and self.spec is not None
-        for feeds, count in warmup_inputs(self.spec, self.path.parent.parent):
-            outputs = [o.name for o in self.spec.outputs]
-            for _ in range(count):
-                self.session.run(outputs, feeds)
+        outputs = [o.name for o in self.spec.outputs]
+        for _ in range(self.slots_total):  # every instance, in turn
+            for feeds, count in warmup_inputs(self.spec, self.path.parent.parent):
+                for _ in range(count):
+                    self._compute(outputs, feeds, 0, count=False)
 
     async def execute(
         self,
@@ -199,9 +208,7 @@ class ModelVersion:
                 reason = "queue_full" if isinstance(exc, QueueFull) else "deadline"
                 self.metrics.rejections.labels(self.name, reason).inc()
                 raise
-        job = self._executor.submit(
-            self._run, self.session, outputs, feeds, batch, time.monotonic_ns()
-        )
+        job = self._executor.submit(self._run, outputs, feeds, batch, time.monotonic_ns())
         self._submitted += 1
         try:
             return await asyncio.wrap_future(job)
@@ -212,7 +219,6 @@ class ModelVersion:
 
     def _run(
         self,
-        session: OnnxSession,
         outputs: Sequence[str],
         feeds: Mapping[str, np.ndarray],
         batch: int,
@@ -222,7 +228,7 @@ class ModelVersion:
         with self._stats_lock:
             self._started += 1
         self._dequeued((time.monotonic_ns() - queued_ns) / 1e9)
-        return self._compute(session, outputs, feeds, batch)
+        return self._compute(outputs, feeds, batch)
 
     def _run_batch(
         self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str], rows: int
@@ -230,7 +236,7 @@ class ModelVersion:
         """In a worker thread: one dynamic batch (the batcher joined the inputs)."""
         if self.session is None:
             raise ModelUnavailable(f"{self.label} is {self.state.value}")
-        return self._compute(self.session, outputs, feeds, rows)
+        return self._compute(outputs, feeds, rows)
 
     def _dequeued(self, waited_s: float) -> None:
         with self._stats_lock:
@@ -239,14 +245,21 @@ class ModelVersion:
 
     def _compute(
         self,
-        session: OnnxSession,
         outputs: Sequence[str],
         feeds: Mapping[str, np.ndarray],
         rows: int,
+        count: bool = True,
     ) -> list[np.ndarray]:
-        started = time.monotonic_ns()
-        result = session.run(outputs, feeds)
-        finished = time.monotonic_ns()
+        """On a worker thread, with a free instance (there are as many as worker threads)."""
+        session = self._instances.get(timeout=60)
+        try:
+            started = time.monotonic_ns()
+            result = session.run(outputs, feeds)
+            finished = time.monotonic_ns()
+        finally:
+            self._instances.put(session)
+        if not count:  # warm-up
+            return result
         with self._stats_lock:
             self.stats.compute_infer.add(finished - started)
             self.stats.execution_count += 1
@@ -290,6 +303,7 @@ class ModelVersion:
 
     def _close(self) -> None:
         self.session = None
+        self._instances = queue.SimpleQueue()
         self.batcher = None
         if self._executor is not None:
             self._executor.shutdown(wait=False)

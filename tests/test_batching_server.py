@@ -18,9 +18,12 @@ from tests.support import ServerProcess, classifier_request, metric_value, start
 pytestmark = pytest.mark.integration
 
 
-def with_batching(repo: Path, dynamic_batching: str, max_batch_size: int = 32) -> Path:
+def with_batching(
+    repo: Path, dynamic_batching: str, max_batch_size: int = 32, instances: int = 1
+) -> Path:
     config = repo / "classifier" / "config.pbtxt"
     text = config.read_text().replace("max_batch_size: 32", f"max_batch_size: {max_batch_size}")
+    text = text.replace("count: 1", f"count: {instances}")
     config.write_text(text + f"dynamic_batching {{ {dynamic_batching} }}\n")
     return repo
 
@@ -61,7 +64,8 @@ def hammer(
 
 @pytest.fixture
 def batching_server(copy_repo: Path, tmp_path: Path) -> Iterator[ServerProcess]:
-    repo = with_batching(copy_repo, "max_queue_delay_microseconds: 2000")
+    # Two instances: two sessions on two worker threads, each taking whole batches.
+    repo = with_batching(copy_repo, "max_queue_delay_microseconds: 2000", instances=2)
     server = start_server(repo, tmp_path / "logs", "--models", "classifier")
     yield server
     server.stop()
@@ -81,6 +85,7 @@ def test_concurrent_requests_share_executions_and_answers_are_exact(
     assert stats.execution_count < stats.inference_count  # joined into fewer ONNX Runtime calls
     config = batching_server.client().get_model_config("classifier").config
     assert config.dynamic_batching.max_queue_delay_microseconds == 2000
+    assert config.instance_group[0].count == 2
 
 
 def test_a_full_queue_answers_resource_exhausted_and_the_rest_are_served(
