@@ -109,6 +109,7 @@ class ListenerOptions:
     retry_budget_percent: float = 25.0
     body_routing: bool = True  # Lua filter reads the model name from unary request bodies
     lb_policy: str = "least_request"  # one of LB_POLICIES; EDS weights apply under both
+    access_log: str = ""  # a file Envoy appends one JSON line per request to ("": none)
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,7 @@ _RULES: dict[str, tuple[Any, str, str]] = {
     "host": (lambda v: _is_ip(v) or _HOST_NAME.fullmatch(v), _STR, "a host name or IP"),
     "name": (_MODEL_NAME.fullmatch, _STR, "a model name (letters, digits, '_', '.', '-')"),
     "lb_policy": (lambda v: v in LB_POLICIES, _STR, f"one of {', '.join(LB_POLICIES)}"),
+    "path": (lambda v: v == "" or v.startswith("/"), _STR, 'an absolute path (or "")'),
 }
 
 

@@ -15,6 +15,7 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
       retry_budget_percent: 25      # 0..100
       body_routing: true            # Lua filter reads the model name from the request body
       lb_policy: least_request      # or round_robin: how Envoy picks within a model's pool
+      access_log: ""                # a file for Envoy's JSON access log, one line per request
     xds: {host: 127.0.0.1, port: 18000}      # where the control plane serves ADS
     admin: {host: 127.0.0.1, port: 19000}    # the control plane's status HTTP
     placement: {poll_interval_s: 1.0, timeout_s: 1.0}   # model server polling, both > 0
@@ -193,7 +194,7 @@ def parse_topology(data: object, source: str = "<topology>") -> Topology:
 _LISTENER = {
     "host": "ip", "port": "port", "health_check_interval_s": "positive",
     "connect_timeout_s": "positive", "max_retries": "count", "retry_budget_percent": "percent",
-    "body_routing": "bool", "lb_policy": "lb_policy",
+    "body_routing": "bool", "lb_policy": "lb_policy", "access_log": "path",
 }  # fmt: skip
 _BIND = {"host": "host", "port": "port"}
 _PLACEMENT = {"poll_interval_s": "positive", "timeout_s": "positive"}

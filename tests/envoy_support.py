@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from control_plane.bootstrap import ENVOY_DEFAULT_ARGS
 from tests.support import wait_for
 
 _BASE_IDS = itertools.count(os.getpid() * 16 % 1_000_000)
@@ -72,7 +73,7 @@ def start_envoy(config: dict[str, Any], workdir: Path, admin_port: int, port: in
     log_path = workdir / "envoy.log"
     command = [
         envoy_binary(), "-c", str(config_path), "--base-id", str(next(_BASE_IDS)),
-        "-l", "warning", "--concurrency", "1",
+        "-l", "warning", "--concurrency", "1", *ENVOY_DEFAULT_ARGS,
     ]  # fmt: skip
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import threading
 import time
@@ -50,8 +51,12 @@ def mesh(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         stops.callback(small.stop)
         small_model = {"name": SMALL, "sla_p99_ms": 1000, "capacity_qps": 1000,
                        "rate_limit": {"requests_per_s": 2, "burst": 4}}  # fmt: skip
+        access_log = workdir / "access.log"
+        listener_options = {"host": "127.0.0.1", "port": listener, "access_log": str(access_log),
+                            "health_check_interval_s": 0.5}  # fmt: skip
         path = write_topology(
             workdir / "t.yaml", listener, [big.url, small.url], more_models=[small_model],
+            top={"listener": listener_options},
             circuit_breaker={"max_requests": 2, "max_pending_requests": 1}, fallback=SMALL,
         )  # fmt: skip
         plane, envoy = start_plane_and_envoy(stops, workdir, path, listener, healthy=4)
@@ -85,6 +90,19 @@ def test_the_rate_limit_trips_at_the_configured_burst_and_refills(mesh: Mesh) ->
     assert trailers.get("retry-after") == "1"
     assert trailers.get("x-infermesh-rate-limited") == SMALL
     wait_for(lambda: call(listener, SMALL)[0] is not None, 3, "a refilled token")
+    # Envoy's access log tells the answers apart (gRPC errors are HTTP 200); it is flushed
+    # every second.
+    access_log = mesh[3].log_path.parent / "access.log"
+
+    def logged(status: int) -> list[dict[str, Any]]:
+        lines = access_log.read_text().splitlines() if access_log.exists() else []
+        entries = [json.loads(line) for line in lines]
+        return [e for e in entries if e["model"] == SMALL and e["grpc_status"] == status]
+
+    limited = wait_for(lambda: logged(8), 5, "RESOURCE_EXHAUSTED in the access log")
+    assert len(limited) >= len(outcomes) - len(served)
+    assert all(e["upstream"] is None and e["duration_ms"] <= 5 for e in limited)  # in Envoy
+    assert logged(0) and all(e["upstream"] for e in logged(0))
 
 
 def test_the_circuit_breaker_answers_unavailable_at_once_past_its_limit(mesh: Mesh) -> None:

@@ -14,7 +14,13 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane.mesh import EndpointAddress, ListenerOptions, ModelRoute
+from control_plane.mesh import (
+    CircuitBreaker,
+    EndpointAddress,
+    ListenerOptions,
+    ModelRoute,
+    RateLimit,
+)
 from control_plane.scoring.types import PoolPolicy
 from control_plane.topology import (
     DnsEndpoint,
@@ -51,7 +57,10 @@ def test_example_file_loads() -> None:
     topology = load_topology(EXAMPLE)
     assert topology.source == str(EXAMPLE)
     assert topology.listener == ListenerOptions()
-    assert topology.models == (ModelRoute("classifier", 50.0, 5.0, (("1", 90), ("2", 10))),)
+    limits = RateLimit(500.0, 500), CircuitBreaker(256, 64)
+    assert topology.models == (
+        ModelRoute("classifier", 50.0, 5.0, (("1", 90), ("2", 10)), *limits),
+    )
     assert topology.capacity("classifier") == 1000.0
     assert topology.endpoints == (
         StaticEndpoint(EndpointAddress("127.0.0.1", 8001)),
@@ -151,7 +160,7 @@ ERROR_CASES = [
     ("models.0.name", "", "models[0].name: must be a model name (letters, digits, '_', '.', '-'), got \"\""),  # noqa: E501
     ("models.0.name", "a:b", "models[0].name: must be a model name (letters, digits, '_', '.', '-'), got \"a:b\""),  # noqa: E501
     ("models.0.name", 7, "models[0].name: must be a string, got 7"),
-    ("models.0.sla_p99", 5, "models[0].sla_p99: unknown key (expected one of: name, sla_p99_ms, capacity_qps, timeout_s, version_split, routing, canary)"),  # noqa: E501
+    ("models.0.sla_p99", 5, "models[0].sla_p99: unknown key (expected one of: name, sla_p99_ms, capacity_qps, timeout_s, version_split, routing, canary, rate_limit, circuit_breaker, fallback)"),  # noqa: E501
     ("models.0.version_split", {}, "models[0].version_split: must be a non-empty mapping of version to weight, got {}"),  # noqa: E501
     ("models.0.version_split", [1, 2], "models[0].version_split: must be a non-empty mapping of version to weight, got [1, 2]"),  # noqa: E501
     ("models.0.version_split", {"v1": 1}, 'models[0].version_split: versions must be numbers like "1", got "v1"'),  # noqa: E501
@@ -171,10 +180,11 @@ ERROR_CASES = [
     ("listener.max_retries", -1, "listener.max_retries: must be an integer >= 0, got -1"),
     ("listener.retry_budget_percent", 101, "listener.retry_budget_percent: must be in 0..100, got 101"),  # noqa: E501
     ("listener.body_routing", "yes", 'listener.body_routing: must be true or false, got "yes"'),
+    ("listener.access_log", "logs/a.log", 'listener.access_log: must be an absolute path (or ""), got "logs/a.log"'),  # noqa: E501
     ("listener.lb_policy", "random", 'listener.lb_policy: must be one of least_request, round_robin, got "random"'),  # noqa: E501
     ("listener.health_check_interval_s", 0, "listener.health_check_interval_s: must be > 0, got 0"),
     ("listener.connect_timeout_s", -0.1, "listener.connect_timeout_s: must be > 0, got -0.1"),
-    ("listener.prot", 1, "listener.prot: unknown key (expected one of: host, port, health_check_interval_s, connect_timeout_s, max_retries, retry_budget_percent, body_routing, lb_policy)"),  # noqa: E501
+    ("listener.prot", 1, "listener.prot: unknown key (expected one of: host, port, health_check_interval_s, connect_timeout_s, max_retries, retry_budget_percent, body_routing, lb_policy, access_log)"),  # noqa: E501
     ("listener", [], "listener: must be a mapping with string keys, got []"),
     ("xds.port", 70000, "xds.port: must be a port in 1..65535, got 70000"),
     ("xds.host", "a b", 'xds.host: must be a host name or IP, got "a b"'),
@@ -245,7 +255,8 @@ def test_many_errors_are_reported_at_once(tmp_path: Path) -> None:
     assert info.value.errors == (
         'line 3: duplicate key "xds" (first at line 2)',
         "listener.prot: unknown key (expected one of: host, port, health_check_interval_s, "
-        "connect_timeout_s, max_retries, retry_budget_percent, body_routing, lb_policy)",
+        "connect_timeout_s, max_retries, retry_budget_percent, body_routing, lb_policy, "
+        "access_log)",
         "listener.port: must be a port in 1..65535, got 0",
         'listener.body_routing: must be true or false, got "maybe"',
         "placement.poll_interval_s: must be > 0, got -1",
