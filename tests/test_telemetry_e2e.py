@@ -103,7 +103,8 @@ def test_injected_latency_shows_in_the_control_planes_p99(
         )
         assert seen_slow >= 20, (seen_slow, client_slow)
         assert abs(seen_slow - client_slow) <= 0.2 * client_slow, (seen_slow, client_slow)
-        assert seen_fast < 10, (seen_fast, client_fast)
+        # The 20 ms injected keeps them apart even when this shared host slows both down.
+        assert seen_fast < seen_slow - 15, (seen_fast, seen_slow)
         assert seen_fast <= client_fast * 1.2, (seen_fast, client_fast)
         assert value(endpoint(plane, slow)["qps"]) > 0
     finally:
