@@ -24,7 +24,13 @@ ENDPOINT_STATS = {
     "cluster.endpoint.rq_active": ("active", False),
     "cluster.endpoint.healthy": ("healthy", False),
 }
+# Cluster-level counters: requests Envoy refused because a circuit breaker was open.
+CLUSTER_STATS = {
+    "cluster.upstream_rq_pending_overflow": "overflow",
+    "cluster.upstream_rq_active_overflow": "overflow",
+}
 MAX_ENDPOINTS = 10_000
+MAX_CLUSTERS = 10_000
 
 
 def is_envoy(resource_metrics: metrics_pb2.ResourceMetrics) -> bool:
@@ -42,11 +48,15 @@ class EnvoyStats:
         self.last_report: float | None = None
         self._counters: dict[tuple[str, str, str], deque[tuple[float, float]]] = {}
         self._gauges: dict[tuple[str, str, str], tuple[float, float]] = {}
+        # (stat, cluster) -> the last two (arrival, value) samples
+        self._cluster_counters: dict[tuple[str, str], deque[tuple[float, float]]] = {}
+        self._previous_report: float | None = None
         self._lock = threading.Lock()
 
     def ingest(self, resources: Iterable[metrics_pb2.ResourceMetrics], now: float) -> int:
         used = 0
         with self._lock:
+            self._previous_report = self.last_report
             self.last_report = now
             for resource in resources:
                 for scope in resource.scope_metrics:
@@ -54,6 +64,8 @@ class EnvoyStats:
                         known = ENDPOINT_STATS.get(metric.name)
                         if known is not None:
                             used += self._metric(metric, known[0], known[1], now)
+                        elif metric.name in CLUSTER_STATS:
+                            used += self._cluster_metric(metric, now)
         return used
 
     def _metric(self, metric: metrics_pb2.Metric, name: str, counter: bool, now: float) -> int:
@@ -81,6 +93,39 @@ class EnvoyStats:
                 self._gauges[key] = (now, value)
             used += 1
         return used
+
+    def _cluster_metric(self, metric: metrics_pb2.Metric, now: float) -> int:
+        used = 0
+        for point in metric.sum.data_points:
+            attrs = {a.key: a.value.string_value for a in point.attributes}
+            if "envoy.endpoint_address" in attrs or not attrs.get("envoy.cluster_name"):
+                continue
+            key = (metric.name, attrs["envoy.cluster_name"])
+            samples = self._cluster_counters.get(key)
+            if samples is None:
+                if len(self._cluster_counters) >= MAX_CLUSTERS:
+                    continue
+                samples = self._cluster_counters[key] = deque(maxlen=2)
+                if self._previous_report is not None:
+                    # Envoy exports a counter once it is first used: it was 0 at the last report.
+                    samples.append((self._previous_report, 0.0))
+            value = float(point.as_int if point.HasField("as_int") else point.as_double)
+            if samples and value < samples[-1][1]:
+                samples.clear()  # Envoy restarted
+            samples.append((now, value))
+            used += 1
+        return used
+
+    def recent_overflows(self, clusters: set[str], now: float, max_age_s: float = 3.0) -> float:
+        """Requests refused by open circuit breakers in ``clusters`` between Envoy's last two
+        reports (names as Envoy writes them in stats: ':' becomes '_'), if the last is recent."""
+        wanted = {c.replace(":", "_") for c in clusters}
+        total = 0.0
+        with self._lock:
+            for (_stat, cluster), samples in self._cluster_counters.items():
+                if cluster in wanted and len(samples) == 2 and now - samples[-1][0] <= max_age_s:
+                    total += samples[-1][1] - samples[0][1]
+        return total
 
     def as_json(self, now: float) -> dict[str, Any]:
         with self._lock:

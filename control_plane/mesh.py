@@ -95,6 +95,7 @@ class ModelRoute:
     rate_limit: RateLimit | None = None
     circuit_breaker: CircuitBreaker | None = None
     fallback: str | None = None  # a model whose pool serves when this one's has no healthy host
+    fallback_active: bool = False  # the circuit is open: every request goes to the fallback
 
 
 @dataclass(frozen=True)

@@ -255,6 +255,9 @@ def model_action(
     weights = [] if cluster else split_weights(model)
     versions = [v for v, w in model.version_split if w > 0]  # the same order as split_weights
     target = cluster or model_cluster(model.name)
+    if model.fallback is not None and model.fallback_active:  # the circuit is open
+        action.cluster = model_cluster(model.fallback)
+        return action
     if model.fallback is not None:  # each target through its aggregate with the fallback
         weights = [(fallback_cluster(name), weight) for name, weight in weights]
         target = fallback_cluster(target)

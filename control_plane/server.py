@@ -26,6 +26,7 @@ from control_plane.admin import AdminError, AdminServer
 from control_plane.ads import AdsServicer
 from control_plane.canary_runs import CanaryRuns
 from control_plane.envoy_stats import EnvoyStats
+from control_plane.fallback import Fallbacks
 from control_plane.mesh import EndpointAddress, EndpointHealth, MeshState
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.nodes import NodeRegistry
@@ -86,6 +87,7 @@ class ControlPlane:
         self.router = Router()
         self.splits: dict[str, tuple[tuple[str, int], ...]] = {}  # operator and canary splits
         self.canaries = CanaryRuns(self.router.decisions, self.metrics)
+        self.fallbacks = Fallbacks(self.router.decisions)
         self.otlp_server: grpc.aio.Server | None = None
         self.otlp_port = 0
         self.endpoints: tuple[EndpointAddress, ...] = ()
@@ -150,6 +152,7 @@ class ControlPlane:
             self._spawn(self._route_by_telemetry())
         self._spawn(self._refresh_dns())
         self._spawn(self._judge_canaries())
+        self._spawn(self._watch_circuits())
         log.info(
             "control plane listening: xds=%s:%d admin=%s:%d otlp=%s:%d topology=%s endpoints=%d",
             t.xds.host, self.xds_port, t.admin.host, self.admin_port,
@@ -234,6 +237,16 @@ class ControlPlane:
             for model in changed:
                 self.splits[model] = self.canaries.runs[model].split()
                 self.rebuild(f"canary of {model}: {self.canaries.runs[model].reason}")
+
+    async def _watch_circuits(self) -> None:
+        while True:
+            await asyncio.sleep(CANARY_INTERVAL_S)
+            now = time.monotonic()
+            changed = self.fallbacks.tick(
+                self.topology, self.envoy_stats.recent_overflows, now, time.time()
+            )
+            if changed:
+                self.rebuild(f"circuit of {', '.join(changed)} opened or closed")
 
     def _version_stats(
         self, models: list[str], now: float
@@ -332,13 +345,17 @@ class ControlPlane:
         return {**body, "envoy": self.envoy_stats.as_json(now)}
 
     def effective_topology(self) -> Topology:
-        """The topology with the operator's version splits in place of the file's."""
-        if not self.splits:
+        """The topology with the operator's (and canaries') version splits in place of the
+        file's, and the models whose circuit is open routed to their fallback."""
+        opened = self.fallbacks.open_models(time.monotonic())
+        if not self.splits and not opened:
             return self.topology
         models = tuple(
-            dataclasses.replace(m, version_split=self.splits[m.name])
-            if m.name in self.splits
-            else m
+            dataclasses.replace(
+                m,
+                version_split=self.splits.get(m.name, m.version_split),
+                fallback_active=m.name in opened,
+            )
             for m in self.topology.models
         )
         return dataclasses.replace(self.topology, models=models)
@@ -420,6 +437,7 @@ class ControlPlane:
             "clusters": clusters,
             "routing": self.router.explain(),
             "canaries": self.canaries.as_json(time.monotonic()),
+            "circuits": self.fallbacks.as_json(time.monotonic()),
             "version_splits": {
                 m.name: dict(m.version_split) for m in self.effective_topology().models
             },

@@ -118,12 +118,15 @@ def start_plane_and_envoy(
     listener_port: int,
     healthy: int,
     otlp_port: int = 0,
+    envoy_stats: bool = False,
 ) -> tuple[ControlPlaneThread, Envoy]:
     """The control plane (in a thread) and Envoy over SotW ADS, stopped by ``stops``; returns
-    once Envoy's /clusters lists ``healthy`` healthy endpoint entries."""
+    once Envoy's /clusters lists ``healthy`` healthy endpoint entries. ``envoy_stats``: Envoy
+    sends its stats to the control plane's OTLP receiver."""
     plane = ControlPlaneThread(topology, otlp_port=otlp_port)
     stops.callback(plane.stop)
-    envoy = start_ads_envoy(workdir, plane.plane.xds_port, listener_port, delta=False)
+    sink = plane.plane.otlp_port if envoy_stats else None
+    envoy = start_ads_envoy(workdir, plane.plane.xds_port, listener_port, False, otlp_port=sink)
     stops.callback(envoy.stop)
     wait_for(
         lambda: envoy.admin("/clusters").count("::health_flags::healthy") >= healthy,

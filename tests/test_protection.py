@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import pytest
@@ -10,8 +11,11 @@ from envoy.extensions.filters.http.local_ratelimit.v3 import local_rate_limit_pb
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
+from opentelemetry.proto.metrics.v1 import metrics_pb2
 
 from control_plane import bootstrap
+from control_plane.envoy_stats import EnvoyStats
+from control_plane.fallback import CircuitState, Fallbacks, step
 from control_plane.mesh import (
     ROUTE_CONFIG_NAME,
     CircuitBreaker,
@@ -193,3 +197,74 @@ def test_bootstrap_overload_manager_sheds_on_heap_and_connections() -> None:
         "envoy.overload_actions.disable_http_keepalive": 0.95,
         "envoy.overload_actions.stop_accepting_requests": 0.98,
     }
+
+
+# -- the control plane's circuit: fallback while Envoy overflows ------------------------------
+def test_circuit_opens_on_overflow_holds_and_doubles_on_repeats() -> None:
+    state, reason = step(CircuitState(), overflows=0, now=100.0)
+    assert (state, reason) == (CircuitState(), None)
+    state, reason = step(state, overflows=7, now=100.0)
+    assert state.is_open(104.9) and not state.is_open(105.0)
+    assert reason == (
+        "circuit open: 7 requests refused by the circuit breaker; fallback serves for 5 s"
+    )
+    assert step(state, overflows=3, now=102.0) == (state, None)  # open: nothing new
+    closed, reason = step(state, overflows=0, now=105.0)
+    assert reason == "circuit closed: own pool serves again" and not closed.is_open(105.0)
+    again, reason = step(closed, overflows=1, now=106.0)
+    assert again.trips == 2 and again.open_until == 116.0  # 10 s: the second trip in a minute
+    later, _ = step(CircuitState(0.0, 6, 100.0), overflows=1, now=161.0)
+    assert later.trips == 1 and later.open_until == 166.0  # a minute later: forgotten
+    capped, _ = step(CircuitState(0.0, 9, 100.0), overflows=1, now=101.0)
+    assert capped.open_until == 101.0 + 60.0
+
+
+def test_fallbacks_tick_watches_only_models_with_a_fallback() -> None:
+    topology = parse_topology({"models": [{**MODEL, "fallback": "b"}, {**MODEL, "name": "b"}]})
+    decisions: deque[dict[str, Any]] = deque()
+    fallbacks = Fallbacks(decisions)
+    asked: list[set[str]] = []
+
+    def overflows(clusters: set[str], now: float) -> float:
+        asked.append(clusters)
+        return 2.0
+
+    assert fallbacks.tick(topology, overflows, 10.0, 1000.0) == ["a"]
+    assert asked == [{model_cluster("a")}]
+    assert fallbacks.open_models(11.0) == {"a"}
+    assert decisions[0]["pool"] == "a" and decisions[0]["decision"].startswith("circuit open")
+    assert fallbacks.tick(topology, lambda c, n: 0.0, 15.0, 1005.0) == ["a"]  # closed
+    assert fallbacks.open_models(15.0) == set()
+
+
+def test_an_open_circuit_routes_straight_to_the_fallback() -> None:
+    resources: Resources = build_resources(protected_state(fallback_active=True))
+    routes = {r.name: r for r in resources[ROUTE_TYPE][ROUTE_CONFIG_NAME].virtual_hosts[0].routes}
+    assert routes[BIG].route.cluster == SMALL
+    assert routes[model_cluster("classifier", "1")].route.cluster == SMALL
+    (header,) = routes[BIG].request_headers_to_add
+    assert header.header.value == "classifier-small"
+
+
+def overflow_report(value: int, cluster: str = "model_classifier") -> Any:
+    point = metrics_pb2.NumberDataPoint(as_int=value)
+    point.attributes.add(key="envoy.cluster_name").value.string_value = cluster
+    metric = metrics_pb2.Metric(name="cluster.upstream_rq_pending_overflow")
+    metric.sum.data_points.append(point)
+    resource = metrics_pb2.ResourceMetrics()
+    resource.resource.attributes.add(key="telemetry.sdk.name").value.string_value = "envoy"
+    resource.scope_metrics.add().metrics.append(metric)
+    return resource
+
+
+def test_envoy_overflows_between_its_last_two_reports() -> None:
+    stats = EnvoyStats()
+    stats.ingest([metrics_pb2.ResourceMetrics()], now=1.0)  # Envoy reports, nothing used yet
+    stats.ingest([overflow_report(4)], now=2.0)  # first use: it was 0 at the last report
+    assert stats.recent_overflows({model_cluster("classifier")}, now=2.5) == 4
+    assert stats.recent_overflows({model_cluster("other")}, now=2.5) == 0
+    stats.ingest([overflow_report(4)], now=3.0)
+    assert stats.recent_overflows({model_cluster("classifier")}, now=3.5) == 0
+    stats.ingest([overflow_report(9)], now=4.0)
+    assert stats.recent_overflows({model_cluster("classifier")}, now=4.5) == 5
+    assert stats.recent_overflows({model_cluster("classifier")}, now=10.0) == 0  # stale

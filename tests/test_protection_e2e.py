@@ -59,7 +59,9 @@ def mesh(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             top={"listener": listener_options},
             circuit_breaker={"max_requests": 2, "max_pending_requests": 1}, fallback=SMALL,
         )  # fmt: skip
-        plane, envoy = start_plane_and_envoy(stops, workdir, path, listener, healthy=4)
+        plane, envoy = start_plane_and_envoy(
+            stops, workdir, path, listener, healthy=4, envoy_stats=True
+        )
         yield big, small, plane, envoy, listener
 
 
@@ -138,6 +140,32 @@ def test_the_circuit_breaker_answers_unavailable_at_once_past_its_limit(mesh: Me
     prefix = "cluster.model_classifier.upstream_rq_"
     overflows = int(stats[prefix + "pending_overflow"]) + int(stats[prefix + "active_overflow"])
     assert overflows >= len(refused)
+
+
+def test_an_open_circuit_sends_the_model_to_its_fallback_for_a_while(mesh: Mesh) -> None:
+    """Envoy cannot fall back on an overflow: the control plane sees the overflows in Envoy's
+    stats and routes the model to its fallback for the hold time, then back."""
+    _, _, plane, _, listener = mesh
+    circuit = wait_for(
+        lambda: (
+            (c := plane.admin_get("/status")["circuits"].get("classifier", {})).get("open") and c
+        ),
+        10,
+        "the control plane to open the circuit (the previous test overflowed it)",
+    )
+    assert circuit["trips"] >= 1
+    response, _ = call(listener, "classifier")
+    assert response.model_name == SMALL
+    assert response.parameters["infermesh_fallback_from"].string_param == "classifier"
+    decisions = [d["decision"] for d in plane.admin_get("/decisions")["decisions"]]
+    assert any(d.startswith("circuit open: ") for d in decisions), decisions
+    wait_for(
+        lambda: (r := call(listener, "classifier")[0]) is not None and r.model_name == "classifier",
+        circuit["open_for_s"] + 10,
+        "the circuit to close and the model's own pool to serve",
+    )
+    decisions = [d["decision"] for d in plane.admin_get("/decisions")["decisions"]]
+    assert "circuit closed: own pool serves again" in decisions
 
 
 def test_fallback_takes_over_when_the_pool_is_ejected_and_gives_it_back(mesh: Mesh) -> None:
