@@ -24,6 +24,7 @@ from control_plane.scoring.types import EndpointSignals, PoolPolicy
 
 GIB = 1024.0**3
 POLICY = PoolPolicy(capacity_qps=100.0, sla_p99_ms=200.0)
+ONE_WINDOW = PoolPolicy(capacity_qps=100.0, sla_p99_ms=200.0, latency_eject_windows=1)
 
 
 def sig(name: str = "a:1", **kw: Any) -> EndpointSignals:
@@ -187,13 +188,21 @@ def test_one_endpoint_pool_is_never_ejected() -> None:
 
 
 def test_fail_open_when_every_endpoint_is_bad() -> None:
-    d = decide([sig("a:1", error_rate=0.9), sig("b:1", memory_used_bytes=99 * GIB)])
+    d = decide([sig("a:1", error_rate=0.9), sig("b:1", p99_ms=900.0)], policy=ONE_WINDOW)
     assert d.fail_open and d.fail_open_reason == "every endpoint looks bad: failing open to weights"
     assert set(d.health.values()) == {HEALTHY}
     assert d.reasons["a:1"] == (
         "would eject (error rate 90% >= 50%), but every endpoint looks bad: failing open to weights"
     )
     assert any("fails open" in e for e in d.events)
+
+
+def test_failing_open_keeps_a_server_over_its_memory_watermark_out() -> None:
+    """The others may only be slow for a moment; this one would run out of memory."""
+    d = decide([sig("a:1", error_rate=0.9), sig("b:1", memory_used_bytes=99 * GIB)])
+    assert d.fail_open
+    assert d.health == {"a:1": HEALTHY, "b:1": UNHEALTHY}
+    assert d.reasons["b:1"].startswith("ejected: memory")
 
 
 def test_fail_open_returns_those_already_out() -> None:
@@ -268,8 +277,8 @@ def test_property_cap_and_draining(
         for s in pool:
             if s.draining:
                 assert d.health[s.endpoint] == DRAINING
-        if d.fail_open:
-            assert not ejected
+        if d.fail_open:  # only a server over its memory watermark stays out
+            assert all(d.reasons[e].startswith("ejected: memory") for e in ejected), d.reasons
         prev = d.states
 
 

@@ -132,14 +132,16 @@ def decide_ejections(
     candidates = [s.endpoint for s in serving if wants_out(s.endpoint)]
     fail_open = bool(candidates) and len(candidates) == len(serving)
     cap = _max_out(len(serving), policy.max_ejected_share)
-    chosen: set[str] = set()
-    if not fail_open:
-        # Already ejected first (no flapping), then the worst: memory, error rate, latency.
-        def rank(ep: str) -> tuple[bool, tuple[float, float, float], str]:
-            sev = verdicts[ep].severity
-            return (not previous.get(ep, EjectionState()).ejected, (-sev[0], -sev[1], -sev[2]), ep)
 
-        chosen = set(sorted(candidates, key=rank)[:cap])
+    # Already ejected first (no flapping), then the worst: memory, error rate, latency.
+    def rank(ep: str) -> tuple[bool, tuple[float, float, float], str]:
+        sev = verdicts[ep].severity
+        return (not previous.get(ep, EjectionState()).ejected, (-sev[0], -sev[1], -sev[2]), ep)
+
+    # Failing open never brings back a server over its memory watermark: it would run out of
+    # memory, whatever the others look like (they may only be slow for a moment).
+    eligible = [ep for ep in candidates if verdicts[ep].severity[0] > 0] if fail_open else candidates
+    chosen = set(sorted(eligible, key=rank)[:cap])
     if fail_open:
         events.append(f"Pool fails open: {FAIL_OPEN_REASON}.")
     share_text = f"at most {policy.max_ejected_share * 100:g}% of the pool may be out"
