@@ -216,6 +216,7 @@ _ROUTING = {
     "error_rate_eject": "fraction", "max_ejected_share": "fraction",
     "backoff_base_s": "positive", "backoff_max_s": "positive", "slow_start_s": "nonnegative",
     "ewma_alpha": "fraction", "hysteresis": "fraction", "max_step": "fraction",
+    "over_sla_exponent": "nonnegative",
 }  # fmt: skip
 _SCORE_WEIGHTS = {k: "nonnegative" for k in ("qps", "latency", "memory", "kv_cache", "queue")}
 _TOP = ("listener", "xds", "admin", "placement", "telemetry", "models", "endpoints")

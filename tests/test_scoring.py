@@ -19,6 +19,7 @@ from control_plane.scoring.scorers import (
     QueueScorer,
     Scorer,
     combine,
+    over_sla_factor,
 )
 from control_plane.scoring.types import EndpointSignals, PoolPolicy, ScoreWeights
 from control_plane.scoring.weights import limit_step, needs_push, proportional_weights, smooth
@@ -156,6 +157,35 @@ def test_combine_zero_weight_scorers_drop_out() -> None:
     got = combine(ep, [ep], policy)
     assert got.parts == {"qps": pytest.approx(0.9)}
     assert got.score == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize(
+    ("p99_ms", "exponent", "factor"),
+    [
+        (None, 2.0, 1.0),
+        (50.0, 2.0, 1.0),
+        (100.0, 2.0, 1.0),  # at the SLA: no penalty
+        (150.0, 2.0, (100 / 150) ** 2),
+        (200.0, 2.0, 0.25),
+        (400.0, 1.0, 0.25),
+        (400.0, 0.0, 1.0),  # off: the article's plain weighted sum
+    ],
+)
+def test_over_sla_factor(p99_ms: float | None, exponent: float, factor: float) -> None:
+    policy = PoolPolicy(100.0, 100.0, over_sla_exponent=exponent)
+    assert over_sla_factor(p99_ms, policy) == pytest.approx(factor)
+
+
+def test_a_slow_server_loses_most_of_its_score() -> None:
+    """Without the factor a server at 2x its SLA keeps 60% of a healthy one's score."""
+    fast = sig("f:1", qps=50.0, p99_ms=20.0, memory_used_bytes=1.0, memory_total_bytes=2.0)
+    slow = sig("s:1", qps=50.0, p99_ms=200.0, memory_used_bytes=1.0, memory_total_bytes=2.0)
+    policy = PoolPolicy(100.0, 100.0)
+    got = combine(slow, [fast, slow], policy)
+    assert got.parts["over_sla"] == pytest.approx(0.25)
+    assert got.score == pytest.approx((0.4 * 0.5 + 0.2 * 0.5) * 0.25)
+    gentle = combine(slow, [fast, slow], PoolPolicy(100.0, 100.0, over_sla_exponent=0.0))
+    assert "over_sla" not in gentle.parts and gentle.score == pytest.approx(0.3)
 
 
 def test_combine_no_signal_is_neutral() -> None:

@@ -140,7 +140,8 @@ def decide_ejections(
 
     # Failing open never brings back a server over its memory watermark: it would run out of
     # memory, whatever the others look like (they may only be slow for a moment).
-    eligible = [ep for ep in candidates if verdicts[ep].severity[0] > 0] if fail_open else candidates
+    over_memory = [ep for ep in candidates if verdicts[ep].severity[0] > 0]
+    eligible = over_memory if fail_open else candidates
     chosen = set(sorted(eligible, key=rank)[:cap])
     if fail_open:
         events.append(f"Pool fails open: {FAIL_OPEN_REASON}.")

@@ -122,6 +122,19 @@ def weighted_mean(parts: Mapping[str, float | None], weights: Mapping[str, float
     return sum(weights[n] * v for n, v in present.items()) / total
 
 
+def over_sla_factor(p99_ms: float | None, policy: PoolPolicy) -> float:
+    """(SLA / p99) ** exponent above the SLA, else 1.
+
+    The weighted sum alone is gentle: a server at 1.5x its SLA scores 0 on latency but keeps
+    its QPS and memory headroom, about 60% of a healthy server's weight, and its QPS headroom
+    grows as it loses traffic. The factor makes a slow server lose weight in proportion to how
+    far past the SLA it is (at 2x the SLA and exponent 2: a quarter of its score).
+    """
+    if p99_ms is None or policy.sla_p99_ms <= 0 or p99_ms <= policy.sla_p99_ms:
+        return 1.0
+    return float((policy.sla_p99_ms / p99_ms) ** policy.over_sla_exponent)
+
+
 def combine(
     endpoint: EndpointSignals,
     pool: Sequence[EndpointSignals],
@@ -130,4 +143,10 @@ def combine(
 ) -> EndpointScore:
     weights = {s.name: float(getattr(policy.score_weights, s.name, 0.0)) for s in scorers}
     parts = {s.name: s.score(endpoint, pool, policy) for s in scorers if weights[s.name] > 0}
-    return EndpointScore(endpoint.endpoint, weighted_mean(parts, weights), parts)
+    score = weighted_mean(parts, weights)
+    # Only when latency counts at all (its weight 0 means the operator routes without it).
+    factor = over_sla_factor(endpoint.p99_ms, policy) if weights.get("latency", 0) > 0 else 1.0
+    if score is not None and factor < 1.0:
+        parts["over_sla"] = factor  # shown in the reason: "over_sla 0.25"
+        score *= factor
+    return EndpointScore(endpoint.endpoint, score, parts)

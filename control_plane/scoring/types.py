@@ -45,6 +45,9 @@ class PoolPolicy:
     capacity_qps: float  # per endpoint
     sla_p99_ms: float
     score_weights: ScoreWeights = field(default_factory=ScoreWeights)
+    # Above the SLA the combined score is multiplied by (SLA / p99) ** over_sla_exponent
+    # (0 turns it off: the source article's plain weighted sum).
+    over_sla_exponent: float = 2.0
     # Integer EDS weights: the best endpoint gets max_weight; nobody healthy gets 0.
     max_weight: int = 100
     ewma_alpha: float = 0.5  # smoothing of scores between recomputes (1: no smoothing)
