@@ -34,6 +34,7 @@ class PoolMemory:
     state: PoolState | None = None
     ejections: dict[str, EjectionState] = field(default_factory=dict)
     joined_at: dict[str, float] = field(default_factory=dict)  # for slow start
+    probation: set[str] = field(default_factory=set)  # back from a latency ejection
     weights: dict[EndpointAddress, int] = field(default_factory=dict)
     health: dict[EndpointAddress, EndpointHealth] = field(default_factory=dict)
     explanation: dict[str, Any] = field(default_factory=dict)
@@ -76,6 +77,27 @@ def pool_signals(
     return signals
 
 
+def _probation(
+    memory: PoolMemory,
+    signals: list[EndpointSignals],
+    states: Mapping[str, EjectionState],
+    policy: PoolPolicy,
+    now: float,
+) -> set[str]:
+    """Endpoints back from a latency ejection keep weight 1 (a trickle that measures them)
+    until their p99 is within the SLA; then slow start ramps them up from that moment."""
+    by_endpoint = {s.endpoint: s for s in signals}
+    for endpoint in list(memory.probation):
+        signal = by_endpoint.get(endpoint)
+        state = states.get(endpoint)
+        if signal is None or state is None or state.ejected:
+            memory.probation.discard(endpoint)  # gone, or out again (a new back-off)
+        elif signal.p99_ms is not None and signal.p99_ms <= policy.sla_p99_ms:
+            memory.probation.discard(endpoint)
+            memory.joined_at[endpoint] = now
+    return set(memory.probation)
+
+
 def _address(key: str) -> EndpointAddress:
     host, _, port = key.rpartition(":")
     return EndpointAddress(host.strip("[]"), int(port))
@@ -114,12 +136,16 @@ class Router:
                 after = ejection.states.get(endpoint)
                 if before.ejected and after is not None and not after.ejected:
                     memory.joined_at[endpoint] = now  # returning: ramp up again
+                    if "p99" in before.reason:
+                        memory.probation.add(endpoint)
             for endpoint, now_state in ejection.states.items():
                 was = memory.ejections.get(endpoint)
                 if now_state.ejected and (was is None or not was.ejected):
                     self.new_ejections.append(ejection_cause(now_state.reason))
             memory.ejections = dict(ejection.states)
+            on_probation = _probation(memory, signals, ejection.states, policy, now)
             ramped = apply_slow_start(decision.weights, memory.joined_at, now, policy.slow_start_s)
+            ramped.update({ep: 1 for ep in on_probation if ep in ramped})
             weights = {_address(k): v for k, v in ramped.items()}
             health = {_address(k): EndpointHealth(v) for k, v in ejection.health.items()}
             pushed = self._push_wanted(policy, memory, weights, health)
@@ -134,7 +160,11 @@ class Router:
                         "weight": memory.weights.get(_address(s.endpoint)),
                         "health": ejection.health.get(s.endpoint, "HEALTHY"),
                         "reason": _reason(s.endpoint, decision, ejection.health, ejection.reasons)
-                        + _ramp(decision.weights.get(s.endpoint), ramped.get(s.endpoint)),
+                        + (
+                            f", probation: weight 1 until p99 <= SLA {policy.sla_p99_ms:g} ms"
+                            if s.endpoint in on_probation
+                            else _ramp(decision.weights.get(s.endpoint), ramped.get(s.endpoint))
+                        ),
                     }
                     for s in signals
                 },

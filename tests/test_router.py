@@ -1,0 +1,68 @@
+"""The router over time: ejection, probation after a latency ejection, then slow start."""
+
+from __future__ import annotations
+
+from control_plane.mesh import EndpointAddress, EndpointHealth
+from control_plane.placement import EndpointReport
+from control_plane.routing import Router
+from control_plane.telemetry import EndpointTelemetry, Signal
+from control_plane.topology import Topology, parse_topology
+
+A, B, C = (EndpointAddress("127.0.0.1", p) for p in (9001, 9002, 9003))
+SLA = 50.0
+
+
+def topology() -> Topology:
+    routing = {"latency_eject_windows": 1, "backoff_base_s": 5, "slow_start_s": 10,
+               "ewma_alpha": 1.0, "max_step": 1.0, "hysteresis": 0.0}  # fmt: skip
+    return parse_topology(
+        {"models": [{"name": "m", "sla_p99_ms": SLA, "capacity_qps": 100, "routing": routing}]}
+    )
+
+
+def seen(address: EndpointAddress, p99_ms: float | None) -> EndpointTelemetry:
+    p99 = None if p99_ms is None else Signal(p99_ms, 0.1)
+    return EndpointTelemetry(
+        address.key, age_s=0.1, interval_s=0.2, stale=False, p99_ms=p99, qps=Signal(10.0, 0.1)
+    )
+
+
+REPORTS = {a: EndpointReport(a, True, frozenset({("m", "1")}), True) for a in (A, B, C)}
+
+
+def step(router: Router, now: float, slow_p99: float | None) -> dict[str, dict[str, object]]:
+    telemetry = {a.key: seen(a, 10.0) for a in (A, B)}
+    telemetry[C.key] = seen(C, slow_p99)
+    router.recompute(topology(), telemetry, REPORTS, now)
+    return dict(router.explain()["m"]["endpoints"])
+
+
+def test_back_from_a_latency_ejection_on_probation_then_slow_start() -> None:
+    router = Router()
+    step(router, 0.0, 10.0)
+    out = step(router, 1.0, 400.0)  # 8x the SLA: ejected at once (one window)
+    assert out[C.key]["health"] == "UNHEALTHY"
+    assert router.pool_health()["m"][C] is EndpointHealth.UNHEALTHY
+    back = step(router, 6.5, None)  # back-off over; no traffic, so no p99 yet
+    assert back[C.key]["health"] == "HEALTHY" and back[C.key]["weight"] == 1
+    assert "probation: weight 1 until p99 <= SLA 50 ms" in str(back[C.key]["reason"])
+    still = step(router, 7.0, 60.0)  # measured, but over the SLA: still a trickle
+    assert still[C.key]["weight"] == 1
+    proven = step(router, 8.0, 20.0)  # within the SLA: slow start from here
+    assert "probation" not in str(proven[C.key]["reason"])
+    assert "slow start" in str(proven[C.key]["reason"])
+    assert 1 < int(proven[C.key]["weight"]) < int(proven[A.key]["weight"])  # type: ignore[call-overload]
+    done = step(router, 18.5, 10.0)  # ramped up: as good as the others, as heavy
+    assert done[C.key]["weight"] == done[A.key]["weight"]
+
+
+def test_a_slow_server_loses_most_of_its_weight_before_any_ejection() -> None:
+    router = Router()
+    topo = parse_topology(
+        {"models": [{"name": "m", "sla_p99_ms": SLA, "capacity_qps": 100,
+                     "routing": {"ewma_alpha": 1.0, "max_step": 1.0}}]}
+    )  # fmt: skip
+    telemetry = {A.key: seen(A, 10.0), B.key: seen(B, 10.0), C.key: seen(C, 2 * SLA)}
+    router.recompute(topo, telemetry, REPORTS, 0.0)
+    weights = router.pool_weights()["m"]
+    assert weights[C] <= weights[A] // 4  # 2x the SLA: a quarter of the score at most
