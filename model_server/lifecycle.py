@@ -25,6 +25,8 @@ from tritonclient.grpc import model_config_pb2
 from model_server.batching import DeadlineExceeded, DynamicBatcher, QueueFull, batching_policy
 from model_server.datatypes import BY_CONFIG_TYPE, Datatype, to_onnx_strings
 from model_server.errors import ModelUnavailable
+from model_server.generation import GenerationEngine
+from model_server.generative import build_engine, engine_settings, is_decoder, text_spec
 from model_server.memory import MemoryGuard, estimate_model_bytes, process_rss
 from model_server.metrics import ServerMetrics
 from model_server.model_config import ModelSpec, TensorSpec, complete_spec, instance_count
@@ -101,6 +103,7 @@ class ModelVersion:
         self.slots_total = instance_count(declared)
         self._executor: ThreadPoolExecutor | None = None
         self.batcher: DynamicBatcher | None = None  # when config.pbtxt asks for dynamic_batching
+        self.engine: GenerationEngine | None = None  # a decoder (Optimum's names) generates
         self._stats_lock = threading.Lock()
         self._submitted = 0  # changed on the event loop
         self._started = 0  # changed by worker threads, under _stats_lock
@@ -152,7 +155,21 @@ class ModelVersion:
         self.metrics.model_load_time.labels(self.name).observe(self.load_ms)
         assert self.session is not None and self.spec is not None
         policy = batching_policy(self.spec.config)
-        if policy is not None:
+        session, executor = self.session, self._executor
+        if is_decoder(session.inputs, session.outputs):
+            self.engine = build_engine(
+                session.inputs,
+                [o.name for o in session.outputs],
+                session.run,
+                self.declared,
+                lambda job: loop.run_in_executor(executor, job),
+            )
+            self.engine.start()
+            cache = self.engine.cache
+            self.metrics.kv_blocks_used.labels(self.name).set_function(lambda: cache.used_blocks)
+            total = cache.shape.total_blocks
+            self.metrics.kv_blocks_total.labels(self.name).set_function(lambda: total)
+        elif policy is not None:
             executor = self._executor
             self.batcher = DynamicBatcher(
                 policy,
@@ -169,16 +186,24 @@ class ModelVersion:
         parameters = {k: v.string_value for k, v in self.declared.parameters.items()}
         # One session per instance (instance_group count), each with its own worker thread
         # and memory arena: concurrent runs never share a session's scratch buffers.
-        sessions = [
-            OnnxSession(self.path, self.device, parameters) for _ in range(self.slots_total)
-        ]
-        self.spec = complete_spec(self.declared, sessions[0].inputs, sessions[0].outputs)
+        first = OnnxSession(self.path, self.device, parameters)
+        if is_decoder(first.inputs, first.outputs):  # generative: text in, tokens out
+            engine_settings(self.declared)  # a bad parameter fails the load, named
+            self.spec = text_spec(self.declared)
+            sessions = [first]  # one engine steps every sequence together
+        else:
+            sessions = [first] + [
+                OnnxSession(self.path, self.device, parameters) for _ in range(self.slots_total - 1)
+            ]
+            self.spec = complete_spec(self.declared, first.inputs, first.outputs)
         for session in sessions:
             self._instances.put(session)
         self.session = sessions[0]
 
     def _warm_up(self) -> None:
         assert self.session is not None and self.spec is not None
+        if is_decoder(self.session.inputs, self.session.outputs):
+            return  # its first prefill is its warm-up
         outputs = [o.name for o in self.spec.outputs]
         for _ in range(self.slots_total):  # every instance, in turn
             for feeds, count in warmup_inputs(self.spec, self.path.parent.parent):
@@ -272,6 +297,8 @@ class ModelVersion:
     def waiting(self) -> int:
         """Requests submitted and not yet started by a worker (or queued in the batcher)."""
         queued = self.batcher.queued if self.batcher is not None else 0
+        if self.engine is not None:
+            queued += len(self.engine.waiting)
         return self._submitted - self._started + queued
 
     def request_counter(self, code: str) -> Any:
@@ -298,6 +325,10 @@ class ModelVersion:
         await self._idle.wait()
         if self.batcher is not None:
             await self.batcher.stop()
+        if self.engine is not None:
+            await self.engine.stop()
+            for gauge in (self.metrics.kv_blocks_used, self.metrics.kv_blocks_total):
+                gauge.labels(self.name).set_function(lambda: 0)
         self._close()
         self._set_state(ModelState.UNAVAILABLE, "unloaded")
 

@@ -21,6 +21,13 @@ from model_server.errors import (
     ModelUnavailable,
 )
 from model_server.faults import FaultInjector
+from model_server.generative import (
+    BYTE_VOCAB,
+    join_text,
+    parse_generation,
+    special_ids,
+    text_response,
+)
 from model_server.lifecycle import DurationStat, ModelState, ModelVersion
 from model_server.metrics import ServerMetrics
 from model_server.model_config import parse_config_override
@@ -213,11 +220,17 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         self, request: service_pb2.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> object:
         metadata = context.invocation_metadata() or ()
+        generative = self._generative(request, _routed_version(metadata))
         with self.tracing.span(metadata) as span:
             try:
-                response = await self._infer(
-                    request, _routed_version(metadata), span, metadata, context.time_remaining()
-                )
+                if generative is not None:  # the whole completion in one answer
+                    responses = [r async for r in self._generate(request, generative)]
+                    response = join_text(responses)
+                else:
+                    response = await self._infer(
+                        request, _routed_version(metadata), span, metadata,
+                        context.time_remaining(),
+                    )  # fmt: skip
             except InferenceError as exc:
                 self.tracing.finish(span, exc.code, exc.message)
                 await context.abort(exc.code, exc.message)
@@ -234,6 +247,14 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         metadata = context.invocation_metadata() or ()
         routed = _routed_version(metadata)
         async for request in request_iterator:
+            generative = self._generative(request, routed)
+            if generative is not None:  # decoupled: one response per token, the last final
+                try:
+                    async for token in self._generate(request, generative):
+                        yield service_pb2.ModelStreamInferResponse(infer_response=token)
+                except InferenceError as exc:
+                    yield service_pb2.ModelStreamInferResponse(error_message=exc.message)
+                continue
             with self.tracing.span(metadata) as span:
                 try:
                     response = await self._infer(request, routed, span, metadata)
@@ -310,6 +331,47 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             elapsed = time.monotonic_ns() - started
             self.gate.leave()
             self._record(version, code, elapsed)
+
+    def _generative(
+        self, request: service_pb2.ModelInferRequest, routed: str
+    ) -> ModelVersion | None:
+        """The version that serves ``request`` if it is a generative model (else None: the
+        ordinary path answers, errors included)."""
+        try:
+            version = self.repository.resolve(request.model_name, request.model_version or routed)
+        except InferenceError:
+            return None
+        return version if version.engine is not None else None
+
+    async def _generate(
+        self, request: service_pb2.ModelInferRequest, version: ModelVersion
+    ) -> AsyncIterator[service_pb2.ModelInferResponse]:
+        """One response per generated token; the last carries the final flag."""
+        started = time.monotonic_ns()
+        code = grpc.StatusCode.OK
+        self.gate.enter()
+        version.begin_request()
+        try:
+            engine = version.engine
+            if engine is None:
+                raise ModelUnavailable(f"{version.label} is {version.state.value}")
+            bos, _ = special_ids(version.declared)
+            generation, _ = parse_generation(request, bos, engine.max_positions)
+            async for event in engine.generate(generation):
+                text = bytes([event.token]) if event.token < BYTE_VOCAB else b""
+                yield text_response(
+                    request, version.version, text, event.final, event.finish_reason
+                )
+        except InferenceError as exc:
+            code = exc.code
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            version.end_request()
+            self.gate.leave()
+            self._record(version, code, time.monotonic_ns() - started)
 
     def _record(self, version: ModelVersion | None, code: grpc.StatusCode, elapsed_ns: int) -> None:
         if version is None:

@@ -1,0 +1,119 @@
+"""A generative model in the real server: text in, tokens out, streamed the way tritonclient
+expects; the answers equal the numpy reference's greedy decoding."""
+
+from __future__ import annotations
+
+import queue
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from model_server.demo_lm import build_demo_lm
+from model_server.lm_reference import BOS_ID, init_weights
+from model_server.lm_reference import generate_greedy as reference_greedy
+from tests.support import ServerProcess, metric_value, start_server
+
+pytestmark = pytest.mark.integration
+MODEL = "demo_lm"
+PROMPT = "The mesh "
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    repo = tmp_path_factory.mktemp("lm-repo")
+    build_demo_lm(repo)
+    server = start_server(repo, tmp_path_factory.mktemp("lm-logs"), "--models", MODEL)
+    yield server
+    server.stop()
+
+
+def expected(prompt: str, max_tokens: int) -> bytes:
+    ids = reference_greedy(init_weights(), [BOS_ID, *prompt.encode()], max_tokens)
+    return bytes(i for i in ids if i < 256)
+
+
+def text_request(prompt: str, **parameters: Any) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name=MODEL)
+    tensor = request.inputs.add(name="text_input", datatype="BYTES")
+    tensor.shape.append(1)
+    data = prompt.encode()
+    request.raw_input_contents.append(len(data).to_bytes(4, "little") + data)
+    for key, value in parameters.items():
+        if isinstance(value, str):
+            request.parameters[key].string_param = value
+        elif isinstance(value, float):
+            request.parameters[key].double_param = value
+        else:
+            request.parameters[key].int64_param = value
+    return request
+
+
+def test_unary_returns_the_whole_completion(server: ServerProcess) -> None:
+    with grpc.insecure_channel(server.url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        response = stub.ModelInfer(text_request(PROMPT, max_tokens=12), timeout=30)
+    text = bytes(response.raw_output_contents[0][4:])
+    assert text == expected(PROMPT, 12)
+    assert response.parameters["triton_final_response"].bool_param
+    assert response.parameters["finish_reason"].string_param in ("length", "eos")
+
+
+def test_streaming_with_tritonclient_yields_tokens_then_a_final_flag(
+    server: ServerProcess,
+) -> None:
+    results: queue.Queue[Any] = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.url)
+    client.start_stream(callback=lambda result, error: results.put(error or result))
+    prompt = grpcclient.InferInput("text_input", [1], "BYTES")
+    prompt.set_data_from_numpy(np.array([PROMPT.encode()], dtype=np.object_))
+    client.async_stream_infer(MODEL, [prompt], parameters={"max_tokens": 10})
+    pieces: list[bytes] = []
+    finals: list[bool] = []
+    while not finals or not finals[-1]:
+        result = results.get(timeout=30)
+        assert not isinstance(result, Exception), result
+        response = result.get_response()
+        pieces.append(result.as_numpy("text_output")[0])
+        finals.append(response.parameters["triton_final_response"].bool_param)
+    client.stop_stream()
+    assert b"".join(pieces) == expected(PROMPT, 10)
+    assert finals.count(True) == 1 and len(pieces) <= 10
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics") as r:
+        metrics = r.read().decode()
+    assert metric_value(metrics, "kv_cache_blocks_total", model=MODEL) == 512  # the budget
+    assert metric_value(metrics, "kv_cache_blocks_used", model=MODEL) == 0  # all given back
+
+
+def test_metadata_shows_text_in_and_text_out(server: ServerProcess) -> None:
+    client = grpcclient.InferenceServerClient(server.url)
+    metadata = client.get_model_metadata(MODEL)
+    assert [(t.name, t.datatype) for t in metadata.inputs] == [("text_input", "BYTES")]
+    assert [(t.name, t.datatype) for t in metadata.outputs] == [("text_output", "BYTES")]
+    config = client.get_model_config(MODEL).config
+    assert config.model_transaction_policy.decoupled
+
+
+@pytest.mark.parametrize(
+    ("request_", "words"),
+    [
+        (service_pb2.ModelInferRequest(model_name=MODEL), "expected one input 'text_input'"),
+        (text_request(PROMPT, max_tokens=0), "max_tokens must be >= 1"),
+        (text_request(PROMPT, max_tokens=600), "exceeds the model's 512 positions"),
+        (text_request(PROMPT, temperature="hot"), "parameters['temperature']: expected"),
+    ],
+)
+def test_bad_generation_requests_are_named(
+    server: ServerProcess, request_: service_pb2.ModelInferRequest, words: str
+) -> None:
+    with grpc.insecure_channel(server.url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.ModelInfer(request_, timeout=30)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in (raised.value.details() or "")
