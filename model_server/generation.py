@@ -115,6 +115,7 @@ class GenerationEngine:
         max_running: int = 32,
         when_full: str = "wait",
         clock: Callable[[], float] = time.monotonic,
+        observe: Callable[[str, float], None] = lambda what, value: None,
     ) -> None:
         self._decoder = decoder
         self.cache = cache
@@ -124,6 +125,7 @@ class GenerationEngine:
         self.max_running = max_running
         self.when_full = when_full
         self._clock = clock
+        self._observe = observe  # ("ttft"|"tpot", seconds) and ("token", 1) as they happen
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
         self._names = itertools.count()
@@ -315,8 +317,10 @@ class GenerationEngine:
         if sequence.first_token_at is None:
             sequence.first_token_at = now
             self.stats.ttft_s.append(now - sequence.created)
+            self._observe("ttft", now - sequence.created)
         sequence.generated.append(token)
         self.stats.tokens += 1
+        self._observe("token", 1.0)
         reason = self._finish_reason(sequence)
         event = TokenEvent(token, len(sequence.generated) - 1, bool(reason), reason)
         sequence.events.put_nowait(event)
@@ -324,7 +328,9 @@ class GenerationEngine:
         if reason:
             count = len(sequence.generated)
             if count > 1:
-                self.stats.tpot_s.append((now - sequence.first_token_at) / (count - 1))
+                tpot = (now - sequence.first_token_at) / (count - 1)
+                self.stats.tpot_s.append(tpot)
+                self._observe("tpot", tpot)
             self.stats.sequences_done += 1
             self.running.remove(sequence)
             self.cache.release(sequence.name)

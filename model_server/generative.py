@@ -30,6 +30,7 @@ from model_server.datatypes import DATATYPES
 from model_server.errors import InvalidInput
 from model_server.generation import GenerationEngine, GenerationRequest, Offload
 from model_server.kv_cache import KvCache, KvShape
+from model_server.metrics import ServerMetrics
 from model_server.model_config import GraphTensor, ModelSpec, TensorSpec
 
 TEXT_INPUT, TEXT_OUTPUT = "text_input", "text_output"
@@ -225,6 +226,7 @@ def build_engine(
     run: Callable[[Sequence[str], Mapping[str, np.ndarray]], list[np.ndarray]],
     config: model_config_pb2.ModelConfig,
     offload: Offload,
+    observe: Callable[[str, float], None] = lambda what, value: None,
 ) -> GenerationEngine:
     """A started-later engine over a decoder session (``run(outputs, feeds)``)."""
     settings, when_full = engine_settings(config)
@@ -237,5 +239,37 @@ def build_engine(
     _, eos = special_ids(config)
     return GenerationEngine(
         decode, KvCache(shape), offload, eos, settings["max_positions"],
-        max_running=settings["max_running_sequences"], when_full=when_full,
+        max_running=settings["max_running_sequences"], when_full=when_full, observe=observe,
     )  # fmt: skip
+
+
+def generation_observer(metrics: ServerMetrics, model: str) -> Callable[[str, float], None]:
+    """The engine's ``observe`` hook: tokens, time to first token, time per output token."""
+    tokens = metrics.generated_tokens.labels(model)
+    ttft = metrics.time_to_first_token.labels(model)
+    tpot = metrics.time_per_output_token.labels(model)
+
+    def observe(what: str, value: float) -> None:
+        if what == "token":
+            tokens.inc(value)
+        elif what == "ttft":
+            ttft.observe(value)
+        elif what == "tpot":
+            tpot.observe(value)
+
+    return observe
+
+
+def publish_engine(metrics: ServerMetrics, model: str, engine: GenerationEngine | None) -> None:
+    """Points the model's KV and sequence gauges at ``engine`` (None: back to 0)."""
+    if engine is None:
+        gauges = [metrics.kv_blocks_used.labels(model), metrics.kv_blocks_total.labels(model)]
+        gauges += [metrics.sequences.labels(model, s) for s in ("running", "waiting")]
+        for gauge in gauges:
+            gauge.set_function(lambda: 0)
+        return
+    cache, total = engine.cache, engine.cache.shape.total_blocks
+    metrics.kv_blocks_used.labels(model).set_function(lambda: cache.used_blocks)
+    metrics.kv_blocks_total.labels(model).set_function(lambda: total)
+    metrics.sequences.labels(model, "running").set_function(lambda: len(engine.running))
+    metrics.sequences.labels(model, "waiting").set_function(lambda: len(engine.waiting))

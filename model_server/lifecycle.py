@@ -26,7 +26,14 @@ from model_server.batching import DeadlineExceeded, DynamicBatcher, QueueFull, b
 from model_server.datatypes import BY_CONFIG_TYPE, Datatype, to_onnx_strings
 from model_server.errors import ModelUnavailable
 from model_server.generation import GenerationEngine
-from model_server.generative import build_engine, engine_settings, is_decoder, text_spec
+from model_server.generative import (
+    build_engine,
+    engine_settings,
+    generation_observer,
+    is_decoder,
+    publish_engine,
+    text_spec,
+)
 from model_server.memory import MemoryGuard, estimate_model_bytes, process_rss
 from model_server.metrics import ServerMetrics
 from model_server.model_config import ModelSpec, TensorSpec, complete_spec, instance_count
@@ -163,12 +170,10 @@ class ModelVersion:
                 session.run,
                 self.declared,
                 lambda job: loop.run_in_executor(executor, job),
+                generation_observer(self.metrics, self.name),
             )
             self.engine.start()
-            cache = self.engine.cache
-            self.metrics.kv_blocks_used.labels(self.name).set_function(lambda: cache.used_blocks)
-            total = cache.shape.total_blocks
-            self.metrics.kv_blocks_total.labels(self.name).set_function(lambda: total)
+            publish_engine(self.metrics, self.name, self.engine)
         elif policy is not None:
             executor = self._executor
             self.batcher = DynamicBatcher(
@@ -327,8 +332,7 @@ class ModelVersion:
             await self.batcher.stop()
         if self.engine is not None:
             await self.engine.stop()
-            for gauge in (self.metrics.kv_blocks_used, self.metrics.kv_blocks_total):
-                gauge.labels(self.name).set_function(lambda: 0)
+            publish_engine(self.metrics, self.name, None)
         self._close()
         self._set_state(ModelState.UNAVAILABLE, "unloaded")
 

@@ -115,6 +115,28 @@ class ServerMetrics:
             ["model", "reason"],
             registry=r,
         )
+        self.time_to_first_token = Histogram(
+            "generation_time_to_first_token_seconds",
+            "From a generation request's arrival to its first token",
+            ["model"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.time_per_output_token = Histogram(
+            "generation_time_per_output_token_seconds",
+            "Mean time between a finished sequence's tokens after the first",
+            ["model"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.generated_tokens = Counter(
+            "generation_tokens", "Tokens generated (rate: tokens per second)", ["model"],
+            registry=r,
+        )  # fmt: skip
+        self.sequences = Gauge(
+            "generation_sequences", "Sequences generating (running) or waiting for KV blocks",
+            ["model", "state"], registry=r,
+        )  # fmt: skip
         self.kv_blocks_used = Gauge(
             "kv_cache_blocks_used",
             "KV-cache blocks in use (0 until generative models exist)",

@@ -88,6 +88,9 @@ def test_streaming_with_tritonclient_yields_tokens_then_a_final_flag(
         metrics = r.read().decode()
     assert metric_value(metrics, "kv_cache_blocks_total", model=MODEL) == 512  # the budget
     assert metric_value(metrics, "kv_cache_blocks_used", model=MODEL) == 0  # all given back
+    assert metric_value(metrics, "generation_tokens_total", model=MODEL) >= len(pieces)
+    assert metric_value(metrics, "generation_time_to_first_token_seconds_count", model=MODEL) >= 1
+    assert metric_value(metrics, "generation_sequences", model=MODEL, state="running") == 0
 
 
 def test_metadata_shows_text_in_and_text_out(server: ServerProcess) -> None:
