@@ -273,6 +273,28 @@ def model_action(
     return action
 
 
+def model_routes(
+    name: str, match: rc_pb2.RouteMatch, action: rc_pb2.RouteAction, model: ModelRoute
+) -> list[rc_pb2.Route]:
+    """A model's (or version's) stream route, then its route for everything else.
+
+    ModelStreamInfer may run as long as a generation does: no overall timeout, but an idle
+    timeout of the model's timeout between messages, and no retries (a stream's messages are
+    not replayed). Envoy passes stream messages through unbuffered.
+    """
+    stream_match = rc_pb2.RouteMatch()
+    stream_match.CopyFrom(match)
+    stream_match.ClearField("prefix")
+    stream_match.path = STREAM_PATH
+    stream_action = rc_pb2.RouteAction()
+    stream_action.CopyFrom(action)
+    stream_action.ClearField("retry_policy")
+    stream_action.timeout.CopyFrom(duration(0))
+    stream_action.idle_timeout.CopyFrom(duration(model.timeout_s))
+    stream = route(f"{name}:stream", stream_match, route=stream_action)
+    return [protect(stream, model), protect(route(name, match, route=action), model)]
+
+
 def protect(item: rc_pb2.Route, model: ModelRoute) -> rc_pb2.Route:
     """Adds the model's rate limit and fallback header to one of its routes."""
     if model.rate_limit is not None:
@@ -307,12 +329,10 @@ def build_route_config(state: MeshState) -> route_pb2.RouteConfiguration:
         for version in cluster_versions(state, model.name):
             cluster = model_cluster(model.name, version)
             action = model_action(state, model, cluster)
-            item = route(cluster, model_match(model.name, version), route=action)
-            routes.append(protect(item, model))
+            routes += model_routes(cluster, model_match(model.name, version), action, model)
     for model in state.models:
         action = model_action(state, model)
-        item = route(model_cluster(model.name), model_match(model.name), route=action)
-        routes.append(protect(item, model))
+        routes += model_routes(model_cluster(model.name), model_match(model.name), action, model)
     has_header = rc_pb2.HeaderMatcher(name=MODEL_HEADER, present_match=True)
     routes += [
         grpc_error(

@@ -167,12 +167,13 @@ def test_body_routing_off_drops_the_lua_filter() -> None:
 def test_route_order(resources: Resources) -> None:
     routes = routes_of(resources)
     servers = [f"server:{path}" for path in SERVER_PATHS]
-    models = [V1, V2, model_cluster("classifier"), model_cluster("detector")]
+    clusters = [V1, V2, model_cluster("classifier"), model_cluster("detector")]
+    models = [name for c in clusters for name in (f"{c}:stream", c)]  # the stream route first
     errors = ["model-not-found", "stream-without-model", "no-model-name"]
     assert [r.name for r in routes] == [*servers, *models, *errors]
     assert [r.match.prefix for r in routes[: len(servers)]] == list(SERVER_PATHS)
     assert all(r.route.cluster == SERVERS_CLUSTER for r in routes[: len(servers)])
-    v1, detector = routes[len(servers)], routes[len(servers) + 3]
+    v1, detector = routes[len(servers) + 1], routes[len(servers) + 7]
     assert matched_headers(v1) == [(MODEL_HEADER, "classifier"), (VERSION_HEADER, "1")]
     assert v1.route.cluster == V1
     assert matched_headers(detector) == [(MODEL_HEADER, "detector")]
@@ -180,6 +181,18 @@ def test_route_order(resources: Resources) -> None:
     # The Lua filter runs only where no header chose the route.
     lua_on = [r.name for r in routes if LUA_FILTER not in r.typed_per_filter_config]
     assert lua_on == ["no-model-name"]
+
+
+def test_stream_routes_have_no_overall_timeout_and_no_retries(resources: Resources) -> None:
+    by_name = {r.name: r for r in routes_of(resources)}
+    stream = by_name[f"{model_cluster('classifier')}:stream"]
+    assert stream.match.path == "/inference.GRPCInferenceService/ModelStreamInfer"
+    assert matched_headers(stream) == [(MODEL_HEADER, "classifier")]
+    assert stream.route.timeout == duration(0)  # a generation may stream for a long time
+    assert stream.route.idle_timeout == duration(2.5)  # but not go quiet longer than this
+    assert not stream.route.HasField("retry_policy")
+    weights = [(c.name, c.weight.value) for c in stream.route.weighted_clusters.clusters]
+    assert weights == [(V1, 90), (V2, 10)]  # the same split as the unary route
 
 
 def matched_headers(route: Any) -> list[tuple[str, str]]:
