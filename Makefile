@@ -16,6 +16,7 @@ doctor: $(STAMP)
 
 models: $(STAMP)
 	$(PY) -m model_server.demo_models --out $(MODELS)
+	$(PY) -m model_server.demo_lm --out $(MODELS) --keep
 
 run: models
 	$(VENV)/bin/infermesh up

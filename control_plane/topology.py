@@ -35,6 +35,7 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
         rate_limit: {requests_per_s: 500, burst: 500}   # optional: Envoy token bucket per route
         circuit_breaker: {max_requests: 256, max_pending_requests: 64}   # optional, each >= 1
         fallback: classifier-small  # optional: another model (without a fallback of its own)
+        generative: false           # true: default score weights favour KV cache and queue
         canary:                     # optional: how a canary started by an operator progresses
           steps: [10, 25, 50, 100]  # percent on the canary; rising, ends at 100
           dwell_s: 30               # >= 0: at least this long on each step
@@ -206,6 +207,7 @@ _MODEL = {
     "name": "name", "sla_p99_ms": "positive", "capacity_qps": "positive",
     "timeout_s": "positive", "version_split": "split", "routing": "routing", "canary": "canary",
     "rate_limit": "rate_limit", "circuit_breaker": "circuit_breaker", "fallback": "name",
+    "generative": "bool",
 }  # fmt: skip
 _RATE_LIMIT = {"requests_per_s": "positive", "burst": "count"}
 _CIRCUIT_BREAKER = {"max_requests": "count", "max_pending_requests": "count"}
@@ -218,6 +220,9 @@ _ROUTING = {
     "ewma_alpha": "fraction", "hysteresis": "fraction", "max_step": "fraction",
     "over_sla_exponent": "nonnegative",
 }  # fmt: skip
+# A generative pool is scored mostly on KV-cache headroom and waiting sequences: a server whose
+# cache is nearly full loses weight before it has to turn sequences away.
+GENERATIVE_SCORE_WEIGHTS = ScoreWeights(qps=0.15, latency=0.2, memory=0.1, kv_cache=0.35, queue=0.2)
 _SCORE_WEIGHTS = {k: "nonnegative" for k in ("qps", "latency", "memory", "kv_cache", "queue")}
 _TOP = ("listener", "xds", "admin", "placement", "telemetry", "models", "endpoints")
 
@@ -282,9 +287,9 @@ def _models(
             )
         )  # fmt: skip
         capacity.append((name, c.value(m, path, "capacity_qps", "positive", 1.0)))
-        policies.append(
-            (name, _policy(c, m.get("routing", {}), f"{path}.routing", capacity[-1][1], sla))
-        )
+        generative = c.value(m, path, "generative", "bool", False)
+        routing = (m.get("routing", {}), f"{path}.routing", capacity[-1][1], sla, generative)
+        policies.append((name, _policy(c, *routing)))
         if "canary" in m and (canary := c.mapping(m["canary"], f"{path}.canary")) is not None:
             policy, errors = parse_policy(canary, CanaryPolicy(), f"{path}.canary.")
             c.errors.extend(errors)
@@ -336,8 +341,11 @@ def _check_fallbacks(c: Checker, routes: list[ModelRoute]) -> None:
             )
 
 
-def _policy(c: Checker, value: object, path: str, capacity: float, sla: float) -> PoolPolicy:
-    default = PoolPolicy(capacity_qps=capacity, sla_p99_ms=sla)
+def _policy(
+    c: Checker, value: object, path: str, capacity: float, sla: float, generative: bool = False
+) -> PoolPolicy:
+    weights = GENERATIVE_SCORE_WEIGHTS if generative else ScoreWeights()
+    default = PoolPolicy(capacity_qps=capacity, sla_p99_ms=sla, score_weights=weights)
     m = c.mapping(value, path) or {}
     c.keys(m, path, _ROUTING)
     options = {

@@ -251,9 +251,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=DEFAULT_CONFIG.heads)
     parser.add_argument("--width", type=int, default=DEFAULT_CONFIG.width)
     parser.add_argument("--seed", type=int, default=DEFAULT_CONFIG.seed)
+    parser.add_argument(
+        "--keep", action="store_true", help="leave existing files untouched (no new mtime)"
+    )
     args = parser.parse_args(argv)
     config = LmConfig(layers=args.layers, heads=args.heads, width=args.width, seed=args.seed)
-    path = build_demo_lm(Path(args.out), config)
+    path = build_demo_lm(Path(args.out), config, force=not args.keep)
     print(f"wrote: {path.parent.parent / 'config.pbtxt'}")
     params = init_weights(config).parameter_count()
     print(f"wrote: {path} ({path.stat().st_size} bytes, {params} parameters)")

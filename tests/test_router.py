@@ -66,3 +66,27 @@ def test_a_slow_server_loses_most_of_its_weight_before_any_ejection() -> None:
     router.recompute(topo, telemetry, REPORTS, 0.0)
     weights = router.pool_weights()["m"]
     assert weights[C] <= weights[A] // 4  # 2x the SLA: a quarter of the score at most
+
+
+def test_a_generative_pool_moves_away_from_a_full_kv_cache() -> None:
+    topo = parse_topology(
+        {"models": [{"name": "lm", "sla_p99_ms": 500, "capacity_qps": 100, "generative": True,
+                     "routing": {"ewma_alpha": 1.0, "max_step": 1.0}}]}
+    )  # fmt: skip
+    policy = topo.policy("lm")
+    assert (policy.score_weights.kv_cache, policy.score_weights.queue) == (0.35, 0.2)
+
+    def lm(address: EndpointAddress, used: float, waiting: float) -> EndpointTelemetry:
+        return EndpointTelemetry(
+            address.key, age_s=0.1, interval_s=0.2, stale=False, p99_ms=Signal(20.0, 0.1),
+            qps=Signal(5.0, 0.1), kv_blocks_used=Signal(used, 0.1),
+            kv_blocks_total=Signal(512.0, 0.1), queue_depth=Signal(waiting, 0.1),
+        )  # fmt: skip
+
+    reports = {a: EndpointReport(a, True, frozenset({("lm", "1")}), True) for a in (A, B)}
+    router = Router()
+    router.recompute(topo, {A.key: lm(A, 500.0, 6.0), B.key: lm(B, 40.0, 0.0)}, reports, 0.0)
+    weights = router.pool_weights()["lm"]
+    assert weights[A] * 2 < weights[B]  # nearly full and with a queue: under half the weight
+    reason = str(router.explain()["lm"]["endpoints"][A.key]["reason"])
+    assert "kv_cache 0.02" in reason and "queue 0.00" in reason
