@@ -13,6 +13,7 @@ import logging
 import math
 import random
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from model_server.errors import ModelUnavailable
 log = logging.getLogger(__name__)
 
 PAGE_BYTES = 4096
+BALLAST_CHUNK_BYTES = 8 * 1024 * 1024
 INJECTED_MESSAGE = "injected fault"
 
 
@@ -100,8 +102,13 @@ class FaultInjector:
         self._ballast = None  # freed first, so a resize never holds both
         if size > 0:
             ballast = bytearray(size)
-            # Touch one byte per page: untouched pages are not resident and RSS would not move.
-            ballast[::PAGE_BYTES] = b"\x01" * len(range(0, size, PAGE_BYTES))
+            # Touch one byte per page (untouched pages are not resident and RSS would not move),
+            # a chunk at a time, letting go of the GIL between chunks: one strided write over
+            # hundreds of MiB held it long enough to stall the server's event loop.
+            for start in range(0, size, BALLAST_CHUNK_BYTES):
+                end = min(size, start + BALLAST_CHUNK_BYTES)
+                ballast[start:end:PAGE_BYTES] = b"\x01" * len(range(start, end, PAGE_BYTES))
+                time.sleep(0)
             self._ballast = ballast
 
     async def before_execute(self) -> None:
