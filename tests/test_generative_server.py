@@ -3,7 +3,9 @@ expects; the answers equal the numpy reference's greedy decoding."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
+import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +19,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from model_server.demo_lm import build_demo_lm
 from model_server.lm_reference import BOS_ID, init_weights
 from model_server.lm_reference import generate_greedy as reference_greedy
+from tests.envoy_support import free_port
+from tests.mesh_support import start_plane_and_envoy, write_topology
 from tests.support import ServerProcess, metric_value, start_server
 
 pytestmark = pytest.mark.integration
@@ -120,3 +124,40 @@ def test_bad_generation_requests_are_named(
             stub.ModelInfer(request_, timeout=30)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert words in (raised.value.details() or "")
+
+
+def test_tokens_stream_through_envoy_one_by_one(
+    server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    workdir = tmp_path_factory.mktemp("lm-mesh")
+    listener = free_port()
+    # A short timeout: a unary call would be cut after it, the stream only if it goes quiet.
+    lm = {"name": MODEL, "sla_p99_ms": 2000, "capacity_qps": 50, "generative": True,
+          "timeout_s": 0.25}  # fmt: skip
+    topology = write_topology(
+        workdir / "t.yaml", listener, [server.url], more_models=[lm], timeout_s=1
+    )
+    with contextlib.ExitStack() as stops:
+        start_plane_and_envoy(stops, workdir, topology, listener, healthy=2)
+        results: queue.Queue[Any] = queue.Queue()
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{listener}")
+        client.start_stream(
+            callback=lambda result, error: results.put(error or result),
+            headers={"x-model-name": MODEL},
+        )
+        prompt = grpcclient.InferInput("text_input", [1], "BYTES")
+        prompt.set_data_from_numpy(np.array([PROMPT.encode()], dtype=np.object_))
+        started = time.monotonic()
+        client.async_stream_infer(MODEL, [prompt], parameters={"max_tokens": 400})
+        pieces: list[bytes] = []
+        final = False
+        while not final:
+            result = results.get(timeout=30)
+            assert not isinstance(result, Exception), result
+            pieces.append(result.as_numpy("text_output")[0])
+            final = result.get_response().parameters["triton_final_response"].bool_param
+        elapsed = time.monotonic() - started
+        client.stop_stream()
+    assert len(pieces) > 1  # one response per token, not one at the end
+    assert b"".join(pieces) == expected(PROMPT, 400)
+    print(f"{len(pieces)} tokens through Envoy in {elapsed:.2f} s")
