@@ -9,7 +9,6 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-import tritonclient.grpc as grpcclient
 
 from model_server import lm_reference as ref
 from model_server.demo_lm import (
@@ -232,53 +231,17 @@ def test_generate_greedy_matches_onnx(session: ort.InferenceSession, weights: Lm
     assert logits[0, len(prompt) - 1 :].argmax(-1).tolist() == out
 
 
-def _server_step(
-    client: grpcclient.InferenceServerClient, feeds: dict[str, np.ndarray]
-) -> tuple[np.ndarray, list[KV]]:
-    inputs = []
-    for name, array in feeds.items():
-        datatype = "INT64" if array.dtype == np.int64 else "FP32"
-        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    result = client.infer("demo_lm", inputs)
-    names = output_names(CONFIG.layers)
-    pairs = zip(names[1::2], names[2::2], strict=True)
-    present = [(result.as_numpy(k), result.as_numpy(v)) for k, v in pairs]
-    return result.as_numpy("logits"), present
-
-
 @pytest.mark.integration
-def test_model_server_loads_demo_lm(lm_repo: Path, tmp_path: Path, weights: LmWeights) -> None:
+def test_model_server_loads_demo_lm_as_a_generative_model(lm_repo: Path, tmp_path: Path) -> None:
+    """Optimum's decoder interface makes it generative: clients see text in and text out
+    (tests/test_generative_server.py checks the generated text against this reference)."""
     server = start_server(lm_repo, tmp_path / "logs", "--models", "demo_lm")
     try:
         client = server.client()
         assert client.is_model_ready("demo_lm")
         meta = client.get_model_metadata("demo_lm")
-        assert [t.name for t in meta.inputs] == input_names(CONFIG.layers)
-        assert [t.name for t in meta.outputs] == output_names(CONFIG.layers)
-        shapes = {t.name: list(t.shape) for t in [*meta.inputs, *meta.outputs]}
-        assert shapes["input_ids"] == [-1, -1]
-        assert shapes["logits"] == [-1, -1, ref.VOCAB_SIZE]
-        assert shapes["present.0.key"] == [-1, CONFIG.heads, -1, CONFIG.head_dim]
-        # Prefill (past length 0), then one cached step, through the server.
-        ids = np.array([ref.encode("Hi!", bos=True)], np.int64)
-        n = ids.shape[1]
-        full = np.concatenate([ids, [[ord("?")]]], axis=1)
-        expected, _ = ref.forward(weights, full, np.ones_like(full), _positions(1, 0, n + 1))
-        empty = np.zeros((1, CONFIG.heads, 0, CONFIG.head_dim), np.float32)
-        past: list[KV] = [(empty, empty)] * CONFIG.layers
-        for start, end in ((0, n), (n, n + 1)):
-            feeds = {
-                "input_ids": full[:, start:end],
-                "attention_mask": np.ones((1, end), np.int64),
-                "position_ids": _positions(1, start, end - start),
-            }
-            for i, (key, value) in enumerate(past):
-                feeds[f"past_key_values.{i}.key"] = key
-                feeds[f"past_key_values.{i}.value"] = value
-            logits, past = _server_step(client, feeds)
-            np.testing.assert_allclose(logits[0], expected[0, start:end], atol=ATOL, rtol=0)
-        assert past[0][0].shape == (1, CONFIG.heads, n + 1, CONFIG.head_dim)
+        assert [(t.name, t.datatype) for t in meta.inputs] == [("text_input", "BYTES")]
+        assert [(t.name, t.datatype) for t in meta.outputs] == [("text_output", "BYTES")]
+        assert client.get_model_config("demo_lm").config.model_transaction_policy.decoupled
     finally:
         server.stop()
