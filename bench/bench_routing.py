@@ -13,10 +13,11 @@ Each mode runs the same timeline (seconds from the start of the timed load): ``h
 (faults reset), ``cpu`` (``--cpu-hogs`` busy-looping Python processes pinned to server 3's
 CPU), ``recovery``, ``memory`` (server 3 holds a ballast above the 95 % memory watermark).
 
-Pinning (``--pin``, default on when the host has 2+ CPUs): this process, and so the client,
-Envoy, the control plane and servers 1 and 2 (children inherit the affinity), run on CPU
-``--others-cpu``; server 3 (set before exec, so all its threads inherit it) and the CPU hogs
-run on CPU ``--degraded-cpu``.
+Pinning (``--pin``, default on when the host has 2+ CPUs): server 3 is started through an exec
+wrapper that sets its affinity to CPU ``--degraded-cpu`` before exec (same PID; all its threads
+inherit it) and the CPU hogs pin themselves there too. ``--others-cpu`` N pins this process (the
+client) and so, by inheritance, Envoy, the control plane and servers 1 and 2 to CPU N; the
+default -1 leaves them free on all CPUs (pinning them all to one core of two overloads it).
 
 Load: open loop, ``--rate`` requests/s spread over ``--channels`` grpc.aio channels to the
 Envoy listener (header ``x-model-name``). Request i is scheduled at t0 + i / rate by the wall
@@ -28,11 +29,12 @@ traffic share is its rq_total delta over the sliding last second.
 
 Reported per mode and phase: client P50/P99, error rate, requests and server 3's share; for
 InferMesh the reaction time in each degraded phase (fault in force -> Envoy shows server 3 with
-a changed weight or health -> server 3's 1 s share below 10 %); then the targets (InferMesh P99
-in each degraded phase <= 1.25 x its healthy P99 and <= 0.5 x least_request's P99 in that
-phase; reaction < 2 s) as MET / NOT MET with the figures. Plots go to ``--plots``.
+its weight cut by >= 25 % or not healthy -> server 3's 1 s share below 10 %); then the targets
+(InferMesh P99 in each degraded phase <= 1.25 x its healthy P99 and <= 0.5 x least_request's
+P99 in that phase; reaction < 2 s) as MET / NOT MET with the figures. Plots go to ``--plots``;
+``--json`` adds the per-phase results, targets and the control plane's /decisions log.
 
-    .venv/bin/python bench/bench_routing.py [--phase 20 --recovery 12 --rate 100]
+    .venv/bin/python bench/bench_routing.py [--phase 20 --recovery 12 --rate 60]
     .venv/bin/python bench/bench_routing.py --modes infermesh --routing-policy '{}'
 """
 
@@ -72,17 +74,6 @@ MiB = 1024 * 1024
 # Always in the bench's routing section: shorter back-off and slow start than the product
 # defaults (5 s doubling, 10 s), so a server is back in rotation within a recovery gap.
 BENCH_TIMING: dict[str, Any] = {"backoff_base_s": 2.0, "backoff_max_s": 8.0, "slow_start_s": 3.0}
-# The default --routing-policy: the tuned section (see bench/README.md) merged over BENCH_TIMING.
-TUNED_POLICY: dict[str, Any] = {
-    "score_weights": {"qps": 0.1, "latency": 0.8, "memory": 0.1},
-    "latency_eject_factor": 3.0,
-    "latency_eject_windows": 1,
-    "ewma_alpha": 1.0,
-    "max_step": 1.0,
-    "hysteresis": 0.05,
-    "backoff_base_s": 10.0,
-    "backoff_max_s": 10.0,
-}
 HOST_RE = re.compile(
     rf"^model:{MODEL_NAME}::127\.0\.0\.1:(\d+)::(weight|health_flags|rq_total)::(.*)$", re.M
 )
@@ -641,9 +632,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--cpu-hogs", type=int, default=2, help="busy processes on server 3's CPU")
     p.add_argument("--memory-budget-mib", type=int, default=600)
     p.add_argument("--ballast-mib", type=int, default=560, help="over 95%% of the budget")
-    p.add_argument("--routing-policy", default=json.dumps(TUNED_POLICY),
+    p.add_argument("--routing-policy", default="{}",
                    help="JSON/YAML mapping or file merged into the model's routing: section "
-                   "over the bench's back-off/slow start; '{}': product scoring")  # fmt: skip
+                   "over the bench's back-off/slow start (default: product scoring)")  # fmt: skip
     multi = (os.cpu_count() or 1) > 1
     p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=multi)
     p.add_argument("--others-cpu", type=int, default=-1,
