@@ -215,6 +215,7 @@ _CIRCUIT_BREAKER = {"max_requests": "count", "max_pending_requests": "count"}
 _ROUTING = {
     "score_weights": "score_weights", "memory_watermark": "fraction",
     "latency_eject_factor": "positive", "latency_eject_windows": "count",
+    "latency_eject_vs_pool": "nonnegative",
     "error_rate_eject": "fraction", "max_ejected_share": "fraction",
     "backoff_base_s": "positive", "backoff_max_s": "positive", "slow_start_s": "nonnegative",
     "ewma_alpha": "fraction", "hysteresis": "fraction", "max_step": "fraction",

@@ -318,3 +318,16 @@ def test_property_slow_start_bounds(weights: dict[str, int], elapsed: float) -> 
     for k, w in weights.items():
         assert 1 <= out[k] <= max(w, 1)
     assert 0.0 < slow_start_factor(0.0, elapsed, 10.0) <= 1.0
+
+
+def test_a_host_wide_stall_ejects_nobody_an_outlier_is_still_ejected() -> None:
+    """Every server slow at once is the host, not a server: latency is also judged against
+    the median of the rest of the pool (latency_eject_vs_pool, 2x by default)."""
+    stalled = [sig(n, p99_ms=900.0) for n in ("a:1", "b:1", "c:1")]
+    d = decide(stalled, policy=ONE_WINDOW)
+    assert set(d.health.values()) == {HEALTHY} and not d.fail_open
+    outlier = [sig("a:1", p99_ms=900.0), sig("b:1", p99_ms=300.0), sig("c:1", p99_ms=300.0)]
+    d = decide(outlier, policy=ONE_WINDOW)  # 900 > 2 x SLA 200 and > 2 x the others' 300
+    assert d.health["a:1"] == UNHEALTHY and d.health["b:1"] == HEALTHY
+    off = PoolPolicy(100.0, 200.0, latency_eject_windows=1, latency_eject_vs_pool=0.0)
+    assert decide(stalled, policy=off).fail_open  # without it: everyone looks bad

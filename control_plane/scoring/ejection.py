@@ -6,6 +6,7 @@ Pure: the previous per-endpoint states and the time come in, the new states come
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -58,8 +59,18 @@ class _Verdict:
     strikes: int
 
 
-def _judge(sig: EndpointSignals, policy: PoolPolicy, prev: EjectionState) -> _Verdict:
-    """Eject conditions from the current signals; stale or missing signals never eject."""
+def _judge(
+    sig: EndpointSignals,
+    policy: PoolPolicy,
+    prev: EjectionState,
+    others_p99: float | None = None,
+) -> _Verdict:
+    """Eject conditions from the current signals; stale or missing signals never eject.
+
+    ``others_p99``: the median P99 of the rest of the pool. A server is slow enough to eject
+    only when it is also ``latency_eject_vs_pool`` times slower than that: when the whole host
+    stalls, every server looks slow and none of them is the outlier.
+    """
     if sig.stale:
         return _Verdict((), (0.0, 0.0, 0.0), 0)
     causes: list[str] = []
@@ -75,6 +86,8 @@ def _judge(sig: EndpointSignals, policy: PoolPolicy, prev: EjectionState) -> _Ve
         causes.append(f"error rate {_pct(sig.error_rate)} >= {_pct(policy.error_rate_eject)}")
     strikes = 0
     limit = policy.latency_eject_factor * policy.sla_p99_ms
+    if others_p99 is not None and policy.latency_eject_vs_pool > 0:
+        limit = max(limit, policy.latency_eject_vs_pool * others_p99)
     if sig.p99_ms is not None and sig.p99_ms > limit:
         strikes = prev.latency_strikes + 1
         if strikes >= policy.latency_eject_windows:
@@ -84,6 +97,11 @@ def _judge(sig: EndpointSignals, policy: PoolPolicy, prev: EjectionState) -> _Ve
                 f"{policy.sla_p99_ms:.0f} ms for {strikes} window{'s' if strikes != 1 else ''}"
             )
     return _Verdict(tuple(causes), (mem, err, lat), strikes)
+
+
+def _others_p99(sig: EndpointSignals, pool: Sequence[EndpointSignals]) -> float | None:
+    values = sorted(s.p99_ms for s in pool if s is not sig and s.p99_ms is not None and not s.stale)
+    return statistics.median(values) if values else None
 
 
 def _max_out(serving: int, share: float) -> int:
@@ -121,7 +139,10 @@ def decide_ejections(
             events.append(f"{sig.endpoint} is draining: the server reports draining.")
 
     verdicts = {
-        s.endpoint: _judge(s, policy, previous.get(s.endpoint, EjectionState())) for s in serving
+        s.endpoint: _judge(
+            s, policy, previous.get(s.endpoint, EjectionState()), _others_p99(s, serving)
+        )
+        for s in serving
     }
 
     def wants_out(ep: str) -> bool:

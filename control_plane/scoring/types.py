@@ -57,6 +57,7 @@ class PoolPolicy:
     memory_watermark: float = 0.95
     latency_eject_factor: float = 2.0  # p99 > factor x SLA ...
     latency_eject_windows: int = 3  # ... for this many consecutive recomputes
+    latency_eject_vs_pool: float = 2.0  # ... and p99 > this x the others' median (0: off)
     error_rate_eject: float = 0.5
     max_ejected_share: float = 0.5
     backoff_base_s: float = 5.0  # first ejection lasts this long; each repeat doubles it
