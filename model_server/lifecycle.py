@@ -222,6 +222,7 @@ class ModelVersion:
         batch: int,
         priority: int = 0,
         timeout_s: float | None = None,
+        received_at: float | None = None,
     ) -> list[np.ndarray]:
         """Runs one request on the version's worker threads (the instance_group count).
 
@@ -233,7 +234,9 @@ class ModelVersion:
             raise ModelUnavailable(f"{self.label} is {self.state.value}")
         if self.batcher is not None:
             try:
-                return await self.batcher.submit(feeds, outputs, batch, priority, timeout_s)
+                return await self.batcher.submit(
+                    feeds, outputs, batch, priority, timeout_s, received_at
+                )
             except (QueueFull, DeadlineExceeded) as exc:
                 reason = "queue_full" if isinstance(exc, QueueFull) else "deadline"
                 self.metrics.rejections.labels(self.name, reason).inc()

@@ -54,6 +54,10 @@ class ServerSettings:
     drain_timeout: float = 30.0
     advertise_address: str | None = None
     max_request_bytes: int = 64 * 1024 * 1024
+    # RPCs in the server at once, past which gRPC answers RESOURCE_EXHAUSTED before any Python
+    # runs (0: no limit). Admission control where the queue cannot see the backlog: under
+    # overload calls pile up in gRPC and the event loop before they reach the batcher.
+    max_concurrent_rpcs: int = 0
     repository_poll_interval: float = 0.0
     otlp_endpoint: str | None = None  # HOST:PORT of an OTLP/gRPC metrics receiver
     trace_endpoint: str | None = None  # HOST:PORT of an OTLP/gRPC trace receiver
@@ -136,7 +140,8 @@ class ModelServer:
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
+            maximum_concurrent_rpcs=s.max_concurrent_rpcs or None,
         )
         service = InferenceService(
             self.repository,

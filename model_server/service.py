@@ -305,8 +305,9 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 if self.faults.enabled:
                     await self.faults.before_execute()
                 arrays = await version.execute(
-                    decoded.feeds, decoded.outputs, decoded.batch, priority, timeout_s
-                )
+                    decoded.feeds, decoded.outputs, decoded.batch, priority, timeout_s,
+                    received_at=started / 1e9,
+                )  # fmt: skip
                 response = encode_response(
                     request, version.spec, version.version, decoded.outputs, arrays
                 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -35,6 +36,7 @@ class Model:
         self.calls: list[int] = []
         self.order: list[float] = []  # the first value of each call's first row
         self.entered = 0  # calls that reached the model (held or not)
+        self.hold = {0.0}  # calls whose first value is one of these wait for the gate
         self.gate = threading.Event()
         self.gate.set()
 
@@ -42,8 +44,9 @@ class Model:
         self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str], rows: int
     ) -> list[np.ndarray]:
         self.entered += 1
-        self.gate.wait(10)
         x = feeds["x"]
+        if float(x[0, 0]) in self.hold:
+            self.gate.wait(10)
         assert x.shape[0] == rows
         self.calls.append(rows)
         self.order.append(float(x[0, 0]))
@@ -67,8 +70,9 @@ def batcher(
 async def occupy(b: DynamicBatcher, model: Model) -> asyncio.Task[list[np.ndarray]]:
     """Holds the only slot with a request of value 0 until ``model.gate`` is set."""
     model.gate.clear()
+    before = model.entered
     blocker = asyncio.create_task(b.submit(sample(0), ["s"], 1))
-    await until(lambda: model.entered == 1, "the blocker to start")
+    await until(lambda: model.entered == before + 1, "the blocker to start")
     return blocker
 
 
@@ -107,9 +111,7 @@ async def test_concurrent_requests_run_as_fewer_calls_with_the_same_results() ->
 async def test_batches_never_exceed_max_batch_size_and_shapes_do_not_mix() -> None:
     model = Model()
     b, pool = batcher(model, max_batch_size=4)
-    model.gate.clear()
-    blocker = asyncio.create_task(b.submit(sample(99), ["y"], 1))
-    await until(lambda: model.entered == 1, "the blocker to start")
+    blocker = await occupy(b, model)
     wide = [asyncio.create_task(b.submit(sample(i, width=4), ["s"], 1)) for i in range(6)]
     narrow = [asyncio.create_task(b.submit(sample(i, width=2), ["s"], 1)) for i in range(2)]
     await until(lambda: b.queued == 8, "eight queued")
@@ -154,6 +156,22 @@ async def test_a_request_past_its_deadline_never_runs() -> None:
     pool.shutdown()
 
 
+async def test_timeouts_count_from_arrival_not_from_the_queue() -> None:
+    """A call that already waited in gRPC and the event loop has less of its timeout left."""
+    model = Model()
+    b, pool = batcher(model, max_batch_size=1, default_timeout_s=0.2)
+    blocker = await occupy(b, model)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(DeadlineExceeded):
+        await b.submit(sample(7), ["s"], 1, received_at=time.monotonic() - 0.15)
+    assert loop.time() - started < 0.12  # 0.05 s were left, not 0.2
+    model.gate.set()
+    await blocker
+    await b.stop()
+    pool.shutdown()
+
+
 async def test_the_queue_policy_timeout_applies_without_a_request_timeout() -> None:
     model = Model()
     b, pool = batcher(model, max_batch_size=1, default_timeout_s=0.05)
@@ -185,19 +203,23 @@ async def test_a_full_queue_rejects_at_once() -> None:
     pool.shutdown()
 
 
-async def test_queue_delay_waits_for_company_unless_the_batch_is_preferred() -> None:
+async def test_queue_delay_waits_for_company_unless_idle_or_preferred() -> None:
     model = Model()
-    b, pool = batcher(model, max_queue_delay_s=0.2, preferred_batch_sizes=(2,))
+    b, pool = batcher(model, slots=2, max_queue_delay_s=0.2, preferred_batch_sizes=(2,))
     loop = asyncio.get_running_loop()
     started = loop.time()
-    await b.submit(sample(1), ["s"], 1)  # alone: runs when the delay is over
+    await b.submit(sample(1), ["s"], 1)  # nothing running: waiting would only add latency
+    assert loop.time() - started < 0.15
+    blocker = await occupy(b, model)  # one instance busy: now company is worth waiting for
+    started = loop.time()
+    await b.submit(sample(1), ["s"], 1)
     assert loop.time() - started >= 0.19
     started = loop.time()
     await b.submit(sample(1, rows=2), ["s"], 2)  # a preferred size: at once
     assert loop.time() - started < 0.15
-    pair = [asyncio.create_task(b.submit(sample(i), ["s"], 1)) for i in (1, 2)]
-    await asyncio.gather(*pair)
-    assert model.calls == [1, 2, 2]
+    model.gate.set()
+    await blocker
+    assert model.calls == [1, 1, 2, 1]  # in the order they finished
     await b.stop()
     pool.shutdown()
 
