@@ -15,14 +15,13 @@ import signal
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
-from control_plane.admin import AdminError, AdminServer
+from control_plane.admin import AdminServer
 from control_plane.ads import AdsServicer
 from control_plane.canary_runs import CanaryRuns
 from control_plane.envoy_stats import EnvoyStats
@@ -30,6 +29,7 @@ from control_plane.fallback import Fallbacks
 from control_plane.mesh import EndpointAddress, EndpointHealth, MeshState
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.nodes import NodeRegistry
+from control_plane.operator_api import OperatorApi
 from control_plane.otlp_receiver import start_receiver
 from control_plane.placement import PlacementPoller, build_mesh_state
 from control_plane.resources import build_resources
@@ -88,6 +88,7 @@ class ControlPlane:
         self.splits: dict[str, tuple[tuple[str, int], ...]] = {}  # operator and canary splits
         self.canaries = CanaryRuns(self.router.decisions, self.metrics)
         self.fallbacks = Fallbacks(self.router.decisions)
+        self.api = OperatorApi(self)
         self.otlp_server: grpc.aio.Server | None = None
         self.otlp_port = 0
         self.endpoints: tuple[EndpointAddress, ...] = ()
@@ -126,15 +127,15 @@ class ControlPlane:
             asyncio.get_running_loop(),
             self.metrics.registry,
             gets={
-                "/status": self.status,
-                "/telemetry": self.telemetry_json,
-                "/decisions": self.decisions,
-                "/canaries": self.canaries_json,
+                "/status": self.api.status,
+                "/telemetry": self.api.telemetry_json,
+                "/decisions": self.api.decisions,
+                "/canaries": self.api.canaries_json,
             },
             posts=[
-                (r"/endpoints/([^/]+)", self.override),
-                (r"/models/([^/]+)/split", self.set_split),
-                (r"/models/([^/]+)/canary", self.canary_request),
+                (r"/endpoints/([^/]+)", self.api.override),
+                (r"/models/([^/]+)/split", self.api.set_split),
+                (r"/models/([^/]+)/canary", self.api.canary_request),
             ],
         )
         self.admin_port = self.admin.port
@@ -300,50 +301,6 @@ class ControlPlane:
                 self.rebuild("DNS answers changed")
 
     # -- admin --------------------------------------------------------------------------------
-    async def override(self, key: str, body: dict[str, Any]) -> dict[str, Any]:
-        host, _, port = key.rpartition(":")
-        if not host or not port.isdigit():
-            raise AdminError(HTTPStatus.BAD_REQUEST, f"endpoint {key!r}: expected HOST:PORT")
-        address = EndpointAddress(host, int(port))
-        if address not in self.endpoints:
-            raise AdminError(HTTPStatus.NOT_FOUND, f"endpoint {key} is not in the topology")
-        unknown = sorted(set(body) - {"weight", "health"})
-        if unknown:
-            raise AdminError(
-                HTTPStatus.BAD_REQUEST, f"unknown fields {unknown}; expected weight and/or health"
-            )
-        if "weight" in body:
-            weight = body["weight"]
-            if weight is None:
-                self.weights.pop(address, None)
-            elif isinstance(weight, int) and not isinstance(weight, bool) and weight >= 1:
-                self.weights[address] = weight
-            else:
-                raise AdminError(
-                    HTTPStatus.BAD_REQUEST,
-                    f"weight must be an integer >= 1 or null, got {weight!r}",
-                )
-        if "health" in body:
-            health = body["health"]
-            if health is None:
-                self.health.pop(address, None)
-            elif health in EndpointHealth.__members__:
-                self.health[address] = EndpointHealth(health)
-            else:
-                expected = sorted(EndpointHealth.__members__)
-                raise AdminError(
-                    HTTPStatus.BAD_REQUEST,
-                    f"health must be one of {expected} or null, got {health!r}",
-                )
-        changed = self.rebuild(f"operator override of {key}")
-        return {"endpoint": key, "changed": changed, **(await self.status())["endpoints"][key]}
-
-    async def telemetry_json(self) -> dict[str, Any]:
-        # The store locks while it computes windows: keep that off the event loop.
-        now = time.monotonic()
-        body = await asyncio.to_thread(self.telemetry.as_json, now)
-        return {**body, "envoy": self.envoy_stats.as_json(now)}
-
     def effective_topology(self) -> Topology:
         """The topology with the operator's (and canaries') version splits in place of the
         file's, and the models whose circuit is open routed to their fallback."""
@@ -359,90 +316,6 @@ class ControlPlane:
             for m in self.topology.models
         )
         return dataclasses.replace(self.topology, models=models)
-
-    async def set_split(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
-        if model not in {m.name for m in self.topology.models}:
-            raise AdminError(HTTPStatus.NOT_FOUND, f"model {model!r} is not in the topology")
-        errors = [
-            f"version {v!r}: weight must be an integer >= 0, got {w!r}"
-            for v, w in body.items()
-            if not isinstance(w, int) or isinstance(w, bool) or w < 0
-        ]
-        errors += [f"version {v!r} is not a number" for v in body if not str(v).isdigit()]
-        if body and not errors and sum(body.values()) == 0:
-            errors.append("the weights must not all be 0")
-        if errors:
-            raise AdminError(HTTPStatus.BAD_REQUEST, "; ".join(errors))
-        split = tuple(
-            sorted(((str(int(v)), int(w)) for v, w in body.items()), key=lambda p: int(p[0]))
-        )
-        wall = time.time()
-        self.canaries.abort(model, "an operator set the version split", wall)
-        if split:
-            self.splits[model] = split
-        else:
-            self.splits.pop(model, None)
-        described = " ".join(f"v{v}={w}" for v, w in split) or "the topology's"
-        self.router.decisions.append(
-            {"at": round(time.time(), 3), "pool": model, "decision": f"version split {described}"}
-        )
-        changed = self.rebuild(f"version split of {model} set by an operator")
-        return {"model": model, "version_split": dict(split), "changed": changed}
-
-    async def canary_request(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
-        now, wall = time.monotonic(), time.time()
-        ready = {
-            v for r in self.poller.reports.values() if r.reachable for m, v in r.ready_models
-            if m == model
-        }  # fmt: skip
-        route = next((m for m in self.effective_topology().models if m.name == model), None)
-        split = route.version_split if route else ()
-        run = self.canaries.request(self.topology, model, body, split, ready, now, wall)
-        self.splits[model] = run.split()
-        self.rebuild(f"canary of {model}: {run.reason}")
-        return run.as_json(now)
-
-    async def canaries_json(self) -> dict[str, Any]:
-        return {"canaries": self.canaries.as_json(time.monotonic())}
-
-    async def decisions(self) -> dict[str, Any]:
-        return {"decisions": list(self.router.decisions)}
-
-    async def status(self) -> dict[str, Any]:
-        snapshot = self.cache.snapshot_for("*")
-        state = self.mesh_state
-        clusters = {
-            name: [{"endpoint": a.address.key, "weight": a.weight, "health": a.health.value}
-                   for a in assignments]
-            for name, assignments in (state.clusters.items() if state else [])
-        }  # fmt: skip
-        endpoints = {}
-        for address in self.endpoints:
-            report = self.poller.reports.get(address)
-            endpoints[address.key] = {
-                "reachable": bool(report and report.reachable),
-                "server_ready": bool(report and report.server_ready),
-                "ready_models": sorted(
-                    f"{m}:{v}" for m, v in (report.ready_models if report else ())
-                ),
-                "error": report.error if report else "not polled yet",
-                "weight_override": self.weights.get(address),
-                "health_override": self.health[address].value if address in self.health else None,
-            }
-        return {
-            "topology": {"path": str(self.settings.topology), "error": self.topology_error},
-            "snapshot": snapshot.versions() if snapshot else None,
-            "last_rebuild": self.last_rebuild,
-            "endpoints": endpoints,
-            "clusters": clusters,
-            "routing": self.router.explain(),
-            "canaries": self.canaries.as_json(time.monotonic()),
-            "circuits": self.fallbacks.as_json(time.monotonic()),
-            "version_splits": {
-                m.name: dict(m.version_split) for m in self.effective_topology().models
-            },
-            "nodes": self.nodes.as_json(),
-        }
 
 
 async def serve(settings: ControlPlaneSettings) -> int:

@@ -1,0 +1,156 @@
+"""What the admin HTTP does for an operator: status, overrides, splits and canaries.
+
+``OperatorApi`` reads and changes the control plane's state on its event loop (the admin HTTP
+thread hands every request over), and every change goes through ``ControlPlane.rebuild``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+from control_plane.admin import AdminError
+from control_plane.mesh import EndpointAddress, EndpointHealth
+
+if TYPE_CHECKING:
+    from control_plane.server import ControlPlane
+
+
+class OperatorApi:
+    def __init__(self, plane: ControlPlane) -> None:
+        self.plane = plane
+
+    async def override(self, key: str, body: dict[str, Any]) -> dict[str, Any]:
+        host, _, port = key.rpartition(":")
+        if not host or not port.isdigit():
+            raise AdminError(HTTPStatus.BAD_REQUEST, f"endpoint {key!r}: expected HOST:PORT")
+        address = EndpointAddress(host, int(port))
+        if address not in self.plane.endpoints:
+            raise AdminError(HTTPStatus.NOT_FOUND, f"endpoint {key} is not in the topology")
+        unknown = sorted(set(body) - {"weight", "health"})
+        if unknown:
+            raise AdminError(
+                HTTPStatus.BAD_REQUEST, f"unknown fields {unknown}; expected weight and/or health"
+            )
+        if "weight" in body:
+            weight = body["weight"]
+            if weight is None:
+                self.plane.weights.pop(address, None)
+            elif isinstance(weight, int) and not isinstance(weight, bool) and weight >= 1:
+                self.plane.weights[address] = weight
+            else:
+                raise AdminError(
+                    HTTPStatus.BAD_REQUEST,
+                    f"weight must be an integer >= 1 or null, got {weight!r}",
+                )
+        if "health" in body:
+            health = body["health"]
+            if health is None:
+                self.plane.health.pop(address, None)
+            elif health in EndpointHealth.__members__:
+                self.plane.health[address] = EndpointHealth(health)
+            else:
+                expected = sorted(EndpointHealth.__members__)
+                raise AdminError(
+                    HTTPStatus.BAD_REQUEST,
+                    f"health must be one of {expected} or null, got {health!r}",
+                )
+        changed = self.plane.rebuild(f"operator override of {key}")
+        return {"endpoint": key, "changed": changed, **(await self.status())["endpoints"][key]}
+
+    async def telemetry_json(self) -> dict[str, Any]:
+        # The store locks while it computes windows: keep that off the event loop.
+        now = time.monotonic()
+        body = await asyncio.to_thread(self.plane.telemetry.as_json, now)
+        return {**body, "envoy": self.plane.envoy_stats.as_json(now)}
+
+    async def set_split(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
+        if model not in {m.name for m in self.plane.topology.models}:
+            raise AdminError(HTTPStatus.NOT_FOUND, f"model {model!r} is not in the topology")
+        errors = [
+            f"version {v!r}: weight must be an integer >= 0, got {w!r}"
+            for v, w in body.items()
+            if not isinstance(w, int) or isinstance(w, bool) or w < 0
+        ]
+        errors += [f"version {v!r} is not a number" for v in body if not str(v).isdigit()]
+        if body and not errors and sum(body.values()) == 0:
+            errors.append("the weights must not all be 0")
+        if errors:
+            raise AdminError(HTTPStatus.BAD_REQUEST, "; ".join(errors))
+        split = tuple(
+            sorted(((str(int(v)), int(w)) for v, w in body.items()), key=lambda p: int(p[0]))
+        )
+        wall = time.time()
+        self.plane.canaries.abort(model, "an operator set the version split", wall)
+        if split:
+            self.plane.splits[model] = split
+        else:
+            self.plane.splits.pop(model, None)
+        described = " ".join(f"v{v}={w}" for v, w in split) or "the topology's"
+        self.plane.router.decisions.append(
+            {"at": round(time.time(), 3), "pool": model, "decision": f"version split {described}"}
+        )
+        changed = self.plane.rebuild(f"version split of {model} set by an operator")
+        return {"model": model, "version_split": dict(split), "changed": changed}
+
+    async def canary_request(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
+        now, wall = time.monotonic(), time.time()
+        ready = {
+            v for r in self.plane.poller.reports.values() if r.reachable for m, v in r.ready_models
+            if m == model
+        }  # fmt: skip
+        route = next((m for m in self.plane.effective_topology().models if m.name == model), None)
+        split = route.version_split if route else ()
+        run = self.plane.canaries.request(self.plane.topology, model, body, split, ready, now, wall)
+        self.plane.splits[model] = run.split()
+        self.plane.rebuild(f"canary of {model}: {run.reason}")
+        return run.as_json(now)
+
+    async def canaries_json(self) -> dict[str, Any]:
+        return {"canaries": self.plane.canaries.as_json(time.monotonic())}
+
+    async def decisions(self) -> dict[str, Any]:
+        return {"decisions": list(self.plane.router.decisions)}
+
+    async def status(self) -> dict[str, Any]:
+        snapshot = self.plane.cache.snapshot_for("*")
+        state = self.plane.mesh_state
+        clusters = {
+            name: [{"endpoint": a.address.key, "weight": a.weight, "health": a.health.value}
+                   for a in assignments]
+            for name, assignments in (state.clusters.items() if state else [])
+        }  # fmt: skip
+        endpoints = {}
+        for address in self.plane.endpoints:
+            report = self.plane.poller.reports.get(address)
+            endpoints[address.key] = {
+                "reachable": bool(report and report.reachable),
+                "server_ready": bool(report and report.server_ready),
+                "ready_models": sorted(
+                    f"{m}:{v}" for m, v in (report.ready_models if report else ())
+                ),
+                "error": report.error if report else "not polled yet",
+                "weight_override": self.plane.weights.get(address),
+                "health_override": self.plane.health[address].value
+                if address in self.plane.health
+                else None,
+            }
+        return {
+            "topology": {
+                "path": str(self.plane.settings.topology),
+                "error": self.plane.topology_error,
+            },
+            "snapshot": snapshot.versions() if snapshot else None,
+            "last_rebuild": self.plane.last_rebuild,
+            "endpoints": endpoints,
+            "clusters": clusters,
+            "routing": self.plane.router.explain(),
+            "canaries": self.plane.canaries.as_json(time.monotonic()),
+            "circuits": self.plane.fallbacks.as_json(time.monotonic()),
+            "version_splits": {
+                m.name: dict(m.version_split) for m in self.plane.effective_topology().models
+            },
+            "nodes": self.plane.nodes.as_json(),
+        }
