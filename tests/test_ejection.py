@@ -331,3 +331,17 @@ def test_a_host_wide_stall_ejects_nobody_an_outlier_is_still_ejected() -> None:
     assert d.health["a:1"] == UNHEALTHY and d.health["b:1"] == HEALTHY
     off = PoolPolicy(100.0, 200.0, latency_eject_windows=1, latency_eject_vs_pool=0.0)
     assert decide(stalled, policy=off).fail_open  # without it: everyone looks bad
+
+
+def test_back_off_starts_over_after_a_long_healthy_stretch() -> None:
+    policy = PoolPolicy(100.0, 200.0, backoff_base_s=5.0, backoff_max_s=60.0)
+    pool = [good("b:1"), good("c:1"), good("d:1")]
+    d = decide([sig("x:1", error_rate=0.9), *pool], policy=policy)  # out for 5 s
+    d = decide([good("x:1"), *pool], d.states, now=6.0, policy=policy)  # back
+    d = decide([sig("x:1", error_rate=0.9), *pool], d.states, now=7.0, policy=policy)
+    assert d.states["x:1"].until == 7.0 + 10.0  # a repeat soon after: doubled
+    d = decide([good("x:1"), *pool], d.states, now=18.0, policy=policy)
+    d = decide([good("x:1"), *pool], d.states, now=18.0 + 60.0, policy=policy)  # a minute fine
+    assert d.states["x:1"].times_ejected == 0
+    d = decide([sig("x:1", error_rate=0.9), *pool], d.states, now=100.0, policy=policy)
+    assert d.states["x:1"].until == 105.0  # an unrelated incident: the base back-off again
