@@ -217,10 +217,9 @@ def decide_ejections(
             early = ep in candidates  # cut by the share cap or by failing open
             events.append(f"{ep} returned: {reasons[ep]}." if early else f"{ep} {reasons[ep]}.")
         else:
-            healthy_since = prev.returned_at
-            if prev.times_ejected and healthy_since is not None:
-                if now - healthy_since >= policy.backoff_max_s:  # a new incident starts over
-                    base = replace(base, times_ejected=0)
+            since = prev.returned_at
+            if prev.times_ejected and since is not None and now - since >= policy.backoff_max_s:
+                base = replace(base, times_ejected=0)  # a new incident starts over
             states[ep] = replace(base, reason=reasons[ep])
     return EjectionDecision(
         states=states,
