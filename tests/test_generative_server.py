@@ -161,3 +161,40 @@ def test_tokens_stream_through_envoy_one_by_one(
     assert len(pieces) > 1  # one response per token, not one at the end
     assert b"".join(pieces) == expected(PROMPT, 400)
     print(f"{len(pieces)} tokens through Envoy in {elapsed:.2f} s")
+
+
+def kv_blocks_used(server: ServerProcess) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics") as r:
+        return metric_value(r.read().decode(), "kv_cache_blocks_used", model=MODEL)
+
+
+def test_a_thousand_sequences_ended_cancelled_or_dropped_leave_no_block_behind(
+    server: ServerProcess,
+) -> None:
+    """Normal ends, cancellations after the first token, and closed connections mid-stream."""
+    with grpc.insecure_channel(server.url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        for i in range(1000):
+            request = text_request(f"{i} ", max_tokens=3 if i % 3 == 0 else 40)
+            call = stub.ModelStreamInfer(iter([request]), timeout=30)
+            if i % 3 == 0:
+                assert sum(1 for _ in call) >= 1  # to its end
+            else:
+                next(call)  # the first token ...
+                call.cancel()  # ... then the client goes away
+        # A connection closed in the middle of a stream.
+        lost = grpc.insecure_channel(server.url)
+        stream = service_pb2_grpc.GRPCInferenceServiceStub(lost).ModelStreamInfer(
+            iter([text_request("bye ", max_tokens=400)]), timeout=30
+        )
+        next(stream)
+        assert kv_blocks_used(server) > 0  # it holds blocks while it runs ...
+        lost.close()
+    deadline = time.monotonic() + 10  # ... and gives them back once the server sees it gone
+    while kv_blocks_used(server) != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert kv_blocks_used(server) == 0
+    with grpc.insecure_channel(server.url) as channel:  # and it still answers correctly
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        response = stub.ModelInfer(text_request(PROMPT, max_tokens=12), timeout=30)
+    assert bytes(response.raw_output_contents[0][4:]) == expected(PROMPT, 12)
