@@ -198,3 +198,26 @@ def test_a_thousand_sequences_ended_cancelled_or_dropped_leave_no_block_behind(
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         response = stub.ModelInfer(text_request(PROMPT, max_tokens=12), timeout=30)
     assert bytes(response.raw_output_contents[0][4:]) == expected(PROMPT, 12)
+
+
+def test_a_users_decoder_export_without_a_config_loads_the_same_way(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Only a model.onnx with Optimum's names, as `optimum-cli export onnx` leaves it."""
+    built = tmp_path_factory.mktemp("built")
+    build_demo_lm(built)
+    repo = tmp_path_factory.mktemp("user-repo")
+    (repo / "user_lm" / "1").mkdir(parents=True)
+    (repo / "user_lm" / "1" / "model.onnx").write_bytes(
+        (built / MODEL / "1" / "model.onnx").read_bytes()
+    )
+    server = start_server(repo, tmp_path_factory.mktemp("user-logs"), "--models", "user_lm")
+    try:
+        with grpc.insecure_channel(server.url) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            request = text_request(PROMPT, max_tokens=8)
+            request.model_name = "user_lm"
+            response = stub.ModelInfer(request, timeout=30)
+        assert bytes(response.raw_output_contents[0][4:]) == expected(PROMPT, 8)
+    finally:
+        server.stop()
