@@ -31,7 +31,8 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
         capacity_qps: 1000          # required, > 0
         timeout_s: 5                # optional, > 0; default max(1.0, 20 * sla_p99_ms / 1000)
         version_split: {"1": 90, "2": 10}   # optional; version -> weight (int >= 0), sum > 0
-        routing: {...}              # optional: telemetry-driven routing (PoolPolicy's fields)
+        routing: {...}              # optional: telemetry-driven routing (PoolPolicy's fields;
+                                    # examples/topology.yaml lists each with its default)
         rate_limit: {requests_per_s: 500, burst: 500}   # optional: Envoy token bucket per route
         circuit_breaker: {max_requests: 256, max_pending_requests: 64}   # optional, each >= 1
         fallback: classifier-small  # optional: another model (without a fallback of its own)
