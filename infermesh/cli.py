@@ -44,6 +44,12 @@ def _status(admin: str, raw: bool) -> int:
         described = " ".join(f"v{v}={w}" for v, w in split.items()) or "none"
         fail_open = " (FAILING OPEN)" if routing.get("fail_open") else ""
         print(f"routing {pool}{fail_open}: version split {described}")
+        circuit = status.get("circuits", {}).get(pool)
+        if circuit and circuit.get("open"):
+            print(
+                f"  circuit OPEN: the fallback serves for {circuit['open_for_s']} s more "
+                f"(trip {circuit['trips']})"
+            )
         run = status.get("canaries", {}).get(pool)
         if run:
             print(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -154,6 +156,12 @@ def test_an_open_circuit_sends_the_model_to_its_fallback_for_a_while(mesh: Mesh)
         "the control plane to open the circuit (the previous test overflowed it)",
     )
     assert circuit["trips"] >= 1
+    admin = f"127.0.0.1:{plane.plane.admin_port}"
+    shown = subprocess.run(
+        [sys.executable, "-m", "infermesh.cli", "status", "--admin", admin],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    assert "circuit OPEN: the fallback serves for" in shown
     response, _ = call(listener, "classifier")
     assert response.model_name == SMALL
     assert response.parameters["infermesh_fallback_from"].string_param == "classifier"
