@@ -2,7 +2,8 @@
 
 Only what the launcher needs from the Compose specification: entrypoint + command,
 environment, depends_on (with conditions), healthcheck (CMD / CMD-SHELL, interval, timeout,
-retries, start_period), stop_signal and stop_grace_period, with ``${VAR}`` /
+retries, start_period), restart (no, always, on-failure, unless-stopped), stop_signal and
+stop_grace_period, with ``${VAR}`` /
 ``${VAR:-default}`` interpolation and YAML merge keys. Services with ``profiles`` are optional
 and container-only: the launcher skips them. Containers get the same file from a real
 Compose implementation.
@@ -51,6 +52,16 @@ class Service:
     healthcheck: Healthcheck | None = None
     stop_signal: int = signal.SIGTERM
     stop_grace_s: float = 10.0
+    restart: str = "no"  # no, always, on-failure, unless-stopped
+
+    def restarts_after(self, exit_code: int) -> bool:
+        """Whether the launcher starts the service again after it exited with ``exit_code``."""
+        if self.restart in ("always", "unless-stopped"):
+            return True
+        return self.restart == "on-failure" and exit_code != 0
+
+
+RESTART_POLICIES = ("no", "always", "on-failure", "unless-stopped")
 
 
 def interpolate(value: Any, env: Mapping[str, str]) -> Any:
@@ -122,8 +133,16 @@ def load_services(path: Path, env: Mapping[str, str] | None = None) -> list[Serv
             healthcheck=_healthcheck(raw["healthcheck"], where) if "healthcheck" in raw else None,
             stop_signal=int(getattr(signal, str(raw.get("stop_signal", "SIGTERM")))),
             stop_grace_s=parse_duration(raw.get("stop_grace_period", "10s"), f"{where}.stop"),
+            restart=_restart(raw.get("restart", "no"), where),
         )
     return _ordered(services)
+
+
+def _restart(value: object, where: str) -> str:
+    text = str(value)
+    if text not in RESTART_POLICIES:
+        raise ComposeError(f"{where}.restart: expected one of {RESTART_POLICIES}, got {text!r}")
+    return text
 
 
 def _ordered(services: Mapping[str, Service]) -> list[Service]:

@@ -108,16 +108,32 @@ class Launcher:
         print(f"infermesh: {service.name} healthy after {time.monotonic() - started:.1f}s")
 
     def wait(self) -> int:
-        """Until a stop is asked (returns 0) or a service exits on its own (returns 1)."""
+        """Until a stop is asked (returns 0) or a service exits on its own and its restart
+        policy does not bring it back (returns 1). A restarted service waits for its health
+        check again; the others keep running meanwhile."""
         while not self.stopping.wait(POLL_S):
-            for running in self.running:
-                if running.proc.poll() is not None:
-                    print(
-                        f"infermesh: {running.service.name} exited with "
-                        f"{running.proc.returncode}; see {running.log_path}",
-                        file=sys.stderr,
-                    )
+            for index, running in enumerate(list(self.running)):
+                code = running.proc.poll()
+                if code is None:
+                    continue
+                name = running.service.name
+                print(
+                    f"infermesh: {name} exited with {code}; see {running.log_path}",
+                    file=sys.stderr,
+                )
+                if not running.service.restarts_after(code):
                     return 1
+                self.running.pop(index)
+                self.healthy.discard(name)
+                print(f"infermesh: {name} restarting ({running.service.restart})", flush=True)
+                try:
+                    self._start(running.service)
+                except LaunchError as exc:
+                    print(f"infermesh: {exc}", file=sys.stderr)
+                    return 1
+                if self.running and self.running[-1].service is running.service:
+                    self.running.insert(index, self.running.pop())  # keep the stop order
+                break  # the list changed: look again from the start
         return 0
 
     def stop_all(self) -> None:

@@ -1,0 +1,114 @@
+"""The compose topology run for real (``infermesh up`` on free ports) for scenario tests.
+
+``ComposeMesh`` copies compose.yaml and deploy/topology.yaml into a work directory with every
+port moved to a free one, starts the launcher as a process, waits for "mesh is up", and knows
+each service's PID from the launcher's log (a restarted service gets a new one). ``stop()``
+sends the launcher SIGTERM (it stops the services in reverse order) and kills it only if it
+does not exit in time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.envoy_support import free_port
+from tests.support import ROOT, wait_for
+
+PORTS = ("8001", "8002")  # model servers, in compose.yaml and deploy/topology.yaml
+STARTED = re.compile(r"infermesh: (\S+) started \(pid (\d+)")
+
+
+@dataclass
+class ComposeMesh:
+    workdir: Path
+    models: Path
+    env: dict[str, str] = field(default_factory=dict)
+    launcher: subprocess.Popen[bytes] | None = None
+    server_ports: dict[str, int] = field(default_factory=dict)  # "model-server-1" -> port
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / "up.log"
+
+    @property
+    def envoy_port(self) -> int:
+        return int(self.env["INFERMESH_ENVOY_PORT"])
+
+    @property
+    def admin(self) -> str:
+        return f"127.0.0.1:{self.env['INFERMESH_ADMIN_PORT']}"
+
+    def start(self, timeout: float = 120) -> ComposeMesh:
+        compose = (ROOT / "compose.yaml").read_text()
+        topology = (ROOT / "deploy" / "topology.yaml").read_text()
+        for index, old in enumerate(PORTS, start=1):
+            new = str(free_port())
+            compose, topology = compose.replace(old, new), topology.replace(old, new)
+            self.server_ports[f"model-server-{index}"] = int(new)
+        (self.workdir / "deploy").mkdir(parents=True, exist_ok=True)
+        (self.workdir / "deploy" / "topology.yaml").write_text(topology)
+        (self.workdir / "compose.yaml").write_text(compose)
+        (self.workdir / "models").symlink_to(self.models)
+        (self.workdir / "otel").symlink_to(ROOT / "otel")
+        names = ("ENVOY", "ENVOY_ADMIN", "XDS", "ADMIN", "OTLP", "PROMETHEUS")
+        self.env = {
+            **os.environ,
+            **{f"INFERMESH_{name}_PORT": str(free_port()) for name in names},
+        }
+        command = [
+            sys.executable, "-m", "infermesh.cli", "up",
+            "--compose", str(self.workdir / "compose.yaml"),
+            "--log-dir", str(self.workdir / "logs"),
+        ]  # fmt: skip
+        with self.log.open("wb") as out:
+            self.launcher = subprocess.Popen(
+                command, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT
+            )
+        launcher = self.launcher
+        wait_for(
+            lambda: "mesh is up" in self.log.read_text() or launcher.poll() is not None,
+            timeout,
+            "the mesh to come up",
+        )
+        if launcher.poll() is not None:
+            raise RuntimeError(f"the launcher exited:\n{self.log.read_text()[-3000:]}")
+        return self
+
+    def pids(self) -> dict[str, int]:
+        """Each service's newest PID (restarts included)."""
+        return {name: int(pid) for name, pid in STARTED.findall(self.log.read_text())}
+
+    def starts(self, service: str) -> int:
+        return sum(1 for name, _ in STARTED.findall(self.log.read_text()) if name == service)
+
+    def cli(self, *args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "infermesh.cli", *args], cwd=ROOT, env=self.env,
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        return done.stdout + done.stderr
+
+    def stop(self) -> int | None:
+        if self.launcher is None:
+            return None
+        if self.launcher.poll() is None:
+            self.launcher.send_signal(signal.SIGTERM)
+            try:
+                return self.launcher.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.launcher.kill()
+                self.launcher.wait(timeout=30)
+        return self.launcher.returncode
+
+    def __enter__(self) -> ComposeMesh:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
