@@ -4,6 +4,7 @@ good traffic flows (incident 2). Each prints what clients saw."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -28,6 +29,11 @@ def mesh(demo_repo: Path, tmp_path: Path) -> Iterator[ComposeMesh]:
         yield running
 
 
+def restarted(mesh: ComposeMesh, server: str, starts_before: int) -> bool:
+    healthy = mesh.log.read_text().count(f"infermesh: {server} healthy")
+    return mesh.starts(server) > starts_before and healthy > starts_before
+
+
 def test_rolling_restart_of_every_model_server_under_load(mesh: ComposeMesh) -> None:
     started = time.monotonic()
     with Traffic(f"127.0.0.1:{mesh.envoy_port}", clients=4, deadline_s=240) as traffic:
@@ -35,13 +41,8 @@ def test_rolling_restart_of_every_model_server_under_load(mesh: ComposeMesh) -> 
         for server in SERVERS:  # one at a time: SIGTERM drains it, the launcher restarts it
             before = mesh.starts(server)
             os.kill(mesh.pids()[server], signal.SIGTERM)
-            wait_for(
-                lambda s=server, n=before: (
-                    mesh.starts(s) > n and mesh.log.read_text().count(f"infermesh: {s} healthy") > n
-                ),
-                90,
-                f"{server} drained, restarted and healthy",
-            )
+            back = functools.partial(restarted, mesh, server, before)
+            wait_for(back, 90, f"{server} drained, restarted and healthy")
             traffic.wait_ok(100)
     took = time.monotonic() - started
     print(
