@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,20 @@ class ComposeMesh:
         if launcher.poll() is not None:
             raise RuntimeError(f"the launcher exited:\n{self.log.read_text()[-3000:]}")
         return self
+
+    def envoy_healthy(self, cluster: str = "model:classifier") -> int:
+        """How many of ``cluster``'s hosts Envoy itself considers healthy right now."""
+        url = f"http://127.0.0.1:{self.env['INFERMESH_ENVOY_ADMIN_PORT']}/clusters"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                text = response.read().decode()
+        except OSError:
+            return 0
+        return sum(
+            1
+            for line in text.splitlines()
+            if line.startswith(f"{cluster}::") and line.endswith("::health_flags::healthy")
+        )
 
     def pids(self) -> dict[str, int]:
         """Each service's newest PID (restarts included)."""

@@ -43,6 +43,8 @@ def test_rolling_restart_of_every_model_server_under_load(mesh: ComposeMesh) -> 
             os.kill(mesh.pids()[server], signal.SIGTERM)
             back = functools.partial(restarted, mesh, server, before)
             wait_for(back, 90, f"{server} drained, restarted and healthy")
+            # One at a time means: the next goes only once Envoy routes to this one again.
+            wait_for(lambda: mesh.envoy_healthy() == len(SERVERS), 30, "Envoy to route to it")
             traffic.wait_ok(100)
     took = time.monotonic() - started
     print(
