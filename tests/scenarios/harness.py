@@ -33,6 +33,7 @@ class ComposeMesh:
     env: dict[str, str] = field(default_factory=dict)
     launcher: subprocess.Popen[bytes] | None = None
     server_ports: dict[str, int] = field(default_factory=dict)  # "model-server-1" -> port
+    server_flags: tuple[str, ...] = ()  # added to every model server's command
 
     @property
     def log(self) -> Path:
@@ -53,6 +54,9 @@ class ComposeMesh:
             new = str(free_port())
             compose, topology = compose.replace(old, new), topology.replace(old, new)
             self.server_ports[f"model-server-{index}"] = int(new)
+        if self.server_flags:
+            extra = "".join(f', "{flag}"' for flag in self.server_flags)
+            compose = compose.replace('"--drain-timeout", "30"', f'"--drain-timeout", "30"{extra}')
         (self.workdir / "deploy").mkdir(parents=True, exist_ok=True)
         (self.workdir / "deploy" / "topology.yaml").write_text(topology)
         (self.workdir / "compose.yaml").write_text(compose)
@@ -95,6 +99,10 @@ class ComposeMesh:
             for line in text.splitlines()
             if line.startswith(f"{cluster}::") and line.endswith("::health_flags::healthy")
         )
+
+    def metrics_port(self, server: str) -> int:
+        """A model server's metrics (and /faults) port: its gRPC port + 1000, the default."""
+        return self.server_ports[server] + 1000
 
     def pids(self) -> dict[str, int]:
         """Each service's newest PID (restarts included)."""

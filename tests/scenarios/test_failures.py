@@ -3,9 +3,11 @@ control plane lost, both under steady load through Envoy. Each prints what clien
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from tests.scenarios.harness import ComposeMesh
 from tests.support import Traffic, wait_for
 
 pytestmark = pytest.mark.integration
+MiB = 1024 * 1024
 
 
 @pytest.fixture
@@ -65,3 +68,43 @@ def test_control_plane_lost_and_restarted_under_load(mesh: ComposeMesh) -> None:
     )
     assert not traffic.errors, traffic.errors[:5]
     assert "(sotw, connected)" in status or "(delta, connected)" in status
+
+
+def test_memory_pressure_ejects_a_server_before_it_runs_out(
+    demo_repo: Path, tmp_path: Path
+) -> None:
+    """A real ballast past the 95% watermark of the server's budget (the source article's
+    incident 1): Envoy stops sending it traffic, it serves again once the memory is back,
+    and no request fails."""
+    flags = ("--enable-fault-injection", "--memory-budget", "600MiB")
+    with ComposeMesh(tmp_path, demo_repo, server_flags=flags) as mesh:
+        wait_for(lambda: mesh.envoy_healthy() == 2, 30, "both servers routed")
+        with Traffic(f"127.0.0.1:{mesh.envoy_port}", clients=4, deadline_s=120) as traffic:
+            traffic.wait_ok(100)
+            post_faults_to(mesh.metrics_port("model-server-2"), {"ballast_bytes": 560 * MiB})
+            pressed = time.monotonic()
+            wait_for(lambda: mesh.envoy_healthy() == 1, 20, "the server's ejection")
+            ejected_after = time.monotonic() - pressed
+            traffic.wait_ok(100)
+            post_faults_to(mesh.metrics_port("model-server-2"), {"ballast_bytes": 0})
+            wait_for(lambda: mesh.envoy_healthy() == 2, 60, "the server back in rotation")
+            traffic.wait_ok(100)
+        with urllib.request.urlopen(f"http://{mesh.admin}/decisions", timeout=10) as response:
+            decisions = [d["decision"] for d in json.loads(response.read())["decisions"]]
+    address = f"127.0.0.1:{mesh.server_ports['model-server-2']}"
+    print(
+        f"\nmemory pressure on model-server-2 under load: ejected {ejected_after:.1f} s after "
+        f"the ballast, back after; {traffic.ok} OK, {len(traffic.errors)} failed"
+    )
+    assert any(d.startswith(f"{address} ejected") and "memory" in d for d in decisions), decisions
+    assert any(d.startswith(f"{address} returned") for d in decisions), decisions
+    assert not traffic.errors, traffic.errors[:5]
+
+
+def post_faults_to(port: int, body: dict[str, object]) -> None:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/faults", data=json.dumps(body).encode(), method="POST",
+        headers={"content-type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200
