@@ -108,7 +108,7 @@ def test_a_healthy_canary_reaches_100_percent(mesh: Mesh) -> None:
     reset(plane, v1, v2)
     with Traffic(f"127.0.0.1:{listener}", clients=4) as traffic:
         flags = ["--steps", "10,50,100", "--dwell-s", "1.5", "--min-requests", "5"]
-        flags += ["--p99-margin", "4"]  # a P99 of a few requests on a busy host is noise
+        flags += ["--p99-margin", "20"]  # a P99 of ~100 requests on a busy host is noise
         assert '"status": "running"' in cli(plane, "canary", "classifier", "2", *flags)
         try:
             run = wait_for(lambda: canary(plane, "promoted"), 45, "promotion")
