@@ -28,9 +28,10 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
 from envoy.type.v3 import percent_pb2, token_bucket_pb2
-from google.protobuf import any_pb2, duration_pb2
+from google.protobuf import any_pb2
 from google.protobuf.wrappers_pb2 import UInt32Value
 
+from control_plane.envoy_values import duration, packed
 from control_plane.mesh import CircuitBreaker, RateLimit
 
 RATE_LIMIT_FILTER = "envoy.filters.http.local_ratelimit"
@@ -41,11 +42,6 @@ MIN_FILL_INTERVAL_S = 0.05  # Envoy's lower bound for a token bucket's fill inte
 # A cluster that has a fallback keeps all its traffic while any endpoint is healthy.
 NO_SPILL_OVERPROVISIONING = 100_000
 UNLIMITED = 1_000_000  # effectively no limit: the retry budget bounds retries
-
-
-def _duration(seconds: float) -> duration_pb2.Duration:
-    whole = int(seconds)
-    return duration_pb2.Duration(seconds=whole, nanos=round((seconds - whole) * 1e9))
 
 
 def _percent(value: float) -> base_pb2.RuntimeFractionalPercent:
@@ -60,9 +56,7 @@ def _percent(value: float) -> base_pb2.RuntimeFractionalPercent:
 def rate_limit_filter() -> hcm_pb2.HttpFilter:
     """The listener's filter: no bucket of its own, so only routes that carry one are limited."""
     config = local_rate_limit_pb2.LocalRateLimit(stat_prefix="model_rate_limit")
-    packed = any_pb2.Any()
-    packed.Pack(config)
-    return hcm_pb2.HttpFilter(name=RATE_LIMIT_FILTER, typed_config=packed)
+    return hcm_pb2.HttpFilter(name=RATE_LIMIT_FILTER, typed_config=packed(config))
 
 
 def token_bucket(limit: RateLimit) -> token_bucket_pb2.TokenBucket:
@@ -72,7 +66,7 @@ def token_bucket(limit: RateLimit) -> token_bucket_pb2.TokenBucket:
     return token_bucket_pb2.TokenBucket(
         max_tokens=limit.burst,
         tokens_per_fill=UInt32Value(value=tokens),
-        fill_interval=_duration(interval),
+        fill_interval=duration(interval),
     )
 
 
@@ -95,9 +89,7 @@ def route_rate_limit(model: str, limit: RateLimit) -> any_pb2.Any:
         response_headers_to_add=headers,
         rate_limited_as_resource_exhausted=True,
     )
-    packed = any_pb2.Any()
-    packed.Pack(config)
-    return packed
+    return packed(config)
 
 
 def circuit_breakers(
@@ -125,11 +117,10 @@ def circuit_breakers(
 def aggregate_cluster(name: str, clusters: list[str]) -> cluster_pb2.Cluster:
     """A cluster that tries ``clusters`` in order, each only when those before have no
     healthy endpoint."""
-    config = any_pb2.Any()
-    config.Pack(aggregate_pb2.ClusterConfig(clusters=clusters))
+    config = packed(aggregate_pb2.ClusterConfig(clusters=clusters))
     return cluster_pb2.Cluster(
         name=name,
-        connect_timeout=_duration(1.0),
+        connect_timeout=duration(1.0),
         lb_policy=cluster_pb2.Cluster.CLUSTER_PROVIDED,
         cluster_type=cluster_pb2.Cluster.CustomClusterType(
             name=AGGREGATE_CLUSTER, typed_config=config

@@ -37,10 +37,11 @@ from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2 as http_pb2
 from envoy.type.matcher.v3 import string_pb2
 from envoy.type.v3 import percent_pb2
-from google.protobuf import any_pb2, duration_pb2
+from google.protobuf import any_pb2
 from google.protobuf.message import Message
 from google.protobuf.wrappers_pb2 import UInt32Value
 
+from control_plane.envoy_values import duration, packed
 from control_plane.lua_routing import lua_source
 from control_plane.mesh import (
     LISTENER_NAME,
@@ -95,17 +96,6 @@ _HEALTH = {
     EndpointHealth.DRAINING: hc_pb2.DRAINING,
     EndpointHealth.UNHEALTHY: hc_pb2.UNHEALTHY,
 }
-
-
-def duration(seconds: float) -> duration_pb2.Duration:
-    whole = int(seconds)
-    return duration_pb2.Duration(seconds=whole, nanos=round((seconds - whole) * 1e9))
-
-
-def packed(message: Message) -> any_pb2.Any:
-    value = any_pb2.Any()
-    value.Pack(message)
-    return value
 
 
 def ads_source() -> config_source_pb2.ConfigSource:
