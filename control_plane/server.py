@@ -47,7 +47,7 @@ from control_plane.topology import (
 log = logging.getLogger("control_plane")
 TOPOLOGY_CHECK_INTERVAL_S = 1.0
 ROUTING_INTERVAL_S = 0.5  # how often telemetry is turned into weights and ejections
-CANARY_INTERVAL_S = 0.5  # how often running canaries are judged
+JUDGE_INTERVAL_S = 0.5  # how often running canaries and open circuits are judged
 DNS_REFRESH_INTERVAL_S = 5.0
 
 
@@ -228,7 +228,7 @@ class ControlPlane:
 
     async def _judge_canaries(self) -> None:
         while True:
-            await asyncio.sleep(CANARY_INTERVAL_S)
+            await asyncio.sleep(JUDGE_INTERVAL_S)
             models = [m for m in self.canaries.runs if self.canaries.running(m)]
             if not models:
                 continue
@@ -241,7 +241,7 @@ class ControlPlane:
 
     async def _watch_circuits(self) -> None:
         while True:
-            await asyncio.sleep(CANARY_INTERVAL_S)
+            await asyncio.sleep(JUDGE_INTERVAL_S)
             now = time.monotonic()
             changed = self.fallbacks.tick(
                 self.topology, self.envoy_stats.recent_overflows, now, time.time()

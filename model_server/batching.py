@@ -111,13 +111,12 @@ class _Pending:
 
 @dataclass
 class BatchStats:
-    """What the batcher did, for metrics and ModelStatistics."""
+    """What the batcher did (the metrics count the same per model, see lifecycle)."""
 
     batches: int = 0
     rows: int = 0
     rejected_full: int = 0
     expired: int = 0
-    sizes: dict[int, int] = field(default_factory=dict)  # batch rows -> executions
 
 
 class DynamicBatcher:
@@ -308,7 +307,6 @@ class DynamicBatcher:
             self._wake.set()
         self.stats.batches += 1
         self.stats.rows += rows
-        self.stats.sizes[rows] = self.stats.sizes.get(rows, 0) + 1
         by_name = dict(zip(outputs, results, strict=True))
         start = 0
         for p in batch:

@@ -96,12 +96,11 @@ class _Sequence:
 
 @dataclass
 class GenerationStats:
-    tokens: int = 0
+    """Counts of what the engine decided (token timings go to ``observe``, the metrics)."""
+
     sequences_done: int = 0
     refused: int = 0
     preempted: int = 0
-    ttft_s: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
-    tpot_s: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
 
 
 class GenerationEngine:
@@ -316,10 +315,8 @@ class GenerationEngine:
         now = self._clock()
         if sequence.first_token_at is None:
             sequence.first_token_at = now
-            self.stats.ttft_s.append(now - sequence.created)
             self._observe("ttft", now - sequence.created)
         sequence.generated.append(token)
-        self.stats.tokens += 1
         self._observe("token", 1.0)
         reason = self._finish_reason(sequence)
         event = TokenEvent(token, len(sequence.generated) - 1, bool(reason), reason)
@@ -328,9 +325,7 @@ class GenerationEngine:
         if reason:
             count = len(sequence.generated)
             if count > 1:
-                tpot = (now - sequence.first_token_at) / (count - 1)
-                self.stats.tpot_s.append(tpot)
-                self._observe("tpot", tpot)
+                self._observe("tpot", (now - sequence.first_token_at) / (count - 1))
             self.stats.sequences_done += 1
             self.running.remove(sequence)
             self.cache.release(sequence.name)
