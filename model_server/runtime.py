@@ -13,6 +13,7 @@ available even on hosts without a GPU, and a CUDA session there silently falls b
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,13 +47,24 @@ def choose_device(requested: str) -> DeviceChoice:
         return DeviceChoice("cpu")
     if requested == "auto":
         has_gpu = CUDA in ort.get_available_providers() and nvml_device_count() > 0
+        if has_gpu:
+            preload_cuda_libraries()
         return DeviceChoice("cuda") if has_gpu else DeviceChoice("cpu")
     if requested == "cuda" or requested.startswith("cuda:"):
         index = int(requested.partition(":")[2] or 0)
         if CUDA not in ort.get_available_providers():
             raise ValueError("--device cuda: this onnxruntime has no CUDA execution provider")
+        preload_cuda_libraries()
         return DeviceChoice("cuda", index)
     raise ValueError(f"--device {requested!r}: expected auto, cpu, cuda or cuda:N")
+
+
+def preload_cuda_libraries() -> None:
+    """Loads CUDA and cuDNN from the nvidia-* wheels when they are installed (the GPU image:
+    ``onnxruntime-gpu[cuda,cudnn]``), so the host needs only its driver. Without the wheels the
+    system's libraries are used, as before."""
+    if importlib.util.find_spec("nvidia") is not None and hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()
 
 
 class OnnxSession:

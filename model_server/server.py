@@ -59,7 +59,8 @@ class ServerSettings:
     # overload calls pile up in gRPC and the event loop before they reach the batcher.
     max_concurrent_rpcs: int = 0
     repository_poll_interval: float = 0.0
-    otlp_endpoint: str | None = None  # HOST:PORT of an OTLP/gRPC metrics receiver
+    # HOST:PORT of each OTLP/gRPC metrics receiver (one per control-plane replica)
+    otlp_endpoints: tuple[str, ...] = ()
     trace_endpoint: str | None = None  # HOST:PORT of an OTLP/gRPC trace receiver
     telemetry_interval: float = 1.0
     enable_fault_injection: bool = False
@@ -101,7 +102,7 @@ class ModelServer:
         self.tracing: Tracing | None = None
         self._http: AdminServer | None = None
         self.faults = FaultInjector(settings.enable_fault_injection)
-        self.exporter: OtlpExporter | None = None
+        self.exporters: list[OtlpExporter] = []
 
     def is_ready(self) -> bool:
         return (
@@ -184,15 +185,16 @@ class ModelServer:
         )
         self._spawn(self._load_at_start())
         self._spawn(self._sample_memory())
-        if s.otlp_endpoint:
-            self.exporter = OtlpExporter(
-                s.otlp_endpoint,
+        for endpoint in s.otlp_endpoints:
+            exporter = OtlpExporter(
+                endpoint,
                 s.telemetry_interval,
                 self.metrics.registry,
                 self.advertised,
                 self.refresh_memory,
             )
-            self._spawn(self.exporter.run())
+            self.exporters.append(exporter)
+            self._spawn(exporter.run())
 
     @property
     def advertised(self) -> str:
@@ -291,8 +293,8 @@ class ModelServer:
             await asyncio.sleep(DRAIN_QUIET_S / 4)
         log.info("drain 3/3: stopping after %.2fs", time.monotonic() - started)
         await self.stop(grace=0.5)
-        if self.exporter is not None:  # the final counts, drain included
-            await self.exporter.flush_and_close()
+        # The final counts, drain included, to every receiver at once.
+        await asyncio.gather(*(e.flush_and_close() for e in self.exporters))
         answered = self.metrics.requests_by_code()
         log.info(
             "requests answered since start: %s",

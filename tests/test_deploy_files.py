@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from pathlib import Path
+
+import yaml
 
 from control_plane.cli import build_parser as control_plane_parser
 from control_plane.topology import load_topology
-from infermesh.compose import load_services
+from infermesh.compose import interpolate, load_services
 from model_server.cli import build_parser as model_server_parser
 from tests.support import ROOT
 
@@ -22,33 +27,84 @@ def test_compose_commands_parse_with_the_real_command_lines() -> None:
     servers = [c for name, c in commands.items() if name.startswith("model-server")]
     assert len(servers) >= 2
     advertised = set()
+    otlp_ports: set[tuple[int, ...]] = set()
     for command in servers:
         assert command[0] == "infermesh-model-server"
         args = model_server_parser().parse_args(list(command[1:]))
         assert args.model_repository == Path("models")
         advertised.add(args.advertise_address)
         assert f"{args.host}:{args.port}" == args.advertise_address
+        otlp_ports.add(tuple(int(e.rpartition(":")[2]) for e in args.otlp_endpoint))
     assert advertised == endpoints  # the control plane polls exactly the servers compose runs
-    plane = control_plane_parser().parse_args(list(commands["control-plane"][1:]))
-    assert (plane.xds_port, plane.admin_port, plane.listener_port) == (18000, 19000, 8080)
-    assert (ROOT / plane.topology).is_file()
+    planes = [
+        control_plane_parser().parse_args(list(c[1:]))
+        for name, c in commands.items()
+        if name.startswith("control-plane")
+    ]
+    assert [(p.xds_port, p.admin_port, p.listener_port, p.otlp_port) for p in planes] == [
+        (18000, 19000, 8080, 14317),
+        (18001, 19001, 8080, 14318),
+    ]
+    assert all((ROOT / plane.topology).is_file() for plane in planes)
+    # Every server reports to every replica, and Envoy follows (and reports to) either one.
+    assert otlp_ports == {(14317, 14318)}
     envoy = commands["envoy"]
-    assert envoy[envoy.index("--xds-port") + 1] == "18000"
+    assert envoy[envoy.index("--xds-port") + 1] == "18000,18001"
+    assert envoy[envoy.index("--otlp-port") + 1] == "14317,14318"
 
 
 def test_dependency_order_and_stop_grace() -> None:
     loaded = load_services(ROOT / "compose.yaml", env={"INFERMESH_ENVOY_PORT": "18080"})
     order = [s.name for s in loaded]
-    assert order.index("envoy") > order.index("control-plane") > order.index("model-server-2")
+    for name in ("control-plane-1", "control-plane-2"):
+        assert order.index("envoy") > order.index(name) > order.index("model-server-3")
     for service in loaded:
         if service.name.startswith("model-server"):
             args = model_server_parser().parse_args(list(service.command[1:]))
             assert service.stop_grace_s > args.drain_delay + args.drain_timeout
-    plane = next(s for s in loaded if s.name == "control-plane")
-    assert plane.command[plane.command.index("--listener-port") + 1] == "18080"
+    for plane in (s for s in loaded if s.name.startswith("control-plane")):
+        assert plane.command[plane.command.index("--listener-port") + 1] == "18080"
 
 
-def test_dockerfile_runs_as_non_root_and_uses_the_install_script() -> None:
+def test_compose_files_follow_the_compose_specification(tmp_path: Path) -> None:
+    """compose.yaml and compose.gpu.yaml against the Compose specification's JSON schema (the
+    copy check-jsonschema vendors); a broken file is refused, so the check can fail."""
+    files = [ROOT / "compose.yaml", ROOT / "compose.gpu.yaml"]
+    assert check_compose(*files).returncode == 0, check_compose(*files).stdout
+    broken = tmp_path / "compose.yaml"
+    broken.write_text(
+        (ROOT / "compose.yaml").read_text().replace("stop_grace_period:", "stop_grace:", 1)
+    )
+    refused = check_compose(broken)
+    assert refused.returncode == 1 and "stop_grace" in refused.stdout, refused.stdout
+
+
+def check_compose(*paths: Path) -> subprocess.CompletedProcess[str]:
+    command = [str(Path(sys.executable).parent / "check-jsonschema"),
+               "--builtin-schema", "vendor.compose-spec", *map(str, paths)]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_gpu_override_reserves_a_gpu_for_every_model_server() -> None:
+    base = interpolate(yaml.safe_load((ROOT / "compose.yaml").read_text())["services"], {})
+    gpu = interpolate(yaml.safe_load((ROOT / "compose.gpu.yaml").read_text())["services"], {})
+    servers = {name for name in base if name.startswith("model-server")}
+    assert set(gpu) == servers
+    for name, service in gpu.items():
+        devices = service["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["capabilities"] == ["gpu"]
+        assert service["build"]["args"] == {"VARIANT": "gpu"}
+        args = model_server_parser().parse_args(service["command"][1:])
+        assert args.device == "cuda"
+        # Only the device differs from the CPU service's command line.
+        cpu = model_server_parser().parse_args(base[name]["command"][1:])
+        assert vars(args) == {**vars(cpu), "device": "cuda"}
+
+
+def test_dockerfile_is_multi_stage_non_root_with_a_gpu_variant() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "tools/install.sh" in dockerfile
-    assert "\nUSER infermesh" in dockerfile
+    assert len(re.findall(r"^FROM ", dockerfile, re.M)) == 2  # build, then a slim runtime
+    assert "COPY --from=build /opt/infermesh /opt/infermesh" in dockerfile
+    assert re.search(r"^USER 10001$", dockerfile, re.M)  # numeric: runAsNonRoot can verify
+    assert "ARG VARIANT=cpu" in dockerfile and 'gpu) extra="[cuda,cudnn]"' in dockerfile

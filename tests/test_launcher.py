@@ -38,7 +38,8 @@ def test_up_runs_the_compose_mesh_and_stops_it_in_order(demo_repo: Path, tmp_pat
         mesh.start()
         started = list(mesh.pids().items())
         assert [name for name, _ in started] == [
-            "model-server-1", "model-server-2", "control-plane", "envoy", "prometheus",
+            "model-server-1", "model-server-2", "model-server-3", "control-plane-1",
+            "control-plane-2", "envoy", "prometheus",
         ]  # fmt: skip
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{mesh.envoy_port}")
         tensor = grpcclient.InferInput("input", [1, 3, 32, 32], "FP32")
@@ -49,7 +50,8 @@ def test_up_runs_the_compose_mesh_and_stops_it_in_order(demo_repo: Path, tmp_pat
         assert "routing classifier: version split none" in status, status
         assert mesh.stop() == 0
         stopped = re.findall(r"infermesh: (\S+) stopped \(exit (\S+)\)", mesh.log.read_text())
-        order = ["prometheus", "envoy", "control-plane", "model-server-2", "model-server-1"]
+        order = ["prometheus", "envoy", "control-plane-2", "control-plane-1", "model-server-3",
+                 "model-server-2", "model-server-1"]  # fmt: skip
         assert stopped == [(name, "0") for name in order]
         for _, pid in started:
             assert not Path(f"/proc/{pid}").exists() or _zombie(pid)

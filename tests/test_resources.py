@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import subprocess
@@ -556,3 +557,42 @@ def test_bootstrap_with_otlp_sends_envoy_stats_to_the_control_plane(tmp_path: Pa
     command = [envoy_binary(), "--mode", "validate", "-c", str(path), "-l", "warning"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_bootstrap_for_two_control_plane_replicas(tmp_path: Path) -> None:
+    """One ADS cluster with an endpoint per replica (a broken stream moves to the other), and a
+    stat sink per replica (whichever Envoy follows has seen its stats). Envoy accepts it."""
+    options = {**DEFAULT_BOOTSTRAP, "xds_port": [18000, 18001], "admin_port": free_port()}
+    config = bootstrap.render_bootstrap(**options, delta=False, otlp_port=[14317, 14318])
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    assert set(clusters) == {"xds_cluster", "otlp_cluster", "otlp_cluster_2"}
+    xds = clusters["xds_cluster"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert [e["endpoint"]["address"]["socket_address"]["port_value"] for e in xds] == [18000, 18001]
+    sinks = [s["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
+             for s in config["stats_sinks"]]  # fmt: skip
+    assert sinks == ["otlp_cluster", "otlp_cluster_2"]
+    path = bootstrap.write_bootstrap(tmp_path / "b.yaml", **options, delta=False, otlp_port=[1, 2])
+    command = [envoy_binary(), "--mode", "validate", "-c", str(path), "-l", "warning"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("host", "kind"), [("127.0.0.1", "STATIC"), ("::1", "STATIC"), ("infermesh-xds", "STRICT_DNS")]
+)
+def test_xds_cluster_resolves_names(host: str, kind: str) -> None:
+    assert bootstrap.xds_cluster(host, [18000])["type"] == kind
+
+
+@pytest.mark.parametrize(
+    ("text", "ports"),
+    [("18000", [18000]), ("18000,18001", [18000, 18001]), (" 1 , 2 ", [1, 2]), ("1,", [1])],
+)
+def test_port_lists(text: str, ports: list[int]) -> None:
+    assert bootstrap.port_list(text) == ports
+
+
+@pytest.mark.parametrize("text", ["", ",", "x", "0", "70000", "1,2,x"])
+def test_bad_port_lists_are_refused(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        bootstrap.port_list(text)

@@ -9,6 +9,7 @@ does not exit in time.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -22,7 +23,8 @@ from typing import Any
 from tests.envoy_support import free_port
 from tests.support import ROOT, wait_for
 
-PORTS = ("8001", "8002")  # model servers, in compose.yaml and deploy/topology.yaml
+PORTS = ("8001", "8002", "8003")  # model servers, in compose.yaml and deploy/topology.yaml
+PLANES = ("control-plane-1", "control-plane-2")
 STARTED = re.compile(r"infermesh: (\S+) started \(pid (\d+)")
 
 
@@ -45,14 +47,34 @@ class ComposeMesh:
 
     @property
     def admin(self) -> str:
-        return f"127.0.0.1:{self.env['INFERMESH_ADMIN_PORT']}"
+        """control-plane-1's admin HOST:PORT."""
+        return self.admins["control-plane-1"]
+
+    @property
+    def admins(self) -> dict[str, str]:
+        """Each control-plane replica's admin HOST:PORT."""
+        ports = (self.env["INFERMESH_ADMIN_PORT"], self.env["INFERMESH_ADMIN2_PORT"])
+        return {name: f"127.0.0.1:{port}" for name, port in zip(PLANES, ports, strict=True)}
+
+    def followed_plane(self) -> str | None:
+        """The replica whose ADS stream Envoy holds now (None: neither)."""
+        for name, admin in self.admins.items():
+            try:
+                with urllib.request.urlopen(f"http://{admin}/status", timeout=5) as response:
+                    nodes = json.loads(response.read())["nodes"]
+            except OSError:
+                continue
+            if any(node["connected"] for node in nodes):
+                return name
+        return None
 
     def start(self, timeout: float = 120) -> ComposeMesh:
         compose = (ROOT / "compose.yaml").read_text()
         topology = (ROOT / "deploy" / "topology.yaml").read_text()
         for index, old in enumerate(PORTS, start=1):
             new = str(free_port())
-            compose, topology = compose.replace(old, new), topology.replace(old, new)
+            port = re.compile(rf"(?<!\d){old}(?!\d)")  # not the 8001 inside 18001
+            compose, topology = port.sub(new, compose), port.sub(new, topology)
             self.server_ports[f"model-server-{index}"] = int(new)
         if self.server_flags:
             extra = "".join(f', "{flag}"' for flag in self.server_flags)
@@ -62,7 +84,8 @@ class ComposeMesh:
         (self.workdir / "compose.yaml").write_text(compose)
         (self.workdir / "models").symlink_to(self.models)
         (self.workdir / "otel").symlink_to(ROOT / "otel")
-        names = ("ENVOY", "ENVOY_ADMIN", "XDS", "ADMIN", "OTLP", "PROMETHEUS")
+        names = ("ENVOY", "ENVOY_ADMIN", "XDS", "ADMIN", "OTLP", "XDS2", "ADMIN2", "OTLP2",
+                 "PROMETHEUS")  # fmt: skip
         self.env = {
             **os.environ,
             **{f"INFERMESH_{name}_PORT": str(free_port()) for name in names},

@@ -20,7 +20,7 @@ from tests.scenarios.harness import ComposeMesh
 from tests.support import Traffic, classifier_request, wait_for
 
 pytestmark = pytest.mark.integration
-SERVERS = ("model-server-1", "model-server-2")
+SERVERS = ("model-server-1", "model-server-2", "model-server-3")
 
 
 @pytest.fixture
