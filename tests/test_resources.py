@@ -596,3 +596,12 @@ def test_port_lists(text: str, ports: list[int]) -> None:
 def test_bad_port_lists_are_refused(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
         bootstrap.port_list(text)
+
+
+def test_envoy_runs_without_hot_restart_unless_asked() -> None:
+    """Two meshes on one host (a `make run` beside the tests) each start their Envoy."""
+    plain = bootstrap.envoy_command(Path("b.yaml"), ["--concurrency", "1"])
+    assert plain[1:3] == ["-c", "b.yaml"] and "--disable-hot-restart" in plain
+    assert plain[-2:] == ["--concurrency", "1"]
+    asked = bootstrap.envoy_command(Path("b.yaml"), ["--base-id", "7"])
+    assert "--disable-hot-restart" not in asked
