@@ -35,6 +35,12 @@ class Faults:
     latency_ms: float = 0.0
     error_rate: float = 0.0
     ballast_bytes: int = 0
+    # Latency and errors only for requests served by this model version ("": every request);
+    # a bad canary is one version failing, not the whole server.
+    version: str = ""
+
+    def applies_to(self, version: int) -> bool:
+        return not self.version or self.version == str(version)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -47,11 +53,22 @@ def _number(body: dict[str, Any], key: str) -> float:
     return float(value)
 
 
+def _version(value: object) -> str:
+    """A model version number (2 or "2"), or "" / null for every version."""
+    if value is None or value == "":
+        return ""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return str(value)
+    if isinstance(value, str) and value.isdigit() and int(value) >= 1:
+        return str(int(value))
+    raise FaultError(f"version: expected a model version like 2, or null for all, got {value!r}")
+
+
 def parse_faults(body: object, current: Faults) -> Faults:
     """The faults after applying ``body`` (any subset of the fields) to ``current``."""
     if not isinstance(body, dict):
         raise FaultError("body: expected a JSON object")
-    known = {"latency_ms", "error_rate", "ballast_bytes", "reset"}
+    known = {"latency_ms", "error_rate", "ballast_bytes", "version", "reset"}
     unknown = sorted(set(body) - known)
     if unknown:
         raise FaultError(f"{unknown[0]}: unknown field (expected one of {sorted(known)})")
@@ -75,6 +92,8 @@ def parse_faults(body: object, current: Faults) -> Faults:
         if isinstance(ballast, bool) or not isinstance(ballast, int) or ballast < 0:
             raise FaultError(f"ballast_bytes: expected an integer >= 0, got {ballast!r}")
         changes["ballast_bytes"] = ballast
+    if "version" in body:
+        changes["version"] = _version(body["version"])
     return dataclasses.replace(base, **changes)
 
 
@@ -111,9 +130,12 @@ class FaultInjector:
                 time.sleep(0)
             self._ballast = ballast
 
-    async def before_execute(self) -> None:
-        """Applies the latency and error faults to one request (on the event loop)."""
+    async def before_execute(self, version: int) -> None:
+        """Applies the latency and error faults to one request that ``version`` of its model
+        serves (on the event loop)."""
         faults = self.current
+        if not faults.applies_to(version):
+            return
         if faults.latency_ms > 0:
             await asyncio.sleep(faults.latency_ms / 1000.0)
         if faults.error_rate > 0 and random.random() < faults.error_rate:

@@ -303,7 +303,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                     span.set_attribute("infermesh.batch_size", decoded.batch)
                 self.metrics.batch_size.labels(version.name).observe(decoded.batch)
                 if self.faults.enabled:
-                    await self.faults.before_execute()
+                    await self.faults.before_execute(version.version)
                 arrays = await version.execute(
                     decoded.feeds, decoded.outputs, decoded.batch, priority, timeout_s,
                     received_at=started / 1e9,

@@ -21,7 +21,7 @@ import yaml
 from control_plane.bootstrap import render_bootstrap
 from control_plane.server import ControlPlane, ControlPlaneSettings
 from tests.envoy_support import Envoy, free_port, start_envoy
-from tests.support import wait_for
+from tests.support import post_json, wait_for
 
 T = TypeVar("T")
 
@@ -51,14 +51,7 @@ class ControlPlaneThread:
         return json.loads(body) if path != "/metrics" else body
 
     def admin_post(self, path: str, body: dict[str, Any]) -> Any:
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.plane.admin_port}{path}",
-            data=json.dumps(body).encode(),
-            method="POST",
-            headers={"content-type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=5) as response:
-            return json.loads(response.read().decode())
+        return post_json(f"http://127.0.0.1:{self.plane.admin_port}{path}", body, timeout=5)
 
     def stop(self) -> None:
         try:

@@ -196,6 +196,10 @@ class Traffic:
         self.ok = 0
         self.versions: dict[str, int] = {}
         self.errors: list[tuple[grpc.StatusCode, str]] = []
+        # When each outcome came (time.monotonic()): OK ones with their latency in seconds,
+        # failures in the order of ``errors``.
+        self.latencies: list[tuple[float, float]] = []
+        self.failed_at: list[float] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -226,28 +230,38 @@ class Traffic:
         with grpc.insecure_channel(self.url) as channel:
             stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
             while not self._stop.is_set() and time.monotonic() < ends:
+                sent = time.monotonic()
                 try:
                     response = stub.ModelInfer(request, timeout=10)
                 except grpc.RpcError as error:
                     with self._lock:
                         self.errors.append((error.code(), error.details() or ""))
+                        self.failed_at.append(time.monotonic())
                     if error.code() == grpc.StatusCode.UNAVAILABLE:
                         if self.leave_when_draining and "draining" in (error.details() or ""):
                             return
                         time.sleep(0.01)  # a refusing server: do not spin
                     continue
+                done = time.monotonic()
                 with self._lock:
                     self.ok += 1
+                    self.latencies.append((done, done - sent))
                     key = response.model_version
                     self.versions[key] = self.versions.get(key, 0) + 1
 
 
-def post_faults(server: ServerProcess, body: dict[str, Any]) -> None:
-    """Sets a model server's injected faults (it must run with --enable-fault-injection)."""
+def post_json(url: str, body: dict[str, Any], timeout: float = 10) -> Any:
+    """POSTs ``body`` as JSON; the JSON answer (an HTTP error status raises)."""
     request = urllib.request.Request(
-        f"http://127.0.0.1:{server.metrics_port}/faults",
+        url,
         data=json.dumps(body).encode(),
         method="POST",
         headers={"content-type": "application/json"},
     )
-    urllib.request.urlopen(request, timeout=5).read()
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read().decode())
+
+
+def post_faults(server: ServerProcess, body: dict[str, Any]) -> None:
+    """Sets a model server's injected faults (it must run with --enable-fault-injection)."""
+    post_json(f"http://127.0.0.1:{server.metrics_port}/faults", body, timeout=5)

@@ -13,6 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
+from model_server.faults import FaultError, Faults, parse_faults
 from tests.support import (
     ServerProcess,
     classifier_request,
@@ -24,7 +25,7 @@ from tests.support import (
 pytestmark = pytest.mark.integration
 
 MiB = 1024 * 1024
-NO_FAULTS = {"latency_ms": 0.0, "error_rate": 0.0, "ballast_bytes": 0}
+NO_FAULTS = {"latency_ms": 0.0, "error_rate": 0.0, "ballast_bytes": 0, "version": ""}
 IMAGES = np.zeros((1, 3, 32, 32), dtype=np.float32)
 
 
@@ -61,10 +62,10 @@ def post(server: ServerProcess, faults: dict[str, object]) -> dict[str, object]:
     return dict(json.loads(text))
 
 
-def timed_infer(server: ServerProcess) -> float:
+def timed_infer(server: ServerProcess, version: str = "") -> float:
     stub = server.stub()
     started = time.monotonic()
-    stub.ModelInfer(classifier_request(IMAGES), timeout=30)
+    stub.ModelInfer(classifier_request(IMAGES, version=version), timeout=30)
     return time.monotonic() - started
 
 
@@ -123,6 +124,7 @@ def test_subsets_and_reset(server: ServerProcess) -> None:
         "latency_ms": 5.0,
         "error_rate": 0.25,
         "ballast_bytes": 0,
+        "version": "",
     }
     assert post(server, {})["latency_ms"] == 5.0
     assert post(server, {"reset": True}) == NO_FAULTS
@@ -136,6 +138,8 @@ def test_subsets_and_reset(server: ServerProcess) -> None:
         (b'{"error_rate": 1.5}', "error_rate"),
         (b'{"ballast_bytes": 1.5}', "ballast_bytes"),
         (b'{"ballast_bytes": -4}', "ballast_bytes"),
+        (b'{"version": 0}', "version"),
+        (b'{"version": "v2"}', "version"),
         (b'{"typo": 1}', "typo"),
         (b"{not json", "JSON"),
         (b"[1]", "object"),
@@ -149,6 +153,34 @@ def test_bad_values_are_400_naming_the_field(
     assert field in json.loads(text)["error"]
     _, current = http(server, "GET", "/faults")
     assert json.loads(current) == NO_FAULTS
+
+
+def test_version_scoped_faults_touch_only_that_version(server: ServerProcess) -> None:
+    assert post(server, {"error_rate": 1.0, "latency_ms": 300, "version": 2})["version"] == "2"
+    with pytest.raises(grpc.RpcError) as info:
+        timed_infer(server, version="2")
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert timed_infer(server, version="1") < 0.25  # v1: neither the errors nor the latency
+    assert post(server, {"version": None})["version"] == ""  # every version again
+    with pytest.raises(grpc.RpcError):
+        timed_infer(server, version="1")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(2, "2"), ("2", "2"), ("02", "2"), ("", ""), (None, "")]
+)
+def test_version_field_accepts_numbers_and_clears_with_null(value: object, expected: str) -> None:
+    faults = parse_faults({"version": value}, Faults(version="7"))
+    assert faults.version == expected
+    assert faults.applies_to(2) is (expected in ("", "2"))
+    assert faults.applies_to(1) is (expected == "")
+    assert parse_faults({"reset": True}, faults).version == ""
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 1.5, "v2", "-2", "0", [2]])
+def test_bad_versions_are_refused_naming_the_field(value: object) -> None:
+    with pytest.raises(FaultError, match=r"^version: expected a model version"):
+        parse_faults({"version": value}, Faults())
 
 
 def test_faults_are_404_without_the_flag(demo_repo: Path, tmp_path: Path) -> None:

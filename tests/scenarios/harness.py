@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -20,8 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.envoy_support import free_port
-from tests.support import ROOT, wait_for
+from tests.support import ROOT, post_json, wait_for
 
 PORTS = ("8001", "8002", "8003")  # model servers, in compose.yaml and deploy/topology.yaml
 PLANES = ("control-plane-1", "control-plane-2")
@@ -71,8 +71,11 @@ class ComposeMesh:
     def start(self, timeout: float = 120) -> ComposeMesh:
         compose = (ROOT / "compose.yaml").read_text()
         topology = (ROOT / "deploy" / "topology.yaml").read_text()
+        names = ("ENVOY", "ENVOY_ADMIN", "XDS", "ADMIN", "OTLP", "XDS2", "ADMIN2", "OTLP2",
+                 "PROMETHEUS")  # fmt: skip
+        ports = distinct_free_ports(len(PORTS) + len(names))
         for index, old in enumerate(PORTS, start=1):
-            new = str(free_port())
+            new = str(ports.pop())
             port = re.compile(rf"(?<!\d){old}(?!\d)")  # not the 8001 inside 18001
             compose, topology = port.sub(new, compose), port.sub(new, topology)
             self.server_ports[f"model-server-{index}"] = int(new)
@@ -84,11 +87,9 @@ class ComposeMesh:
         (self.workdir / "compose.yaml").write_text(compose)
         (self.workdir / "models").symlink_to(self.models)
         (self.workdir / "otel").symlink_to(ROOT / "otel")
-        names = ("ENVOY", "ENVOY_ADMIN", "XDS", "ADMIN", "OTLP", "XDS2", "ADMIN2", "OTLP2",
-                 "PROMETHEUS")  # fmt: skip
         self.env = {
             **os.environ,
-            **{f"INFERMESH_{name}_PORT": str(free_port()) for name in names},
+            **{f"INFERMESH_{name}_PORT": str(ports.pop()) for name in names},
         }
         command = [
             sys.executable, "-m", "infermesh.cli", "up",
@@ -122,6 +123,38 @@ class ComposeMesh:
             for line in text.splitlines()
             if line.startswith(f"{cluster}::") and line.endswith("::health_flags::healthy")
         )
+
+    def envoy_hosts(self, cluster: str = "model:classifier") -> dict[str, dict[str, Any]]:
+        """Per model-server host, across Envoy's clusters of ``cluster`` (the model's and its
+        versions'): requests sent there (``rq_total``) and whether any of those clusters would
+        route to it now (``healthy``). Empty when Envoy's admin does not answer."""
+        url = f"http://127.0.0.1:{self.env['INFERMESH_ENVOY_ADMIN_PORT']}/clusters"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                text = response.read().decode()
+        except OSError:
+            return {}
+        hosts: dict[str, dict[str, Any]] = {}
+        for line in text.splitlines():
+            parts = line.split("::")
+            if len(parts) != 4 or not (parts[0] == cluster or parts[0].startswith(f"{cluster}:")):
+                continue
+            _, address, stat, value = parts
+            seen = hosts.setdefault(address, {"rq_total": 0, "healthy": False})
+            if stat == "rq_total":
+                seen["rq_total"] += int(value)
+            elif stat == "health_flags" and value == "healthy":
+                seen["healthy"] = True
+        return hosts
+
+    def admin_get(self, path: str) -> Any:
+        """GET ``path`` from control-plane-1's admin API, as JSON."""
+        with urllib.request.urlopen(f"http://{self.admin}{path}", timeout=10) as response:
+            return json.loads(response.read())
+
+    def post_faults(self, server: str, body: dict[str, object]) -> None:
+        """POST /faults to a model server (needs --enable-fault-injection)."""
+        post_json(f"http://127.0.0.1:{self.metrics_port(server)}/faults", body, timeout=30)
 
     def metrics_port(self, server: str) -> int:
         """A model server's metrics (and /faults) port: its gRPC port + 1000, the default."""
@@ -158,3 +191,16 @@ class ComposeMesh:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def distinct_free_ports(count: int) -> list[int]:
+    """``count`` different free loopback ports: every socket stays bound until all are chosen
+    (one free_port() after another can return the same port twice)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()

@@ -92,12 +92,12 @@ def test_memory_pressure_ejects_a_server_before_it_runs_out(
         wait_for(lambda: mesh.envoy_healthy() == servers, 30, "every server routed")
         with Traffic(f"127.0.0.1:{mesh.envoy_port}", clients=4, deadline_s=120) as traffic:
             traffic.wait_ok(100)
-            post_faults_to(mesh.metrics_port("model-server-2"), {"ballast_bytes": 560 * MiB})
+            mesh.post_faults("model-server-2", {"ballast_bytes": 560 * MiB})
             pressed = time.monotonic()
             wait_for(lambda: mesh.envoy_healthy() == servers - 1, 20, "the server's ejection")
             ejected_after = time.monotonic() - pressed
             traffic.wait_ok(100)
-            post_faults_to(mesh.metrics_port("model-server-2"), {"ballast_bytes": 0})
+            mesh.post_faults("model-server-2", {"ballast_bytes": 0})
             wait_for(lambda: mesh.envoy_healthy() == servers, 60, "the server back in rotation")
             traffic.wait_ok(100)
         with urllib.request.urlopen(f"http://{mesh.admin}/decisions", timeout=10) as response:
@@ -110,12 +110,3 @@ def test_memory_pressure_ejects_a_server_before_it_runs_out(
     assert any(d.startswith(f"{address} ejected") and "memory" in d for d in decisions), decisions
     assert any(d.startswith(f"{address} returned") for d in decisions), decisions
     assert not traffic.errors, traffic.errors[:5]
-
-
-def post_faults_to(port: int, body: dict[str, object]) -> None:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/faults", data=json.dumps(body).encode(), method="POST",
-        headers={"content-type": "application/json"},
-    )  # fmt: skip
-    with urllib.request.urlopen(request, timeout=30) as response:
-        assert response.status == 200
