@@ -98,14 +98,15 @@ def render_bootstrap(
     xds_port: int | Sequence[int],
     admin_port: int,
     delta: bool,
-    otlp_port: int | Sequence[int] | None = None,
+    otlp_port: int | Sequence[int | str] | None = None,
 ) -> dict[str, Any]:
     """The bootstrap as plain data (Envoy reads it as YAML or JSON).
 
     Several ``xds_port``s are control-plane replicas: one cluster with an endpoint each, so a
     broken ADS stream reconnects to the next replica. With ``otlp_port``(s), Envoy's own stats
-    go to each replica's OTLP receiver (on the xDS host) every second, one stat sink per
-    replica, so whichever replica Envoy follows has seen its stats.
+    go to each replica's OTLP receiver every second, one stat sink per replica, so whichever
+    replica Envoy follows has seen its stats: a port is on the xDS host, a "HOST:PORT" names
+    its own host (a StatefulSet pod's DNS name in Kubernetes).
     """
     config: dict[str, Any] = {
         "node": {"id": node_id, "cluster": node_cluster},
@@ -122,7 +123,11 @@ def render_bootstrap(
             "lds_config": ads_config_source(),
             "cds_config": ads_config_source(),
         },
-        "static_resources": {"clusters": [xds_cluster(xds_host, _ports(xds_port))]},
+        "static_resources": {
+            "clusters": [
+                xds_cluster(xds_host, [xds_port] if isinstance(xds_port, int) else xds_port)
+            ]
+        },
         "overload_manager": {
             "refresh_interval": "0.25s",
             "resource_monitors": [
@@ -151,27 +156,64 @@ def render_bootstrap(
         },
     }
     if otlp_port is not None:
+        targets = [_target(xds_host, item) for item in _ports(otlp_port)]
         names = [OTLP_CLUSTER if i == 0 else f"{OTLP_CLUSTER}_{i + 1}"
-                 for i in range(len(_ports(otlp_port)))]  # fmt: skip
-        for name, port in zip(names, _ports(otlp_port), strict=True):
-            config["static_resources"]["clusters"].append(xds_cluster(xds_host, [port], name))
+                 for i in range(len(targets))]  # fmt: skip
+        for name, (host, port) in zip(names, targets, strict=True):
+            config["static_resources"]["clusters"].append(xds_cluster(host, [port], name))
         config.update(stats_sink(names))
     return config
 
 
-def _ports(ports: int | Sequence[int]) -> list[int]:
+def _ports(ports: int | Sequence[int | str]) -> list[int | str]:
     return [ports] if isinstance(ports, int) else list(ports)
+
+
+def _target(default_host: str, item: int | str) -> tuple[str, int]:
+    if isinstance(item, int):
+        return default_host, item
+    host, _, port = item.rpartition(":")
+    return host, int(port)
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 < port < 65536:
+        raise ValueError(text)
+    return port
 
 
 def port_list(text: str) -> list[int]:
     """``18000`` or ``18000,18001`` (one port per control-plane replica)."""
     try:
-        ports = [int(part) for part in text.split(",") if part.strip()]
+        ports = [_port(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not PORT[,PORT...]") from None
-    if not ports or not all(0 < port < 65536 for port in ports):
-        raise argparse.ArgumentTypeError(f"{text!r}: ports must be between 1 and 65535")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not PORT[,PORT...] with ports between 1 and 65535"
+        ) from None
+    if not ports:
+        raise argparse.ArgumentTypeError(f"{text!r} names no port")
     return ports
+
+
+def target_list(text: str) -> list[int | str]:
+    """Like ``port_list``, and an item may be HOST:PORT (a replica on a host of its own)."""
+    targets: list[int | str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        host, sep, port = part.rpartition(":")
+        if sep and not host:
+            raise argparse.ArgumentTypeError(f"{part!r} is not PORT or HOST:PORT")
+        try:
+            targets.append(f"{host}:{_port(port)}" if sep else _port(port))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is not PORT or HOST:PORT with a port between 1 and 65535"
+            ) from None
+    if not targets:
+        raise argparse.ArgumentTypeError(f"{text!r} names no port")
+    return targets
 
 
 def heap_action(name: str, threshold: float) -> dict[str, Any]:
@@ -232,9 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delta", action="store_true", help="incremental (delta) xDS")
     parser.add_argument(
         "--otlp-port",
-        type=port_list,
+        type=target_list,
         default=None,
-        help="send Envoy's stats to this OTLP port (PORT,PORT: to each replica)",
+        help="send Envoy's stats to this OTLP port on the xDS host, or to each of several "
+        "(PORT,PORT or HOST:PORT,HOST:PORT: one per replica)",
     )
     parser.add_argument(
         "--run", action="store_true", help="exec Envoy on the bootstrap (a temporary file)"

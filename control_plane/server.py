@@ -2,7 +2,8 @@
 
 One place changes what Envoy is told, ``ControlPlane.rebuild``: it is called when the placement
 poller sees a model become READY (or go) somewhere, when the topology file changes (or SIGHUP),
-when DNS answers change, and when an operator overrides an endpoint's weight or health.
+when DNS answers or a watched Kubernetes Service's EndpointSlices change, and when an operator
+overrides an endpoint's weight or health.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc
 from control_plane.admin import AdminServer
 from control_plane.ads import AdsServicer
 from control_plane.canary_runs import CanaryRuns
+from control_plane.endpointslices import EndpointSlices
 from control_plane.envoy_stats import EnvoyStats
 from control_plane.fallback import Fallbacks
 from control_plane.mesh import EndpointAddress, EndpointHealth, MeshState
@@ -78,7 +80,9 @@ class ControlPlane:
         self.metrics = ControlPlaneMetrics()
         self.cache = SnapshotCache()
         self.nodes = NodeRegistry()
-        self.resolver = EndpointResolver()
+        self.slices_changed = asyncio.Event()
+        self.slices = EndpointSlices(self.slices_changed.set)
+        self.resolver = EndpointResolver(watched=self.slices.addresses)
         options = self.topology.telemetry
         self.telemetry = TelemetryStore(
             options.window_s, options.stale_after_intervals, options.forget_after_s
@@ -111,6 +115,7 @@ class ControlPlane:
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         t = self.topology
+        await self.slices.sync(t.endpoints)  # waits (bounded) for the first LIST of each
         self.endpoints = await self.resolver.resolve(t.endpoints)
         self.grpc_server = grpc.aio.server(
             options=[("grpc.keepalive_time_ms", 30_000), ("grpc.so_reuseport", 0)]
@@ -152,6 +157,7 @@ class ControlPlane:
         if self.settings.routing:
             self._spawn(self._route_by_telemetry())
         self._spawn(self._refresh_dns())
+        self._spawn(self._follow_slices())
         self._spawn(self._judge_canaries())
         self._spawn(self._watch_circuits())
         log.info(
@@ -165,6 +171,7 @@ class ControlPlane:
         await self.poller.stop()
         for task in list(self._tasks):
             task.cancel()
+        await self.slices.stop()
         if self.admin is not None:
             self.admin.stop()
         if self.grpc_server is not None:
@@ -278,6 +285,7 @@ class ControlPlane:
             reason, len(topology.models), len(topology.endpoints),
         )  # fmt: skip
         self.poller.interval_s = topology.placement.poll_interval_s
+        await self.slices.sync(topology.endpoints)
         self.endpoints = await self.resolver.resolve(topology.endpoints)
         await self.poller.poll_once()
         self.rebuild(f"topology reloaded ({reason})")
@@ -293,12 +301,22 @@ class ControlPlane:
     async def _refresh_dns(self) -> None:
         while True:
             await asyncio.sleep(DNS_REFRESH_INTERVAL_S)
-            endpoints = await self.resolver.resolve(self.topology.endpoints)
-            if endpoints != self.endpoints:
-                log.info("endpoints changed: %s", [e.key for e in endpoints])
-                self.endpoints = endpoints
-                await self.poller.poll_once()
-                self.rebuild("DNS answers changed")
+            await self._refresh_endpoints("DNS answers changed")
+
+    async def _follow_slices(self) -> None:
+        """A watched Service's ready pods changed: at once, not at the next DNS refresh."""
+        while True:
+            await self.slices_changed.wait()
+            self.slices_changed.clear()  # changes during the refresh set it again
+            await self._refresh_endpoints("EndpointSlices changed")
+
+    async def _refresh_endpoints(self, reason: str) -> None:
+        endpoints = await self.resolver.resolve(self.topology.endpoints)
+        if endpoints != self.endpoints:
+            log.info("endpoints changed (%s): %s", reason, [e.key for e in endpoints])
+            self.endpoints = endpoints
+            await self.poller.poll_once()
+            self.rebuild(reason)
 
     # -- admin --------------------------------------------------------------------------------
     def effective_topology(self) -> Topology:

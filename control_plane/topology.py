@@ -47,6 +47,9 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
     endpoints:                      # optional, default none; each item has exactly one key
       - address: 127.0.0.1:8001     # a static IP:port ([::1]:8001 for IPv6); unique
       - dns: model-servers.local:8001   # a name re-resolved to all its A/AAAA records
+      - kubernetes: {service: infermesh-model-server, namespace: infermesh, port: grpc}
+                                    # a Service's ready pods, watched through its EndpointSlices
+                                    # (control_plane.endpointslices); namespace: the pod's own
 
 Unknown keys, duplicate keys, duplicate model names and duplicate endpoints are errors.
 Versions are decimal numbers ("1" or 1). Static addresses must be IP literals (Envoy does not
@@ -64,7 +67,7 @@ import logging
 import math
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +75,7 @@ from typing import Any
 import yaml
 
 from control_plane.canary import CanaryPolicy, parse_policy
+from control_plane.endpointslices import KubernetesEndpoint, parse_source
 from control_plane.mesh import (
     CircuitBreaker,
     EndpointAddress,
@@ -133,7 +137,7 @@ class DnsEndpoint:
         return f"{self.name}:{self.port}"
 
 
-EndpointSource = StaticEndpoint | DnsEndpoint
+EndpointSource = StaticEndpoint | DnsEndpoint | KubernetesEndpoint
 
 
 @dataclass(frozen=True)
@@ -372,26 +376,34 @@ def _policy(
     return dataclasses.replace(default, score_weights=weights, **options)
 
 
+_ENDPOINT_KINDS = ("address", "dns", "kubernetes")
+
+
 def _endpoints(c: Checker, value: object) -> tuple[EndpointSource, ...]:
     result: dict[EndpointSource, int] = {}
     for index, item in enumerate(c.sequence(value, "endpoints") or []):
         path = f"endpoints[{index}]"
         if (m := c.mapping(item, path)) is None:
             continue
-        c.keys(m, path, ("address", "dns"))
-        kinds = [k for k in ("address", "dns") if k in m]
+        c.keys(m, path, _ENDPOINT_KINDS)
+        kinds = [k for k in _ENDPOINT_KINDS if k in m]
         if len(kinds) != 1:
             if len(kinds) == len(m):  # else the unknown keys were reported
-                c.errors.append(f"{path}: needs exactly one of 'address' or 'dns'")
+                c.errors.append(f"{path}: needs exactly one of 'address', 'dns' or 'kubernetes'")
             continue
         kind = kinds[0]
-        host_port = c.host_port(m[kind], f"{path}.{kind}", ip_only=kind == "address")
-        if host_port is None:
+        source: EndpointSource | None
+        if kind == "kubernetes":
+            source = parse_source(c, m[kind], f"{path}.{kind}")
+        elif (host_port := c.host_port(m[kind], f"{path}.{kind}", kind == "address")) is None:
+            source = None
+        else:
+            source = (
+                StaticEndpoint(EndpointAddress(*host_port)) if kind == "address"
+                else DnsEndpoint(*host_port)
+            )  # fmt: skip
+        if source is None:
             continue
-        source: EndpointSource = (
-            StaticEndpoint(EndpointAddress(*host_port)) if kind == "address"
-            else DnsEndpoint(*host_port)
-        )  # fmt: skip
         if source in result:
             c.errors.append(
                 f"{path}.{kind}: duplicate endpoint {show(source.key)} "
@@ -421,16 +433,28 @@ def topology_fingerprint(path: str | os.PathLike[str]) -> TopologyFingerprint | 
 
 class EndpointResolver:
     """Resolves endpoint sources, skipping (never raising on) names that fail. Logs a name when
-    it starts and stops failing: keep one resolver so a dead name is not logged every poll."""
+    it starts and stops failing: keep one resolver so a dead name is not logged every poll.
+    ``watched`` gives a Kubernetes source's current addresses (``EndpointSlices.addresses``);
+    without it such sources have none."""
 
-    def __init__(self, timeout_s: float = DNS_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        timeout_s: float = DNS_TIMEOUT_S,
+        watched: Callable[[KubernetesEndpoint], Iterable[EndpointAddress]] | None = None,
+    ) -> None:
         self.timeout_s = timeout_s
+        self.watched = watched
         self._failing: set[DnsEndpoint] = set()
 
     async def resolve(self, sources: Iterable[EndpointSource]) -> tuple[EndpointAddress, ...]:
-        """Static addresses as they are, DNS names to all their addresses; unique, sorted."""
+        """Static addresses as they are, DNS names to all their addresses, Kubernetes Services
+        to their ready pods' (as last watched); unique, sorted."""
         sources = tuple(sources)
         found = {s.address for s in sources if isinstance(s, StaticEndpoint)}
+        if self.watched is not None:
+            for s in sources:
+                if isinstance(s, KubernetesEndpoint):
+                    found.update(self.watched(s))
         names = [s for s in sources if isinstance(s, DnsEndpoint)]
         for addresses in await asyncio.gather(*(self._lookup(n) for n in names)):
             found.update(addresses)

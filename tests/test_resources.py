@@ -605,3 +605,25 @@ def test_envoy_runs_without_hot_restart_unless_asked() -> None:
     assert plain[-2:] == ["--concurrency", "1"]
     asked = bootstrap.envoy_command(Path("b.yaml"), ["--base-id", "7"])
     assert "--disable-hot-restart" not in asked
+
+
+def test_stats_go_to_replicas_on_hosts_of_their_own() -> None:
+    """Kubernetes: each control-plane replica by its StatefulSet DNS name."""
+    targets = bootstrap.target_list("cp-0.cp:14317,cp-1.cp:14317")
+    assert targets == ["cp-0.cp:14317", "cp-1.cp:14317"]
+    options = {**DEFAULT_BOOTSTRAP, "xds_host": "cp", "admin_port": 9901}
+    config = bootstrap.render_bootstrap(**options, delta=False, otlp_port=targets)
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    address = clusters["otlp_cluster_2"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+    assert address["endpoint"]["address"]["socket_address"] == {
+        "address": "cp-1.cp",
+        "port_value": 14317,
+    }
+    assert clusters["otlp_cluster_2"]["type"] == clusters["xds_cluster"]["type"] == "STRICT_DNS"
+    assert bootstrap.target_list("14317,127.0.0.2:14318") == [14317, "127.0.0.2:14318"]
+
+
+@pytest.mark.parametrize("text", ["", ":1", "h:", "h:0", "h:x", "a:1,,:2"])
+def test_bad_stat_targets_are_refused(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        bootstrap.target_list(text)

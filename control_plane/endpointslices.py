@@ -1,0 +1,447 @@
+"""Model servers from a Kubernetes Service: an EndpointSlice watch through the Kubernetes API.
+
+Topology syntax (``endpoints:`` item)::
+
+    - kubernetes: {service: infermesh-model-server, namespace: infermesh, port: grpc}
+
+``port`` is a port name or number as the Service's EndpointSlices list it (a number is the
+pod's, target, port); ``namespace`` defaults to the pod's own (the service account's namespace
+file), else ``default``.
+
+The API server is the in-cluster one (``KUBERNETES_SERVICE_HOST``/``_PORT``, the service
+account's token, re-read on every connection, and CA) unless ``INFERMESH_KUBERNETES_API`` names
+another (``http://127.0.0.1:8001`` for ``kubectl proxy``, or a test's fake), with optional
+``INFERMESH_KUBERNETES_TOKEN_FILE``, ``INFERMESH_KUBERNETES_CA_FILE`` and
+``INFERMESH_KUBERNETES_INSECURE=1`` (no TLS verification).
+
+Protocol: LIST the slices labelled ``kubernetes.io/service-name=SERVICE`` for a
+resourceVersion, then WATCH from it (bookmarks on; a watch the server ends is resumed). A 410
+Gone or an ERROR event re-lists at once; a dropped connection or a failed request starts over
+(LIST, WATCH) after a capped exponential back-off, logged once when it starts failing and once
+when it recovers; the last known addresses are kept meanwhile. An endpoint is
+routed to when ``conditions.ready`` is not false and ``conditions.terminating`` is not true:
+a terminating pod that is still ``serving`` is draining its in-flight work and gets no new
+requests. Of an endpoint's (fungible) addresses the first is used. Only the standard library.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import os
+import re
+import ssl
+import time
+import urllib.parse
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from control_plane.mesh import EndpointAddress
+from control_plane.schema import Checker, show
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+CONNECT_TIMEOUT_S = 10.0
+LIST_TIMEOUT_S = 30.0
+WATCH_TIMEOUT_S = 300  # the API server ends a watch after this; it is then resumed at once
+WATCH_IDLE_S = WATCH_TIMEOUT_S + 30.0  # nothing at all for this long: the connection is dead
+MAX_BODY_BYTES = 64 * 1024 * 1024
+_SERVICE = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")  # DNS-1035 label
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # DNS-1123 label
+_PORT_NAME = re.compile(r"(?=.{1,15}$)(?=.*[a-z])[a-z0-9]+(-[a-z0-9]+)*")  # IANA_SVC_NAME
+
+
+@dataclass(frozen=True)
+class KubernetesEndpoint:
+    service: str
+    namespace: str
+    port: str | int  # a port name, or a number
+
+    @property
+    def key(self) -> str:
+        return f"kubernetes:{self.namespace}/{self.service}:{self.port}"
+
+
+def default_namespace() -> str:
+    """The pod's namespace (the service account's file), else "default" (blocking read)."""
+    try:
+        return (SERVICE_ACCOUNT / "namespace").read_text(encoding="utf-8").strip() or "default"
+    except (OSError, UnicodeDecodeError):
+        return "default"
+
+
+def parse_source(c: Checker, value: object, path: str) -> KubernetesEndpoint | None:
+    """An ``endpoints[i].kubernetes`` mapping, every error recorded in ``c``; None if invalid."""
+    m = c.mapping(value, path)
+    if m is None:
+        return None
+    before = len(c.errors)
+    c.keys(m, path, ("service", "namespace", "port"), required=("service", "port"))
+    service, namespace, port = m.get("service"), m.get("namespace"), m.get("port")
+    if "service" in m and not (isinstance(service, str) and _SERVICE.fullmatch(service)):
+        what = "a Service name (a lower-case DNS-1035 label: a-z, 0-9, '-', at most 63)"
+        c.fail(f"{path}.service", f"must be {what}", service)
+    if "namespace" in m and not (isinstance(namespace, str) and _NAMESPACE.fullmatch(namespace)):
+        what = "a namespace (a lower-case DNS-1123 label: a-z, 0-9, '-', at most 63)"
+        c.fail(f"{path}.namespace", f"must be {what}", namespace)
+    is_number = isinstance(port, int) and not isinstance(port, bool)
+    if "port" in m and not (
+        (is_number and 1 <= port <= 65535)  # type: ignore[operator]
+        or (isinstance(port, str) and _PORT_NAME.fullmatch(port))
+    ):
+        what = "a port number in 1..65535 or a port name (a-z, 0-9, '-', at most 15)"
+        c.fail(f"{path}.port", f"must be {what}", port)
+    if len(c.errors) > before:
+        return None
+    assert isinstance(service, str) and isinstance(port, str | int)
+    return KubernetesEndpoint(
+        service, namespace if isinstance(namespace, str) else default_namespace(), port
+    )
+
+
+def slice_addresses(item: Mapping[str, Any], port: str | int) -> frozenset[EndpointAddress]:
+    """The routable addresses of one EndpointSlice object on the named or numbered port."""
+    if item.get("addressType") not in ("IPv4", "IPv6"):
+        return frozenset()  # FQDN slices: not addresses Envoy can take as they are
+    ports = [p for p in item.get("ports") or () if p.get("protocol", "TCP") == "TCP"]
+    if isinstance(port, str):
+        number = next((p.get("port") for p in ports if p.get("name", "") == port), None)
+    elif any(p.get("port") == port for p in ports) or not item.get("ports"):
+        number = port
+    else:
+        number = None
+    if not isinstance(number, int):
+        return frozenset()
+    found = set()
+    for endpoint in item.get("endpoints") or ():
+        conditions = endpoint.get("conditions") or {}
+        if conditions.get("ready") is False or conditions.get("terminating") is True:
+            continue
+        with contextlib.suppress(IndexError, TypeError, ValueError):
+            host = str(ipaddress.ip_address(endpoint["addresses"][0]))
+            found.add(EndpointAddress(host, number))
+    return frozenset(found)
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    url: str  # scheme://host:port
+    token_file: Path | None = None
+    ca_file: Path | None = None
+    insecure: bool = False
+
+    @staticmethod
+    def from_environment(env: Mapping[str, str] | None = None) -> ApiConfig | None:
+        """The override variables if set, else in-cluster; None outside a cluster."""
+        env = os.environ if env is None else env
+        if url := env.get("INFERMESH_KUBERNETES_API", ""):
+            token, ca = (env.get(f"INFERMESH_KUBERNETES_{k}_FILE", "") for k in ("TOKEN", "CA"))
+            insecure = env.get("INFERMESH_KUBERNETES_INSECURE", "") in ("1", "true", "yes")
+            return ApiConfig(
+                url.rstrip("/"), Path(token) if token else None, Path(ca) if ca else None, insecure
+            )
+        host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT")
+        if not host or not port:
+            return None
+        host = f"[{host}]" if ":" in host else host
+        return ApiConfig(
+            f"https://{host}:{port}", SERVICE_ACCOUNT / "token", SERVICE_ACCOUNT / "ca.crt"
+        )
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+class _Gone(Exception):
+    """The resourceVersion is too old (410) or the watch reported an error: list again."""
+
+
+@dataclass(frozen=True)
+class Backoff:
+    initial_s: float = 0.5
+    max_s: float = 30.0
+
+
+class SliceWatcher:
+    """Keeps the current address set of one ``KubernetesEndpoint``; calls ``on_change``."""
+
+    def __init__(
+        self,
+        source: KubernetesEndpoint,
+        config: ApiConfig | None,
+        on_change: Callable[[], None],
+        backoff: Backoff = Backoff(),
+    ) -> None:
+        self.source, self.config, self.on_change, self.backoff = source, config, on_change, backoff
+        self.slices: dict[str, frozenset[EndpointAddress]] = {}
+        self.addresses: frozenset[EndpointAddress] = frozenset()
+        self.synced = asyncio.Event()  # set by the first successful LIST
+        self.resource_version = ""
+        self.failing = False
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait({self._task})  # a cancellation of the caller still propagates
+
+    async def _run(self) -> None:
+        delay = self.backoff.initial_s
+        while True:
+            listed_at = 0.0
+            try:
+                await self._list()
+                listed_at = time.monotonic()
+                self._recovered()
+                delay = self.backoff.initial_s
+                while True:
+                    await self._watch()  # returns when the server ends the watch: resume
+            except _Gone:
+                if time.monotonic() - listed_at > 1.0:
+                    continue  # list again at once; but never in a tight loop:
+                self._failed(ApiError(410, "Gone right after a LIST"))
+            except Exception as exc:  # I/O, HTTP, or a malformed answer: never die, back off
+                self._failed(exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.backoff.max_s)
+
+    def _failed(self, exc: Exception) -> None:
+        if not self.failing:
+            self.failing = True
+            log.warning(
+                "endpoint %s: Kubernetes API failing, retrying with back-off (keeping %d "
+                "addresses): %s: %s", self.source.key, len(self.addresses), type(exc).__name__, exc,
+            )  # fmt: skip
+        else:
+            log.debug("endpoint %s: still failing: %r", self.source.key, exc)
+
+    def _recovered(self) -> None:
+        if self.failing:
+            self.failing = False
+            log.info("endpoint %s: Kubernetes API reachable again", self.source.key)
+
+    def _path(self, **params: str) -> str:
+        ns, service = self.source.namespace, self.source.service
+        query = {"labelSelector": f"kubernetes.io/service-name={service}", **params}
+        return (
+            f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices?"
+            f"{urllib.parse.urlencode(query)}"
+        )
+
+    async def _list(self) -> None:
+        try:
+            async with _request(self.config, self._path(), LIST_TIMEOUT_S) as response:
+                body = await _within(response.body(), LIST_TIMEOUT_S)
+        except _Gone:  # a LIST has no resourceVersion to be too old: a failure, back off
+            raise ApiError(410, "Gone (on a LIST)") from None
+        data = json.loads(body)
+        self.resource_version = str(data.get("metadata", {}).get("resourceVersion", ""))
+        self.slices = {
+            str(item.get("metadata", {}).get("name", "")): slice_addresses(item, self.source.port)
+            for item in data.get("items") or ()
+        }
+        self._publish()
+        self.synced.set()
+
+    async def _watch(self) -> None:
+        path = self._path(
+            watch="1", resourceVersion=self.resource_version, allowWatchBookmarks="true",
+            timeoutSeconds=str(WATCH_TIMEOUT_S),
+        )  # fmt: skip
+        async with _request(self.config, path, CONNECT_TIMEOUT_S) as response:
+            async for line in response.lines(WATCH_IDLE_S):
+                if line.strip():
+                    self._event(json.loads(line))
+
+    def _event(self, event: Mapping[str, Any]) -> None:
+        kind, item = event.get("type"), event.get("object") or {}
+        metadata = item.get("metadata") or {}
+        if kind == "ERROR":
+            log.info("endpoint %s: watch error, listing again: %s", self.source.key, show(item))
+            raise _Gone
+        if rv := metadata.get("resourceVersion"):
+            self.resource_version = str(rv)
+        name = str(metadata.get("name", ""))
+        if kind in ("ADDED", "MODIFIED"):
+            self.slices[name] = slice_addresses(item, self.source.port)
+        elif kind == "DELETED":
+            self.slices.pop(name, None)
+        else:
+            return  # BOOKMARK: only the resourceVersion
+        self._publish()
+
+    def _publish(self) -> None:
+        addresses = frozenset().union(*self.slices.values())
+        if addresses != self.addresses:
+            self.addresses = addresses
+            log.info("endpoint %s: %s", self.source.key, sorted(a.key for a in addresses) or "none")
+            self.on_change()
+
+
+class EndpointSlices:
+    """One watcher per ``KubernetesEndpoint`` of the topology; ``sync`` follows reloads."""
+
+    def __init__(
+        self,
+        on_change: Callable[[], None],
+        config: ApiConfig | None = None,
+        backoff: Backoff = Backoff(),
+    ) -> None:
+        self.on_change, self.backoff = on_change, backoff
+        self.config = config if config is not None else ApiConfig.from_environment()
+        self.watchers: dict[KubernetesEndpoint, SliceWatcher] = {}
+
+    async def sync(self, sources: Iterable[object], wait_s: float = 5.0) -> None:
+        """Starts watching new sources (waiting up to ``wait_s`` for their first list) and
+        stops watching the ones no longer listed."""
+        wanted = {s for s in sources if isinstance(s, KubernetesEndpoint)}
+        for source in set(self.watchers) - wanted:
+            await self.watchers.pop(source).stop()
+        started = []
+        for source in wanted - set(self.watchers):
+            watcher = self.watchers[source] = SliceWatcher(
+                source, self.config, self.on_change, self.backoff
+            )
+            watcher.start()
+            started.append(watcher.synced)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_s):
+                for synced in started:
+                    await synced.wait()
+
+    def addresses(self, source: KubernetesEndpoint) -> frozenset[EndpointAddress]:
+        watcher = self.watchers.get(source)
+        return watcher.addresses if watcher else frozenset()
+
+    async def stop(self) -> None:
+        for watcher in self.watchers.values():
+            await watcher.stop()
+        self.watchers.clear()
+
+
+class _Response:
+    def __init__(self, status: int, headers: dict[str, str], reader: asyncio.StreamReader) -> None:
+        self.status, self.headers, self.reader = status, headers, reader
+
+    async def chunks(self, idle_s: float) -> AsyncIterator[bytes]:
+        """The body, de-chunked; EOF in the middle of a chunked body is an error."""
+        read = self.reader
+        if self.headers.get("transfer-encoding", "").lower() == "chunked":
+            while True:
+                size_line = await _within(read.readline(), idle_s)
+                if not size_line.endswith(b"\n"):
+                    raise ConnectionError("the API server closed the stream")
+                size = int(size_line.split(b";")[0].strip() or b"x", 16)
+                if size == 0:
+                    return
+                data = await _within(read.readexactly(size + 2), idle_s)
+                yield data[:-2]
+        elif (length := self.headers.get("content-length")) is not None:
+            yield await _within(read.readexactly(int(length)), idle_s)
+        else:
+            while data := await _within(read.read(65536), idle_s):
+                yield data
+
+    async def body(self) -> bytes:
+        parts, size = [], 0
+        async for chunk in self.chunks(LIST_TIMEOUT_S):
+            parts.append(chunk)
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise ValueError(f"response over {MAX_BODY_BYTES} bytes")
+        return b"".join(parts)
+
+    async def lines(self, idle_s: float) -> AsyncIterator[bytes]:
+        buffer = b""
+        async for chunk in self.chunks(idle_s):
+            buffer += chunk
+            *complete, buffer = buffer.split(b"\n")
+            for line in complete:
+                yield line
+            if len(buffer) > MAX_BODY_BYTES:
+                raise ValueError("watch event over the size limit")
+        if buffer.strip():
+            yield buffer
+
+
+def _ssl_context(config: ApiConfig) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=str(config.ca_file) if config.ca_file else None)
+    if config.insecure:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def _read_token(config: ApiConfig) -> str:
+    return config.token_file.read_text(encoding="utf-8").strip() if config.token_file else ""
+
+
+async def _within(awaitable: Awaitable[T], seconds: float) -> T:
+    """``asyncio.wait_for``, minus its 3.11 habit of swallowing a cancellation that races
+    the result (a stopped watcher would go on)."""
+    async with asyncio.timeout(seconds):
+        return await awaitable
+
+
+@contextlib.asynccontextmanager
+async def _request(
+    config: ApiConfig | None, path: str, timeout_s: float
+) -> AsyncIterator[_Response]:
+    """One GET on its own connection (``Connection: close``); the response once its status is
+    200, else ApiError (410: _Gone)."""
+    if config is None:
+        raise ApiError(0, "not in a cluster, and INFERMESH_KUBERNETES_API is not set")
+    url = urllib.parse.urlsplit(config.url)
+    secure = url.scheme == "https"
+    host, port = url.hostname or "", url.port or (443 if secure else 80)
+    # Blocking file reads (token, CA) off the event loop, on every (re)connection.
+    token = await asyncio.to_thread(_read_token, config)
+    context = await asyncio.to_thread(_ssl_context, config) if secure else None
+    reader, writer = await _within(
+        asyncio.open_connection(host, port, ssl=context, limit=1 << 20), CONNECT_TIMEOUT_S
+    )
+    try:
+        headers = [f"GET {url.path.rstrip('/')}{path} HTTP/1.1", f"Host: {url.netloc}",
+                   "Accept: application/json", "User-Agent: infermesh-control-plane",
+                   "Connection: close"]  # fmt: skip
+        if token:
+            headers.append(f"Authorization: Bearer {token}")
+        writer.write(("\r\n".join(headers) + "\r\n\r\n").encode())
+        await writer.drain()
+        status_line = await _within(reader.readline(), timeout_s)
+        parts = status_line.decode("latin-1").split(" ", 2)
+        if len(parts) < 2 or not parts[1].isdigit():
+            raise ConnectionError(f"not an HTTP response: {status_line[:80]!r}")
+        fields: dict[str, str] = {}
+        while (line := await _within(reader.readline(), timeout_s)) not in (
+            b"\r\n",
+            b"\n",
+        ):
+            if not line:
+                raise ConnectionError("the API server closed the connection")
+            name, _, value = line.decode("latin-1").partition(":")
+            fields[name.strip().lower()] = value.strip()
+        response = _Response(int(parts[1]), fields, reader)
+        if response.status == 410:
+            raise _Gone
+        if response.status != 200:
+            text = (await _within(response.body(), timeout_s))[:300]
+            raise ApiError(response.status, text.decode("utf-8", "replace").strip())
+        yield response
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await _within(writer.wait_closed(), 1.0)

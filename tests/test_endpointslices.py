@@ -1,0 +1,522 @@
+"""The Kubernetes EndpointSlice endpoint source, against a small fake Kubernetes API.
+
+The fake serves LIST and chunked WATCH streams from threads (``http.server``) on a free
+127.0.0.1 port, pushes events, answers 410 Gone, cuts streams and checks the bearer token; the
+real kube-apiserver cannot run here. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from functools import partial
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from control_plane import endpointslices
+from control_plane.endpointslices import (
+    ApiConfig,
+    Backoff,
+    EndpointSlices,
+    KubernetesEndpoint,
+    slice_addresses,
+)
+from control_plane.mesh import EndpointAddress
+from control_plane.topology import EndpointResolver, StaticEndpoint, TopologyError, parse_topology
+from tests.envoy_support import free_port
+from tests.support import ROOT, wait_for
+
+PREFIX = "/apis/discovery.k8s.io/v1/namespaces/"
+SOURCE = KubernetesEndpoint("model-server", "test", "grpc")
+FAST = Backoff(0.05, 0.2)
+
+
+def endpoint_slice(
+    name: str,
+    addresses: dict[str, dict[str, bool]],
+    ports: list[dict[str, Any]] | None = None,
+    address_type: str = "IPv4",
+) -> dict[str, Any]:
+    """An EndpointSlice object: ``addresses`` maps each pod IP to its conditions."""
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {"name": name, "labels": {"kubernetes.io/service-name": "model-server"}},
+        "addressType": address_type,
+        "ports": [{"name": "grpc", "port": 8001, "protocol": "TCP"}] if ports is None else ports,
+        "endpoints": [{"addresses": [ip], "conditions": c} for ip, c in addresses.items()],
+    }
+
+
+READY = {"ready": True, "serving": True, "terminating": False}
+
+
+class FakeKubeApi:
+    """EndpointSlices of one namespace, with the history a watch resumes from."""
+
+    def __init__(self, token: str = "secret-token") -> None:
+        self.token = token
+        self.slices: dict[str, dict[str, Any]] = {}
+        self.history: list[tuple[int, dict[str, Any]]] = []  # (resourceVersion, event)
+        self.rv = 100
+        self.compacted = 0  # a watch from a resourceVersion below this gets 410 Gone
+        self.generation = 0  # drop_watches() bumps it: open watches are cut (or ended)
+        self.clean_end = False
+        self.requests: list[tuple[str, str]] = []  # (path and query, Authorization)
+        self.cond = threading.Condition()
+        self.closed = False
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self) -> FakeKubeApi:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+    def apply(self, item: dict[str, Any]) -> None:
+        with self.cond:
+            name = item["metadata"]["name"]
+            self._record("MODIFIED" if name in self.slices else "ADDED", item)
+            self.slices[name] = item
+
+    def delete(self, name: str) -> None:
+        with self.cond:
+            self._record("DELETED", self.slices.pop(name))
+
+    def send(self, event: dict[str, Any]) -> None:
+        """A raw event (BOOKMARK, ERROR) to the open watches."""
+        with self.cond:
+            self.rv += 1
+            self.history.append((self.rv, event))
+            self.cond.notify_all()
+
+    def expire(self) -> None:
+        """Compacts the history: a watch resuming from before now gets 410 Gone."""
+        with self.cond:
+            self.rv += 1
+            self.compacted = self.rv
+
+    def drop_watches(self, clean: bool = False) -> None:
+        """Cuts the open watches, or with ``clean`` ends them (as ``timeoutSeconds`` does)."""
+        with self.cond:
+            self.generation += 1
+            self.clean_end = clean
+            self.cond.notify_all()
+
+    def count(self, fragment: str) -> int:
+        with self.cond:
+            return sum(fragment in path for path, _ in self.requests)
+
+    def lists(self) -> int:
+        with self.cond:
+            return sum("watch=1" not in path for path, _ in self.requests)
+
+    def news(self, since: int, generation: int) -> bool:
+        """Whether an open watch has something to do (called holding the lock)."""
+        return (
+            self.closed
+            or self.generation != generation
+            or any(rv > since for rv, _ in self.history)
+        )
+
+    def _record(self, kind: str, item: dict[str, Any]) -> None:
+        self.rv += 1
+        item = json.loads(json.dumps(item))
+        item["metadata"]["resourceVersion"] = str(self.rv)
+        self.history.append((self.rv, {"type": kind, "object": item}))
+        self.cond.notify_all()
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def handle(self) -> None:
+                with contextlib.suppress(ConnectionError):  # a client that went away
+                    super().handle()
+
+            def do_GET(self) -> None:
+                url = urllib.parse.urlsplit(self.path)
+                query = dict(urllib.parse.parse_qsl(url.query))
+                with api.cond:
+                    api.requests.append((self.path, self.headers.get("Authorization", "")))
+                    token = api.token
+                if self.headers.get("Authorization") != f"Bearer {token}":
+                    return self._json(401, {"kind": "Status", "code": 401})
+                wanted = f"{PREFIX}test/endpointslices"
+                selector = "kubernetes.io/service-name=model-server"
+                if url.path != wanted or query.get("labelSelector") != selector:
+                    return self._json(404, {"kind": "Status", "code": 404})
+                if query.get("watch") == "1":
+                    return self._watch(int(query.get("resourceVersion") or 0))
+                with api.cond:
+                    items, rv = list(api.slices.values()), api.rv
+                body = {"kind": "EndpointSliceList", "metadata": {"resourceVersion": str(rv)}}
+                return self._json(200, {**body, "items": items})
+
+            def _json(self, status: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _watch(self, since: int) -> None:
+                with api.cond:
+                    if since < api.compacted:
+                        return self._json(410, {"kind": "Status", "code": 410})
+                    generation = api.generation
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                self.wfile.flush()
+                while True:
+                    with api.cond:
+                        api.cond.wait_for(partial(api.news, since, generation), timeout=0.5)
+                        if api.closed or api.generation != generation:
+                            clean = api.clean_end and not api.closed
+                            break
+                        pending = [(rv, e) for rv, e in api.history if rv > since]
+                    for rv, event in pending:
+                        data = json.dumps(event).encode() + b"\n"
+                        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                        self.wfile.flush()
+                        since = rv
+                self.close_connection = True
+                if clean:  # the last chunk: the watch is over, the connection fine
+                    self.wfile.write(b"0\r\n\r\n")
+                    self.wfile.flush()
+                    return
+                # Cut without the terminating chunk, as when the API server goes away.
+                with contextlib.suppress(OSError):
+                    self.connection.shutdown(socket.SHUT_RDWR)
+
+        return Handler
+
+
+@pytest.fixture
+def api() -> Iterator[FakeKubeApi]:
+    with FakeKubeApi() as fake:
+        yield fake
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "token"
+    path.write_text("secret-token\n")
+    return path
+
+
+async def until(condition: Callable[[], object], what: str, within: float = 10) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {within}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+class Watched:
+    """An EndpointSlices manager on the fake, counting its change notifications."""
+
+    def __init__(self, api: FakeKubeApi, token_file: Path | None) -> None:
+        self.changes = 0
+        self.slices = EndpointSlices(self._changed, ApiConfig(api.url, token_file), FAST)
+
+    def _changed(self) -> None:
+        self.changes += 1
+
+    def keys(self, source: KubernetesEndpoint = SOURCE) -> set[str]:
+        return {a.key for a in self.slices.addresses(source)}
+
+    async def wait_keys(self, expected: set[str], what: str) -> None:
+        await until(lambda: self.keys() == expected, f"{what}: {expected}, have {self.keys()}")
+
+
+# -- the topology entry ---------------------------------------------------------------------
+def topology(*endpoints: object) -> dict[str, Any]:
+    model = {"name": "classifier", "sla_p99_ms": 50, "capacity_qps": 1000}
+    return {"models": [model], "endpoints": list(endpoints)}
+
+
+def test_topology_entries_parse(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(endpointslices, "SERVICE_ACCOUNT", tmp_path / "absent")
+    parsed = parse_topology(
+        topology(
+            {"kubernetes": {"service": "model-server", "namespace": "ml", "port": "grpc"}},
+            {"kubernetes": {"service": "model-server", "port": 8001}},
+            {"address": "10.0.0.1:8001"},
+        )
+    )
+    assert parsed.endpoints == (
+        KubernetesEndpoint("model-server", "ml", "grpc"),
+        KubernetesEndpoint("model-server", "default", 8001),  # not in a pod: "default"
+        StaticEndpoint(EndpointAddress("10.0.0.1", 8001)),
+    )
+    (tmp_path / "sa").mkdir()
+    (tmp_path / "sa" / "namespace").write_text("infermesh\n")
+    monkeypatch.setattr(endpointslices, "SERVICE_ACCOUNT", tmp_path / "sa")
+    entry = {"kubernetes": {"service": "model-server", "port": "grpc"}}
+    assert parse_topology(topology(entry)).endpoints[0].namespace == "infermesh"  # type: ignore[union-attr]
+
+
+def test_bad_entries_are_rejected_with_every_error() -> None:
+    with pytest.raises(TopologyError) as info:
+        parse_topology(
+            topology(
+                {"kubernetes": {"service": "Model_Server", "namespace": "-x", "port": 0}},
+                {"kubernetes": {"namespace": "ml", "prot": "grpc"}},
+                {"kubernetes": "model-server:8001"},
+                {"kubernetes": {"service": "ms", "port": "grpc_port"}},
+                {"kubernetes": {"service": "ms", "port": True}},
+                {"kubernetes": {"service": "ms", "port": "grpc"}, "dns": "a:1"},
+                {"kubernetes": {"service": "ms", "namespace": "ml", "port": "grpc"}},
+                {"kubernetes": {"service": "ms", "namespace": "ml", "port": "grpc"}},
+            )
+        )
+    errors = info.value.errors
+    expected = [
+        "endpoints[0].kubernetes.service: must be a Service name (a lower-case DNS-1035 label",
+        "endpoints[0].kubernetes.namespace: must be a namespace (a lower-case DNS-1123 label",
+        "endpoints[0].kubernetes.port: must be a port number in 1..65535 or a port name",
+        "endpoints[1].kubernetes.prot: unknown key (expected one of: service, namespace, port)",
+        "endpoints[1].kubernetes.service: required",
+        "endpoints[1].kubernetes.port: required",
+        'endpoints[2].kubernetes: must be a mapping with string keys, got "model-server:8001"',
+        "endpoints[3].kubernetes.port: must be a port number in 1..65535 or a port name "
+        "(a-z, 0-9, '-', at most 15), got \"grpc_port\"",
+        "endpoints[4].kubernetes.port: must be a port number",
+        "endpoints[5]: needs exactly one of 'address', 'dns' or 'kubernetes'",
+        'endpoints[7].kubernetes: duplicate endpoint "kubernetes:ml/ms:grpc" '
+        "(first at endpoints[6])",
+    ]
+    for fragment in expected:
+        assert any(e.startswith(fragment) for e in errors), (fragment, errors)
+    assert len(errors) == len(expected), errors
+    assert 'got "Model_Server"' in errors[0] and "got 0" in errors[2]
+
+
+# -- reading one slice ----------------------------------------------------------------------
+def test_not_ready_and_terminating_endpoints_are_not_routed_to() -> None:
+    item = endpoint_slice(
+        "a",
+        {
+            "10.0.0.1": READY,
+            "10.0.0.2": {"ready": False, "serving": False, "terminating": False},  # starting
+            "10.0.0.3": {"ready": False, "serving": True, "terminating": True},  # draining
+            "10.0.0.4": {"ready": True, "terminating": True},  # publishNotReadyAddresses
+            "10.0.0.5": {},  # conditions unknown: ready
+        },
+    )
+    assert {a.key for a in slice_addresses(item, "grpc")} == {"10.0.0.1:8001", "10.0.0.5:8001"}
+
+
+def test_ports_by_name_or_number() -> None:
+    ports = [{"name": "metrics", "port": 9001}, {"name": "grpc", "port": 8001, "protocol": "TCP"}]
+    item = endpoint_slice("a", {"10.0.0.1": READY}, ports)
+    assert slice_addresses(item, "grpc") == {EndpointAddress("10.0.0.1", 8001)}
+    assert slice_addresses(item, "metrics") == {EndpointAddress("10.0.0.1", 9001)}
+    assert slice_addresses(item, 9001) == {EndpointAddress("10.0.0.1", 9001)}
+    assert slice_addresses(item, "http") == frozenset()  # not a port of this slice
+    assert slice_addresses(item, 7000) == frozenset()
+    udp = endpoint_slice("a", {"10.0.0.1": READY}, [{"name": "grpc", "port": 1, "protocol": "UDP"}])
+    assert slice_addresses(udp, "grpc") == frozenset()
+    portless = endpoint_slice("a", {"10.0.0.1": READY}, [])  # headless Service without ports
+    assert slice_addresses(portless, 8001) == {EndpointAddress("10.0.0.1", 8001)}
+    assert slice_addresses(portless, "grpc") == frozenset()
+    v6 = endpoint_slice("a", {"fd00::0001": READY}, address_type="IPv6")
+    assert slice_addresses(v6, "grpc") == {EndpointAddress("fd00::1", 8001)}
+    fqdn = endpoint_slice("a", {"pod.example": READY}, address_type="FQDN")
+    assert slice_addresses(fqdn, "grpc") == frozenset()
+
+
+# -- the watch ------------------------------------------------------------------------------
+async def test_list_then_added_modified_deleted(api: FakeKubeApi, token_file: Path) -> None:
+    api.apply(endpoint_slice("a", {"10.0.0.1": READY}))
+    watched = Watched(api, token_file)
+    try:
+        await watched.slices.sync([SOURCE, StaticEndpoint(EndpointAddress("10.9.9.9", 1))])
+        assert watched.keys() == {"10.0.0.1:8001"}  # sync waited for the first list
+        assert watched.changes == 1
+        await until(lambda: api.count("watch=1") == 1, "the watch")
+        api.apply(endpoint_slice("b", {"10.0.0.2": READY}))
+        await watched.wait_keys({"10.0.0.1:8001", "10.0.0.2:8001"}, "ADDED")
+        api.apply(endpoint_slice("a", {"10.0.0.1": READY, "10.0.0.3": READY}))
+        await watched.wait_keys({"10.0.0.1:8001", "10.0.0.2:8001", "10.0.0.3:8001"}, "MODIFIED")
+        not_ready = {"ready": False, "serving": True, "terminating": True}
+        api.apply(endpoint_slice("a", {"10.0.0.1": not_ready, "10.0.0.3": READY}))
+        await watched.wait_keys({"10.0.0.2:8001", "10.0.0.3:8001"}, "a pod terminating")
+        api.delete("b")
+        await watched.wait_keys({"10.0.0.3:8001"}, "DELETED")
+        changes = watched.changes
+        api.send({"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "999"}}})
+        watcher = watched.slices.watchers[SOURCE]
+        await until(lambda: watcher.resource_version == "999", "the bookmark's version")
+        assert watched.changes == changes  # a bookmark changes no address
+        assert api.lists() == 1  # everything above came over one watch
+        # The resolver merges the watched addresses with the other sources.
+        resolver = EndpointResolver(watched=watched.slices.addresses)
+        static = StaticEndpoint(EndpointAddress("10.9.9.9", 1))
+        merged = await resolver.resolve([static, SOURCE])
+        assert [a.key for a in merged] == ["10.0.0.3:8001", "10.9.9.9:1"]
+        await watched.slices.sync([])  # gone from the topology: no longer watched
+        assert watched.keys() == set() and not watched.slices.watchers
+    finally:
+        await watched.slices.stop()
+
+
+async def test_error_event_and_410_gone_list_again(api: FakeKubeApi, token_file: Path) -> None:
+    api.apply(endpoint_slice("a", {"10.0.0.1": READY}))
+    watched = Watched(api, token_file)
+    try:
+        await watched.slices.sync([SOURCE])
+        await until(lambda: api.count("watch=1") == 1, "the watch")
+        # The API server's "too old resource version" arrives as an ERROR event in the stream.
+        api.slices["a"] = endpoint_slice("a", {"10.0.0.2": READY})  # missed by the watch
+        api.send({"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired"}})
+        await watched.wait_keys({"10.0.0.2:8001"}, "the re-list after an ERROR event")
+        assert api.lists() == 2
+        await until(lambda: api.count("watch=1") == 2, "the second watch")
+        # The watch ends (its timeoutSeconds): resumed from its version, now compacted: 410.
+        api.expire()
+        api.slices["a"] = endpoint_slice("a", {"10.0.0.3": READY})
+        api.drop_watches(clean=True)
+        await watched.wait_keys({"10.0.0.3:8001"}, "the re-list after 410 Gone")
+        assert api.lists() >= 3
+        await until(lambda: api.count("watch=1") >= 4, "watching again")
+    finally:
+        await watched.slices.stop()
+
+
+async def test_a_dropped_stream_reconnects_and_logs_once(
+    api: FakeKubeApi, token_file: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="control_plane.endpointslices")
+    api.apply(endpoint_slice("a", {"10.0.0.1": READY}))
+    watched = Watched(api, token_file)
+    try:
+        await watched.slices.sync([SOURCE])
+        await until(lambda: api.count("watch=1") == 1, "the watch")
+        api.token = "rotated-token"  # reconnections fail (401) until the file is rotated too
+        api.drop_watches()
+        await until(lambda: api.lists() >= 4, "several failing reconnections")
+        assert watched.keys() == {"10.0.0.1:8001"}  # the last known addresses are kept
+        await asyncio.to_thread(token_file.write_text, "rotated-token")  # re-read each time
+        api.apply(endpoint_slice("b", {"10.0.0.2": READY}))
+        await watched.wait_keys({"10.0.0.1:8001", "10.0.0.2:8001"}, "after reconnecting")
+    finally:
+        await watched.slices.stop()
+    tokens = {auth for _, auth in api.requests}
+    assert tokens == {"Bearer secret-token", "Bearer rotated-token"}
+    messages = [r.getMessage() for r in caplog.records]
+    failing = [m for m in messages if "Kubernetes API failing" in m]
+    assert (len(failing) == 1 and "HTTP 401" in failing[0]) or "Connection" in failing[0], messages
+    assert sum("Kubernetes API reachable again" in m for m in messages) == 1
+
+
+async def test_without_a_cluster_it_fails_softly(caplog: pytest.LogCaptureFixture) -> None:
+    assert ApiConfig.from_environment({}) is None
+    cluster = {"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "443"}
+    config = ApiConfig.from_environment(cluster)
+    assert config is not None and config.url == "https://[fd00::1]:443"
+    assert config.token_file == endpointslices.SERVICE_ACCOUNT / "token"
+    override = {"INFERMESH_KUBERNETES_API": "https://k:6443/", "INFERMESH_KUBERNETES_INSECURE": "1"}
+    assert ApiConfig.from_environment({**cluster, **override}) == ApiConfig(
+        "https://k:6443", None, None, insecure=True
+    )
+    slices = EndpointSlices(lambda: None, None, FAST)
+    slices.config = None  # outside a cluster, whatever this machine's environment says
+    try:
+        await slices.sync([SOURCE], wait_s=0.3)  # bounded: does not wait for a list forever
+        assert slices.addresses(SOURCE) == frozenset()
+    finally:
+        await slices.stop()
+    assert any("INFERMESH_KUBERNETES_API is not set" in r.getMessage() for r in caplog.records)
+
+
+# -- the control plane process --------------------------------------------------------------
+@pytest.mark.integration
+def test_the_control_plane_follows_endpoint_slices(
+    api: FakeKubeApi, token_file: Path, tmp_path: Path
+) -> None:
+    port = free_port()  # nothing listens there: the endpoint is listed, unreachable
+    api.apply(endpoint_slice("a", {}, [{"name": "grpc", "port": port}]))
+    topology = tmp_path / "topology.yaml"
+    topology.write_text(
+        "models: [{name: classifier, sla_p99_ms: 50, capacity_qps: 100}]\n"
+        "endpoints: [{kubernetes: {service: model-server, namespace: test, port: grpc}}]\n"
+    )
+    env = {
+        **os.environ,
+        "INFERMESH_KUBERNETES_API": api.url,
+        "INFERMESH_KUBERNETES_TOKEN_FILE": str(token_file),
+        "PYTHONUNBUFFERED": "1",
+    }
+    log = tmp_path / "cp.log"
+    command = [
+        sys.executable, "-m", "control_plane", "--topology", str(topology),
+        "--xds-port", "0", "--admin-port", "0", "--otlp-port", "0", "--listener-port", "0",
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+
+        def listening() -> re.Match[str] | None:
+            assert proc.poll() is None, log.read_text()
+            return re.search(r"admin=[\d.]+:(\d+)", log.read_text())
+
+        match = wait_for(listening, 60, "the control plane to listen")
+        status_url = f"http://127.0.0.1:{match.group(1)}/status"
+
+        def endpoints() -> set[str]:
+            with urllib.request.urlopen(status_url, timeout=5) as response:
+                return set(json.loads(response.read())["endpoints"])
+
+        assert endpoints() == set()
+        wait_for(lambda: api.count("watch=1") >= 1, 30, "the control plane's watch")
+        api.apply(endpoint_slice("a", {"10.0.0.7": READY}, [{"name": "grpc", "port": port}]))
+        wait_for(lambda: endpoints() == {f"10.0.0.7:{port}"}, 30, "the pod in /status")
+        assert "endpoints changed (EndpointSlices changed)" in log.read_text()
+        draining = {"ready": False, "serving": True, "terminating": True}
+        api.apply(endpoint_slice("a", {"10.0.0.7": draining}, [{"name": "grpc", "port": port}]))
+        wait_for(lambda: endpoints() == set(), 30, "the terminating pod gone from /status")
+        assert all(auth == "Bearer secret-token" for _, auth in api.requests)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)

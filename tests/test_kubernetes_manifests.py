@@ -1,0 +1,240 @@
+"""deploy/kubernetes/: every object validates against the Kubernetes schemas (strict: unknown
+fields are errors), and the manifests agree with the programs they run: command lines parse
+with the real parsers, ports and probes line up, the drain fits in the grace period, the
+topology is valid, and the control plane may watch EndpointSlices."""
+
+from __future__ import annotations
+
+import copy
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from control_plane.cli import build_parser as control_plane_parser
+from control_plane.endpointslices import KubernetesEndpoint
+from control_plane.topology import parse_topology_text
+from model_server.cli import build_parser as model_server_parser
+from tests.support import ROOT
+
+MANIFESTS = ROOT / "deploy" / "kubernetes"
+KUBERNETES_VERSION = "1.33.0"  # the schemas checked against (bundled by kubernetes-validate)
+NAMESPACE = "infermesh"
+
+
+def documents() -> list[tuple[Path, dict[str, Any]]]:
+    found = []
+    for path in sorted(MANIFESTS.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        found += [(path, d) for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    return found
+
+
+def named(kind: str, name: str) -> dict[str, Any]:
+    matches = [d for _, d in documents() if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(matches) == 1, f"{kind}/{name}: {len(matches)} found"
+    return matches[0]
+
+
+WORKLOADS = ("Deployment", "StatefulSet")
+
+
+def workload(name: str) -> dict[str, Any]:
+    matches = [
+        d for _, d in documents() if d["kind"] in WORKLOADS and d["metadata"]["name"] == name
+    ]
+    assert len(matches) == 1, f"workload {name}: {len(matches)} found"
+    return matches[0]
+
+
+def container(name: str) -> dict[str, Any]:
+    containers = workload(name)["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return dict(containers[0])
+
+
+def expand(command: list[str], env: dict[str, str]) -> list[str]:
+    """The command as the kubelet runs it: $(VAR) replaced from the container's env."""
+    out = []
+    for arg in command:
+        for name, value in env.items():
+            arg = arg.replace(f"$({name})", value)
+        out.append(arg)
+    return out
+
+
+def port_number(c: dict[str, Any], port: int | str) -> int:
+    if isinstance(port, int):
+        return port
+    return int(next(p["containerPort"] for p in c["ports"] if p["name"] == port))
+
+
+def probes(c: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
+        if kind in c:
+            yield kind, c[kind]
+
+
+@pytest.mark.parametrize(
+    "path,doc",
+    documents(),
+    ids=[f"{p.name}:{d['kind']}/{d['metadata']['name']}" for p, d in documents()],
+)
+def test_every_object_validates_strictly(path: Path, doc: dict[str, Any]) -> None:
+    try:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        pytest.fail(f"{path.name}: {doc['kind']}/{doc['metadata']['name']}: {exc.message}")
+    if doc["kind"] != "Namespace":
+        assert doc["metadata"]["namespace"] == NAMESPACE
+
+
+def test_a_misspelled_field_is_refused() -> None:
+    """The check can fail: strict mode refuses a field the schema does not know."""
+    broken = copy.deepcopy(workload("infermesh-model-server"))
+    broken["spec"]["template"]["spec"]["terminationGracePeriod"] = 45
+    with pytest.raises(kubernetes_validate.ValidationError, match="terminationGracePeriod"):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_kustomization_lists_every_file() -> None:
+    kustomization = yaml.safe_load((MANIFESTS / "kustomization.yaml").read_text())
+    assert kustomization["namespace"] == NAMESPACE
+    files = {p.name for p in MANIFESTS.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kustomization["resources"]) == files
+
+
+def test_model_server_drain_fits_in_the_grace_period() -> None:
+    deployment = named("Deployment", "infermesh-model-server")
+    pod = deployment["spec"]["template"]["spec"]
+    c = container("infermesh-model-server")
+    assert c["command"][0] == "infermesh-model-server"
+    args = model_server_parser().parse_args(c["command"][1:])
+    pre_stop = c["lifecycle"]["preStop"]
+    sleep_s = (
+        float(pre_stop["sleep"]["seconds"])
+        if "sleep" in pre_stop
+        else float(shlex.split(" ".join(pre_stop["exec"]["command"]))[-1])
+    )
+    assert pod["terminationGracePeriodSeconds"] > sleep_s + args.drain_delay + args.drain_timeout
+    assert deployment["spec"]["replicas"] == 3
+
+
+def test_model_server_ports_probes_and_address() -> None:
+    c = container("infermesh-model-server")
+    args = model_server_parser().parse_args(expand(c["command"][1:], {"POD_IP": "10.1.2.3"}))
+    assert args.host == "0.0.0.0"
+    assert args.advertise_address == f"10.1.2.3:{args.port}"  # what the EndpointSlice lists
+    assert port_number(c, "grpc") == args.port
+    assert port_number(c, "metrics") == args.metrics_port
+    readiness = c["readinessProbe"]["grpc"]  # grpc.health.v1, as model_server.server serves
+    assert readiness["port"] == args.port and readiness.get("service", "") == ""
+    for kind, probe in probes(c):
+        action = probe.get("grpc") or probe.get("httpGet") or probe.get("tcpSocket")
+        assert action is not None, kind
+        assert port_number(c, action["port"]) in (args.port, args.metrics_port), kind
+    assert "livenessProbe" in c and "grpc" not in c["livenessProbe"]  # NOT_SERVING is not dead
+    assert args.model_repository == Path("/models")
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    assert mounts["/models"] == "models"
+    # The Service the topology names: headless, its grpc port on the server's port.
+    service = named("Service", "infermesh-model-server")
+    assert service["spec"]["clusterIP"] == "None"
+    grpc = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")
+    assert port_number(c, grpc["targetPort"]) == args.port
+
+
+def test_pods_run_as_non_root_with_limits() -> None:
+    for _, doc in documents():
+        if doc["kind"] not in WORKLOADS:
+            continue
+        pod = doc["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        for c in pod["containers"] + pod.get("initContainers", []):
+            assert c["image"] == "infermesh:latest"
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+            assert {"cpu", "memory"} <= set(c["resources"]["requests"])
+            assert {"cpu", "memory"} <= set(c["resources"]["limits"])
+
+
+def test_the_topology_watches_the_model_server_service() -> None:
+    text = named("ConfigMap", "infermesh-topology")["data"]["topology.yaml"]
+    topology = parse_topology_text(text, "ConfigMap infermesh-topology")
+    (source,) = topology.endpoints
+    assert isinstance(source, KubernetesEndpoint)
+    # The namespace defaults to the pod's own: the one the manifests deploy into.
+    assert source.service == "infermesh-model-server"
+    service = named("Service", "infermesh-model-server")
+    assert source.port in {p["name"] for p in service["spec"]["ports"]}
+    assert (topology.xds.host, topology.admin.host, topology.telemetry.host) == ("0.0.0.0",) * 3
+    assert topology.listener.host == "0.0.0.0"
+
+
+def test_the_control_plane_may_list_and_watch_endpoint_slices() -> None:
+    plane = workload("infermesh-control-plane")
+    pod = plane["spec"]["template"]["spec"]
+    assert plane["spec"]["replicas"] == 2
+    account = pod["serviceAccountName"]
+    named("ServiceAccount", account)
+    bindings = [
+        d
+        for _, d in documents()
+        if d["kind"] == "RoleBinding"
+        and {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE} in d["subjects"]
+    ]
+    verbs = set()
+    for binding in bindings:
+        role = named(binding["roleRef"]["kind"], binding["roleRef"]["name"])
+        for rule in role["rules"]:
+            if "discovery.k8s.io" in rule["apiGroups"] and "endpointslices" in rule["resources"]:
+                verbs |= set(rule["verbs"])
+    assert {"list", "watch"} <= verbs
+
+
+def test_control_plane_service_ports_match_its_flags() -> None:
+    c = container("infermesh-control-plane")
+    assert c["command"][0] == "infermesh-control-plane"
+    args = control_plane_parser().parse_args(c["command"][1:])
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "topology")
+    assert args.topology == Path(mount["mountPath"]) / "topology.yaml"
+    service = named("Service", "infermesh-control-plane")
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    flags = {"xds": args.xds_port, "admin": args.admin_port, "otlp": args.otlp_port}
+    for name, flag in flags.items():
+        assert ports[name]["port"] == flag == port_number(c, ports[name]["targetPort"]), name
+    for kind, probe in probes(c):
+        assert port_number(c, probe["httpGet"]["port"]) == args.admin_port, kind
+    # A StatefulSet behind a headless Service: each replica has a DNS name of its own, and
+    # model servers and Envoy send telemetry to every replica by that name (not one of them).
+    plane = workload("infermesh-control-plane")
+    assert plane["kind"] == "StatefulSet" and service["spec"]["clusterIP"] == "None"
+    name = service["metadata"]["name"]
+    assert plane["spec"]["serviceName"] == name
+    replicas = [f"{name}-{i}.{name}:{args.otlp_port}" for i in range(plane["spec"]["replicas"])]
+    model_server = model_server_parser().parse_args(
+        expand(container("infermesh-model-server")["command"][1:], {"POD_IP": "10.1.2.3"})
+    )
+    assert model_server.otlp_endpoint == tuple(replicas)
+    envoy = container("infermesh-envoy")["command"]
+    assert envoy[:4] == ["python", "-m", "control_plane.bootstrap", "--run"]
+    flag = {envoy[i]: envoy[i + 1] for i in range(4, envoy.index("--") - 1)}
+    assert flag["--xds-host"] == name  # resolves to every replica: a broken stream moves on
+    assert flag["--xds-port"] == str(args.xds_port)
+    assert flag["--otlp-port"] == ",".join(replicas)
+
+
+def test_envoy_listens_where_its_service_points() -> None:
+    text = named("ConfigMap", "infermesh-topology")["data"]["topology.yaml"]
+    listener = parse_topology_text(text).listener
+    plane = control_plane_parser().parse_args(container("infermesh-control-plane")["command"][1:])
+    port = plane.listener_port or listener.port
+    c = container("infermesh-envoy")
+    assert port_number(c, "grpc") == port
+    service = named("Service", "infermesh-envoy")
+    (grpc,) = service["spec"]["ports"]
+    assert port_number(c, grpc["targetPort"]) == port
