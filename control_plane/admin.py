@@ -11,17 +11,28 @@ GET  /decisions                  recent routing decisions (weights, ejections, r
 POST /endpoints/HOST:PORT        {"weight": 9} and/or {"health": "DRAINING"|"HEALTHY"|...};
                                  {"weight": null, "health": null} clears the override
 GET  /canaries                   every canary run: status, percent, reason, each step's record
+GET  /ui                         the live mesh view (a page; static files from control_plane/ui)
+GET  /ui/config                  what the page may do: {"actions": true} only with a token set
+GET  /events                     server-sent events for the page: "history" once, then a
+                                 "frame" a second (control_plane/live_view.py)
 POST /models/NAME/split          {"1": 90, "2": 10}: the model's version split from now on;
                                  {} goes back to the topology's (aborts a running canary)
 POST /models/NAME/canary         {"version": "2"} starts an SLO-gated canary of version 2 against
                                  the stable version (default: the one with the most weight now);
                                  optional "stable" and any canary policy field ("steps",
                                  "dwell_s", ...); {"abort": true} stops it at 0%
+
+With an admin token (``--admin-token-file``) every POST needs ``Authorization: Bearer TOKEN``
+(401 otherwise) and the page offers its actions; without one the page is read-only and POSTs
+are open to whoever reaches the admin port, which binds loopback unless the topology says
+otherwise.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import importlib.resources
 import json
 import logging
 import re
@@ -33,8 +44,14 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from control_plane.live_view import LiveFeed
+
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 1024
+MAX_EVENT_STREAMS = 16  # open pages; each holds one HTTP thread
+EVENT_KEEPALIVE_S = 15.0  # a comment line when no frame came, so proxies keep the stream
+UI_FILES = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
+            "style.css": "text/css; charset=utf-8"}  # fmt: skip
 
 
 class AdminError(Exception):
@@ -60,16 +77,23 @@ class AdminServer:
         registry: CollectorRegistry,
         gets: Mapping[str, StatusFn],
         posts: PostRoutes,
+        live: LiveFeed | None = None,
+        token: str | None = None,
     ) -> None:
         admin = self
+        streams = threading.BoundedSemaphore(MAX_EVENT_STREAMS)
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, format: str, *args: Any) -> None:
                 log.debug("admin: " + format, *args)
 
             def do_GET(self) -> None:
-                path = self.path.rstrip("/") or "/"
-                if path == "/metrics":
+                path = self.path.split("?", 1)[0].rstrip("/") or "/"
+                if path == "/ui" or path.startswith("/ui/"):
+                    self._ui(path.removeprefix("/ui").lstrip("/") or "index.html")
+                elif path == "/events" and live is not None:
+                    self._events(live)
+                elif path == "/metrics":
                     self._send(HTTPStatus.OK, generate_latest(registry), CONTENT_TYPE_LATEST)
                 elif path in gets:
                     self._json(HTTPStatus.OK, admin._call(gets[path]()))
@@ -82,6 +106,11 @@ class AdminServer:
 
             def do_POST(self) -> None:
                 try:
+                    if token is not None and not _bearer_matches(self.headers, token):
+                        raise AdminError(
+                            HTTPStatus.UNAUTHORIZED,
+                            "this control plane needs 'Authorization: Bearer TOKEN' for changes",
+                        )
                     route = next(
                         ((m, fn) for p, fn in posts if (m := re.fullmatch(p, self.path))), None
                     )
@@ -103,6 +132,47 @@ class AdminServer:
                 except AdminError as exc:
                     self._json(exc.status, {"error": str(exc)})
 
+            def _ui(self, name: str) -> None:
+                if name == "config":
+                    self._json(HTTPStatus.OK, {"actions": token is not None})
+                    return
+                if name not in UI_FILES:
+                    self._json(HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path}"})
+                    return
+                data = (importlib.resources.files("control_plane") / "ui" / name).read_bytes()
+                self._send(HTTPStatus.OK, data, UI_FILES[name])
+
+            def _events(self, feed: LiveFeed) -> None:
+                """Server-sent events until the page goes: the history, then each frame."""
+                if not streams.acquire(blocking=False):
+                    message = f"at most {MAX_EVENT_STREAMS} live views at once"
+                    self._json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": message})
+                    return
+                try:
+                    self.send_response(HTTPStatus.OK)
+                    self.send_header("content-type", "text/event-stream")
+                    self.send_header("cache-control", "no-cache")
+                    self.end_headers()
+                    sequence, opening = feed.opening()
+                    self._event("history", opening, retry_ms=1000)
+                    while not admin.stopping.is_set():
+                        sequence, frame = feed.next_frame(sequence, EVENT_KEEPALIVE_S)
+                        if frame is None:
+                            self.wfile.write(b": keep-alive\n\n")
+                            self.wfile.flush()
+                        else:
+                            self._event("frame", frame)
+                except (BrokenPipeError, ConnectionResetError, TimeoutError):
+                    pass  # the page went away
+                finally:
+                    streams.release()
+
+            def _event(self, name: str, body: Any, retry_ms: int | None = None) -> None:
+                retry = f"retry: {retry_ms}\n" if retry_ms is not None else ""
+                data = json.dumps(body, separators=(",", ":"))
+                self.wfile.write(f"{retry}event: {name}\ndata: {data}\n\n".encode())
+                self.wfile.flush()
+
             def _json(self, status: HTTPStatus, body: Any) -> None:
                 data = json.dumps(body, indent=2, sort_keys=True).encode()
                 self._send(status, data, "application/json")
@@ -115,6 +185,7 @@ class AdminServer:
                 self.wfile.write(data)
 
         self.loop = loop
+        self.stopping = threading.Event()
         self.httpd = ThreadingHTTPServer((host, port), Handler)
         self.httpd.daemon_threads = True
         self.port = int(self.httpd.server_address[1])
@@ -127,5 +198,11 @@ class AdminServer:
         self._thread.start()
 
     def stop(self) -> None:
+        self.stopping.set()
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def _bearer_matches(headers: Any, token: str) -> bool:
+    scheme, _, given = str(headers.get("authorization") or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip(), token)

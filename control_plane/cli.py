@@ -28,13 +28,38 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no telemetry-driven weights or ejection: Envoy balances alone (for comparison)",
     )
+    p.add_argument(
+        "--admin-token-file",
+        type=Path,
+        default=None,
+        help="a file holding the admin token: every admin POST then needs 'Authorization: "
+        "Bearer TOKEN', and the live view (/ui) offers its actions; default: read-only view",
+    )
     add_log_level(p)
     return p
+
+
+def read_token(path: Path | None) -> str | None:
+    """The admin token from its file (surrounding whitespace dropped); None without a file."""
+    if path is None:
+        return None
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"--admin-token-file {path}: cannot read it: {exc}") from exc
+    if len(token) < 16 or any(c.isspace() for c in token):
+        raise ValueError(f"--admin-token-file {path}: expected one token of at least 16 characters")
+    return token
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
+    try:
+        token = read_token(args.admin_token_file)
+    except ValueError as exc:
+        print(f"infermesh-control-plane: {exc}", file=sys.stderr)
+        return 2
     settings = ControlPlaneSettings(
         args.topology,
         args.xds_port,
@@ -42,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         args.listener_port,
         args.otlp_port,
         routing=not args.no_routing,
+        admin_token=token,
     )
     try:
         return asyncio.run(serve(settings))

@@ -12,6 +12,7 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 from control_plane.admin import AdminError
+from control_plane.live_view import build_frame
 from control_plane.mesh import EndpointAddress, EndpointHealth
 
 if TYPE_CHECKING:
@@ -113,6 +114,11 @@ class OperatorApi:
 
     async def decisions(self) -> dict[str, Any]:
         return {"decisions": list(self.plane.router.decisions)}
+
+    async def live_frame(self) -> dict[str, Any]:
+        """One frame of the live view: status, telemetry and decisions together."""
+        status = {**(await self.status()), **(await self.decisions())}
+        return build_frame(status, await self.telemetry_json(), time.time())
 
     async def status(self) -> dict[str, Any]:
         snapshot = self.plane.cache.snapshot_for("*")

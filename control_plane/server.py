@@ -28,6 +28,7 @@ from control_plane.canary_runs import CanaryRuns
 from control_plane.endpointslices import EndpointSlices
 from control_plane.envoy_stats import EnvoyStats
 from control_plane.fallback import Fallbacks
+from control_plane.live_view import LiveFeed
 from control_plane.mesh import EndpointAddress, EndpointHealth, MeshState
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.nodes import NodeRegistry
@@ -51,6 +52,7 @@ TOPOLOGY_CHECK_INTERVAL_S = 1.0
 ROUTING_INTERVAL_S = 0.5  # how often telemetry is turned into weights and ejections
 JUDGE_INTERVAL_S = 0.5  # how often running canaries and open circuits are judged
 DNS_REFRESH_INTERVAL_S = 5.0
+LIVE_VIEW_INTERVAL_S = 1.0  # a frame of the live view (GET /ui) every second
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class ControlPlaneSettings:
     listener_port: int | None = None  # overrides the topology's listener.port
     otlp_port: int | None = None  # overrides telemetry.port (0: a free port)
     routing: bool = True  # telemetry-driven weights and ejection
+    admin_token: str | None = None  # POSTs need it as a bearer token; the live view's actions
 
 
 def load_with_overrides(settings: ControlPlaneSettings) -> Topology:
@@ -111,6 +114,7 @@ class ControlPlane:
         self.xds_port = 0
         self.admin_port = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self.live = LiveFeed()
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -142,6 +146,8 @@ class ControlPlane:
                 (r"/models/([^/]+)/split", self.api.set_split),
                 (r"/models/([^/]+)/canary", self.api.canary_request),
             ],
+            live=self.live,
+            token=self.settings.admin_token,
         )
         self.admin_port = self.admin.port
         otlp_port = t.telemetry.port if self.settings.otlp_port is None else self.settings.otlp_port
@@ -157,6 +163,7 @@ class ControlPlane:
         if self.settings.routing:
             self._spawn(self._route_by_telemetry())
         self._spawn(self._refresh_dns())
+        self._spawn(self._publish_live_view())
         self._spawn(self._follow_slices())
         self._spawn(self._judge_canaries())
         self._spawn(self._watch_circuits())
@@ -317,6 +324,16 @@ class ControlPlane:
             self.endpoints = endpoints
             await self.poller.poll_once()
             self.rebuild(reason)
+
+    async def _publish_live_view(self) -> None:
+        """A frame of the live view every second, whether or not a page is open (its history
+        is what a page draws first)."""
+        while True:
+            try:
+                self.live.publish(await self.api.live_frame())
+            except Exception:  # a view must never take the control plane down
+                log.exception("live view frame failed")
+            await asyncio.sleep(LIVE_VIEW_INTERVAL_S)
 
     # -- admin --------------------------------------------------------------------------------
     def effective_topology(self) -> Topology:

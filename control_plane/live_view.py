@@ -1,0 +1,159 @@
+"""What the live mesh view (GET /ui, fed by GET /events) shows: one frame a second.
+
+``build_frame`` is pure: from the admin's status and the telemetry store's JSON it makes, per
+model pool, a row per endpoint (state in words, weight, share of the pool's traffic, P99, QPS,
+memory and KV-cache use, the reason for its weight), the version split and canary, plus the
+recent decisions and the Envoy nodes. ``History`` keeps the last minutes of each row's P99,
+QPS, weight and share, so a page that (re)connects draws its sparklines at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+HISTORY_POINTS = 300  # five minutes at one frame a second
+DECISIONS_SHOWN = 40
+SPARK_FIELDS = ("p99_ms", "qps", "weight", "share")
+
+# An endpoint's state, most telling first: the page shows it as a labelled badge.
+UNREACHABLE, NOT_READY, EJECTED, DRAINING = "unreachable", "not ready", "ejected", "draining"
+PROBATION, SLOW_START, SERVING = "probation", "slow start", "serving"
+
+
+def _value(signal: Mapping[str, Any] | None) -> float | None:
+    return None if not signal or signal.get("value") is None else float(signal["value"])
+
+
+def endpoint_state(
+    endpoint: Mapping[str, Any] | None, routing: Mapping[str, Any], draining: bool
+) -> str:
+    """The one word an operator needs: why this endpoint gets what it gets."""
+    if endpoint is not None and not endpoint.get("reachable", False):
+        return UNREACHABLE
+    health = routing.get("health", "HEALTHY")
+    override = (endpoint or {}).get("health_override")
+    if draining or health == "DRAINING" or override == "DRAINING":
+        return DRAINING
+    if health != "HEALTHY" or override not in (None, "HEALTHY"):
+        return EJECTED
+    reason = str(routing.get("reason", ""))
+    if "probation" in reason:
+        return PROBATION
+    if "slow start" in reason:
+        return SLOW_START
+    return SERVING
+
+
+def build_frame(
+    status: Mapping[str, Any], telemetry: Mapping[str, Any], wall: float
+) -> dict[str, Any]:
+    """One frame of the live view (JSON-ready)."""
+    endpoints = status.get("endpoints", {})
+    signals = telemetry.get("endpoints", {})
+    pools = []
+    for pool, routing in sorted(status.get("routing", {}).items()):
+        rows = []
+        for key, route in sorted(routing.get("endpoints", {}).items()):
+            tele = signals.get(key, {})
+            models = tele.get("models", ())
+            model: Mapping[str, Any] = next((m for m in models if m.get("model") == pool), {})
+            rows.append(
+                {
+                    "endpoint": key,
+                    "state": endpoint_state(
+                        endpoints.get(key), route, bool(_value(tele.get("draining")))
+                    ),
+                    "weight": route.get("weight"),
+                    "score": route.get("score"),
+                    "reason": route.get("reason", ""),
+                    "p99_ms": _value(model.get("p99_ms")) or _value(tele.get("p99_ms")),
+                    "qps": _value(model.get("qps")),
+                    "memory_used_bytes": _value(tele.get("memory_used_bytes")),
+                    "memory_total_bytes": _value(tele.get("memory_total_bytes")),
+                    "kv_blocks_used": _value(tele.get("kv_blocks_used")),
+                    "kv_blocks_total": _value(tele.get("kv_blocks_total")),
+                    "stale": bool(tele.get("stale", True)),
+                }
+            )
+        total_qps = sum(r["qps"] or 0.0 for r in rows)
+        for row in rows:
+            row["share"] = (row["qps"] or 0.0) / total_qps if total_qps > 0 else None
+        pools.append(
+            {
+                "model": pool,
+                "fail_open": bool(routing.get("fail_open")),
+                "version_split": status.get("version_splits", {}).get(pool) or {},
+                "canary": status.get("canaries", {}).get(pool),
+                "circuit": status.get("circuits", {}).get(pool),
+                "endpoints": rows,
+            }
+        )
+    return {
+        "at": round(wall, 3),
+        "window_s": telemetry.get("window_s"),  # QPS, P99 and share are over this window
+        "snapshot": status.get("snapshot"),
+        "topology_error": status.get("topology", {}).get("error"),
+        "pools": pools,
+        "decisions": list(status.get("decisions", ()))[-DECISIONS_SHOWN:],
+        "nodes": status.get("nodes", []),
+    }
+
+
+@dataclass
+class History:
+    """The last ``points`` values of each (pool, endpoint)'s sparkline fields."""
+
+    points: int = HISTORY_POINTS
+    series: dict[tuple[str, str], collections.deque[dict[str, Any]]] = field(default_factory=dict)
+
+    def add(self, frame: Mapping[str, Any]) -> None:
+        seen = set()
+        for pool in frame["pools"]:
+            for row in pool["endpoints"]:
+                key = (pool["model"], row["endpoint"])
+                seen.add(key)
+                line = self.series.setdefault(key, collections.deque(maxlen=self.points))
+                line.append({"at": frame["at"], **{f: row.get(f) for f in SPARK_FIELDS}})
+        for gone in set(self.series) - seen:  # an endpoint that left: forget it
+            del self.series[gone]
+
+    def as_json(self) -> dict[str, dict[str, list[dict[str, Any]]]]:
+        out: dict[str, dict[str, list[dict[str, Any]]]] = {}
+        for (pool, endpoint), line in sorted(self.series.items()):
+            out.setdefault(pool, {})[endpoint] = list(line)
+        return out
+
+
+class LiveFeed:
+    """The newest frame and the history, published from the event loop once a second and read
+    by the admin's HTTP threads (one per open page): readers wait, nobody recomputes."""
+
+    def __init__(self, points: int = HISTORY_POINTS) -> None:
+        self.history = History(points)
+        self._frame: dict[str, Any] | None = None
+        self._sequence = 0
+        self._changed = threading.Condition()
+
+    def publish(self, frame: dict[str, Any]) -> None:
+        with self._changed:
+            self.history.add(frame)
+            self._frame = frame
+            self._sequence += 1
+            self._changed.notify_all()
+
+    def opening(self) -> tuple[int, dict[str, Any]]:
+        """What a page gets first: the history and the newest frame, with its sequence."""
+        with self._changed:
+            return self._sequence, {"history": self.history.as_json(), "frame": self._frame}
+
+    def next_frame(self, after: int, timeout: float) -> tuple[int, dict[str, Any] | None]:
+        """The first frame newer than sequence ``after`` (None if none came within timeout)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._sequence > after, timeout)
+            if self._sequence > after:
+                return self._sequence, self._frame
+            return after, None
