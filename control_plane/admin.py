@@ -37,6 +37,7 @@ import json
 import logging
 import re
 import threading
+import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -128,7 +129,9 @@ class AdminServer:
                     if not isinstance(body, dict):
                         raise AdminError(HTTPStatus.BAD_REQUEST, "body must be a JSON object")
                     match, handler = route
-                    self._json(HTTPStatus.OK, admin._call(handler(match.group(1), body)))
+                    # Percent-decoded: a browser sends "127.0.0.1%3A8001" for an endpoint.
+                    target = urllib.parse.unquote(match.group(1))
+                    self._json(HTTPStatus.OK, admin._call(handler(target, body)))
                 except AdminError as exc:
                     self._json(exc.status, {"error": str(exc)})
 

@@ -149,12 +149,14 @@ class Admin:
         self.thread.start()
         self.feed = LiveFeed()
         self.posts: list[dict[str, Any]] = []
+        self.split_models: list[str] = []
 
         async def status() -> dict[str, Any]:
             return {"snapshot": {"CDS": "v1"}}
 
         async def split(model: str, body: dict[str, Any]) -> dict[str, Any]:
             self.posts.append(body)
+            self.split_models.append(model)
             return {"model": model}
 
         self.server = AdminServer(
@@ -261,6 +263,8 @@ def test_open_pages_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_without_a_token_the_page_is_read_only_and_posts_are_open(admin: Admin) -> None:
     assert json.loads(admin.get("/ui/config")[2]) == {"actions": False}
     assert admin.post("/models/classifier/split", {"1": 100}) == 200
+    assert admin.post("/models/class%69fier/split", {"1": 90}) == 200  # percent-decoded
+    assert admin.split_models == ["classifier", "classifier"]
 
 
 def test_with_a_token_every_change_needs_it(guarded: Admin) -> None:

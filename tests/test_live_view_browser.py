@@ -124,3 +124,36 @@ def test_the_live_view_follows_a_slowed_server_and_a_control_plane_restart(
     )
     assert "ejected" in why and f"{address} ejected" in decisions
     assert not traffic.errors, traffic.errors[:5]
+
+
+def test_with_a_token_the_page_drains_an_endpoint_and_sets_a_split(
+    demo_repo: Path, tmp_path: Path, browser: webdriver.Chrome
+) -> None:
+    token = "a-long-enough-secret"
+    (tmp_path / "token").write_text(token + "\n")
+    flags = ("--admin-token-file", str(tmp_path / "token"))
+    with ComposeMesh(tmp_path / "mesh", demo_repo, plane_flags=flags) as mesh:
+        servers = {f"127.0.0.1:{port}" for port in mesh.server_ports.values()}
+        browser.get(f"http://{mesh.admin}/ui")
+        wait_for(lambda: set(rows(browser)) == servers, 30, "a row per endpoint")
+        shown = "return !document.getElementById('token-box').hidden"
+        wait_for(lambda: browser.execute_script(shown), 10, "the token box")
+        browser.execute_script(
+            "const input = document.getElementById('token'); input.value = arguments[0];"
+            "input.dispatchEvent(new Event('change'));",
+            token,
+        )
+        address = f"127.0.0.1:{mesh.server_ports['model-server-3']}"
+        click = "document.querySelector(`tr[data-endpoint='${arguments[0]}'] button`).click()"
+        browser.execute_script(click, address)
+        wait_for(lambda: rows(browser)[address] == "draining", 20, "the row to show draining")
+        endpoint = mesh.admin_get("/status")["endpoints"][address]
+        assert endpoint["health_override"] == "DRAINING"
+        browser.execute_script(
+            "const form = document.querySelector('div[data-pool=\"classifier\"] form');"
+            "form.querySelector('input').value = '100'; form.requestSubmit();"
+        )
+        split = "return document.querySelector('[data-split=\"classifier\"]').textContent"
+        wait_for(lambda: "v1 100%" in browser.execute_script(split), 20, "the split shown")
+        assert mesh.admin_get("/status")["version_splits"]["classifier"] == {"1": 100}
+        assert console_errors(browser) == []

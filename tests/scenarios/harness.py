@@ -36,6 +36,7 @@ class ComposeMesh:
     launcher: subprocess.Popen[bytes] | None = None
     server_ports: dict[str, int] = field(default_factory=dict)  # "model-server-1" -> port
     server_flags: tuple[str, ...] = ()  # added to every model server's command
+    plane_flags: tuple[str, ...] = ()  # added to every control-plane replica's command
 
     @property
     def log(self) -> Path:
@@ -79,6 +80,10 @@ class ComposeMesh:
             port = re.compile(rf"(?<!\d){old}(?!\d)")  # not the 8001 inside 18001
             compose, topology = port.sub(new, compose), port.sub(new, topology)
             self.server_ports[f"model-server-{index}"] = int(new)
+        if self.plane_flags:
+            extra = "".join(f', "{flag}"' for flag in self.plane_flags)
+            compose = re.sub(r'("--otlp-port", "\$\{INFERMESH_OTLP2?_PORT:-\d+\}")', rf"\1{extra}",
+                             compose)  # fmt: skip
         if self.server_flags:
             extra = "".join(f', "{flag}"' for flag in self.server_flags)
             compose = compose.replace('"--drain-timeout", "30"', f'"--drain-timeout", "30"{extra}')
