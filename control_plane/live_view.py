@@ -98,9 +98,23 @@ def build_frame(
         "snapshot": status.get("snapshot"),
         "topology_error": status.get("topology", {}).get("error"),
         "pools": pools,
-        "decisions": list(status.get("decisions", ()))[-DECISIONS_SHOWN:],
+        "decisions": timeline(status),
         "nodes": status.get("nodes", []),
     }
+
+
+def timeline(status: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The routing decisions and every Envoy node's last NACK, oldest first, the newest kept."""
+    events = list(status.get("decisions", ()))
+    for node in status.get("nodes", ()):
+        for kind, resource in node.get("types", {}).items():
+            nack = resource.get("last_nack")
+            if nack:
+                text = f"{kind} version {nack.get('version')} NACKed: {nack.get('error')}"
+                events.append({"at": nack.get("at", 0.0), "pool": node["node_id"],
+                               "decision": text, "nack": True})  # fmt: skip
+    events.sort(key=lambda event: event.get("at", 0.0))
+    return events[-DECISIONS_SHOWN:]
 
 
 @dataclass

@@ -106,6 +106,17 @@ def test_a_frame_shows_each_endpoint_with_its_share_and_why() -> None:
     assert frame["nodes"][0]["node_id"] == "envoy-1"
 
 
+def test_nacks_join_the_timeline_in_time_order() -> None:
+    status, telemetry = status_and_telemetry()
+    nack = {"version": "v7", "error": "bad cluster", "at": 45.5}
+    status["nodes"] = [{"node_id": "envoy-1", "types": {"CDS": {"last_nack": nack}}}]
+    decisions = build_frame(status, telemetry, 100.0)["decisions"]
+    texts = [d["decision"] for d in decisions]
+    assert texts.index("CDS version v7 NACKed: bad cluster") == texts.index("d45") + 1
+    assert len(texts) == 40 and texts[-1] == "d49"
+    assert next(d for d in decisions if d.get("nack"))["pool"] == "envoy-1"
+
+
 def test_no_traffic_means_no_share_rather_than_a_division_by_zero() -> None:
     status, _ = status_and_telemetry()
     frame = build_frame(status, {"endpoints": {}}, 0.0)

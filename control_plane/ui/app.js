@@ -190,7 +190,9 @@ function nodeView(node) {
 function draw(frame) {
   document.getElementById("pools").replaceChildren(...frame.pools.map((p) => poolView(p, frame.window_s)));
   const decisions = [...frame.decisions].reverse().map((d) =>
-    el("li", {}, el("time", {}, fmt.time(d.at)), d.pool ? el("strong", {}, `${d.pool}: `) : null, d.decision));
+    el("li", { "data-nack": d.nack ? "true" : null }, el("time", {}, fmt.time(d.at)),
+      d.nack ? el("span", { class: "badge state-ejected" }, "NACK") : null, " ",
+      d.pool ? el("strong", {}, `${d.pool}: `) : null, d.decision));
   document.getElementById("decisions").replaceChildren(...decisions);
   const nodes = frame.nodes.length ? frame.nodes.map(nodeView) : [el("div", { class: "reason" }, "no Envoy connected to this replica")];
   document.getElementById("nodes").replaceChildren(...nodes);
