@@ -93,7 +93,14 @@ def test_injected_latency_shows_in_the_control_planes_p99(
             thread.start()
         for thread in threads:
             thread.join(timeout=60)
-        time.sleep(3 * INTERVAL_S)  # let the last exports of the load window arrive
+        ended = time.monotonic()
+        for server in (slow, fast):  # an export made after the load ended has arrived
+
+            def fresh(server: ServerProcess = server) -> bool:
+                signal = endpoint(plane, server)["p99_ms"]
+                return signal is not None and signal["age_s"] < time.monotonic() - ended
+
+            wait_for(fresh, 10, f"an export from {server.url} after the load")
         seen_slow = value(endpoint(plane, slow)["p99_ms"])
         seen_fast = value(endpoint(plane, fast)["p99_ms"])
         client_slow, client_fast = results[slow.url], results[fast.url]
@@ -102,7 +109,9 @@ def test_injected_latency_shows_in_the_control_planes_p99(
             f"clients {client_slow:.2f}/{client_fast:.2f} ms"
         )
         assert seen_slow >= 20, (seen_slow, client_slow)
-        assert abs(seen_slow - client_slow) <= 0.2 * client_slow, (seen_slow, client_slow)
+        # The server's P99 tracks what clients saw: never above it (beyond bucket error), and
+        # not far below (clients add their own queueing on a busy host, so not equal).
+        assert 0.6 * client_slow <= seen_slow <= 1.2 * client_slow, (seen_slow, client_slow)
         # The 20 ms injected keeps them apart even when this shared host slows both down.
         assert seen_fast < seen_slow - 15, (seen_fast, seen_slow)
         assert seen_fast <= client_fast * 1.2, (seen_fast, client_fast)

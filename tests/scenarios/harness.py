@@ -152,10 +152,16 @@ class ComposeMesh:
                 seen["healthy"] = True
         return hosts
 
-    def admin_get(self, path: str) -> Any:
-        """GET ``path`` from control-plane-1's admin API, as JSON."""
-        with urllib.request.urlopen(f"http://{self.admin}{path}", timeout=10) as response:
+    def admin_get(self, path: str, followed: bool = False) -> Any:
+        """GET ``path`` from control-plane-1's admin API, as JSON; ``followed``: from the
+        replica Envoy follows (its decisions are the ones Envoy carried out)."""
+        admin = self.admins[self.followed_plane() or PLANES[0]] if followed else self.admin
+        with urllib.request.urlopen(f"http://{admin}{path}", timeout=10) as response:
             return json.loads(response.read())
+
+    def decisions(self) -> list[str]:
+        """The routing decisions of the replica Envoy follows (the ones it carried out)."""
+        return [d["decision"] for d in self.admin_get("/decisions", followed=True)["decisions"]]
 
     def post_faults(self, server: str, body: dict[str, object]) -> None:
         """POST /faults to a model server (needs --enable-fault-injection)."""

@@ -115,7 +115,7 @@ def test_canary_rolls_a_bad_v2_back_by_itself_and_promotes_a_good_one_under_load
             bad_failed = errors_between(traffic, bad_started, bad_ended)
             bad_answered = answered_between(traffic, bad_started, bad_ended)
             bad_codes = sorted({f"{c.name}: {d}" for c, d in traffic.errors})
-            decisions = [d["decision"] for d in mesh.admin_get("/decisions")["decisions"]]
+            decisions = mesh.decisions()
 
             # v2 fixed: the same canary now goes all the way.
             for server in mesh.server_ports:
@@ -338,7 +338,7 @@ def test_a_slow_server_loses_its_share_and_p99_recovers_under_load(
             traffic.wait_ok(400)
             end_at, end = time.monotonic(), mesh.envoy_hosts()
             still_out = not end.get(address, {}).get("healthy", True)
-        decisions = [d["decision"] for d in mesh.admin_get("/decisions")["decisions"]]
+        decisions = mesh.decisions()
 
     share_before = shares(before, baseline).get(address, 0.0)
     share_fault = shares(baseline, out).get(address, 0.0)
