@@ -37,6 +37,15 @@ def cluster_model(cluster: str) -> str | None:
 class EndpointAddress:
     host: str
     port: int
+    # Computed once: addresses key every per-endpoint map, and at fleet scale a rebuild hashes
+    # them hundreds of thousands of times (a dataclass re-hashes its fields on every call).
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.host, self.port)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def key(self) -> str:

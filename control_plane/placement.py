@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -265,11 +266,18 @@ def build_mesh_state(
     pool_weights = pool_weights or {}
     pool_health = pool_health or {}
 
-    def assign(address: EndpointAddress, cluster: str) -> EndpointAssignment:
+    def assigned(cluster: str) -> tuple[EndpointAssignment, ...]:
         model = cluster_model(cluster) or ""
-        weight = weights.get(address, pool_weights.get(model, {}).get(address, 1))
-        state = health.get(address, pool_health.get(model, {}).get(address))
-        return EndpointAssignment(address, max(1, int(weight)), state or EndpointHealth.HEALTHY)
+        routed_weights = pool_weights.get(model, {})
+        routed_health = pool_health.get(model, {})
+        return tuple(
+            _assignment(
+                address,
+                max(1, int(weights.get(address, routed_weights.get(address, 1)))),
+                health.get(address, routed_health.get(address)) or EndpointHealth.HEALTHY,
+            )
+            for address in sorted(members[cluster], key=_address_order)
+        )
 
     def fail_open(assigned: tuple[EndpointAssignment, ...]) -> tuple[EndpointAssignment, ...]:
         # The pool's ejection cap counts the whole model; a version cluster may hold only the
@@ -283,8 +291,19 @@ def build_mesh_state(
             for a in assigned
         )
 
-    clusters = {
-        name: fail_open(tuple(assign(a, name) for a in sorted(members[name])))
-        for name in sorted(members)
-    }
+    clusters = {name: fail_open(assigned(name)) for name in sorted(members)}
     return MeshState(listener=topology.listener, models=topology.models, clusters=clusters)
+
+
+def _address_order(address: EndpointAddress) -> tuple[str, int]:
+    return address.host, address.port  # EndpointAddress's own order, without its __lt__
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _assignment(
+    address: EndpointAddress, weight: int, health: EndpointHealth
+) -> EndpointAssignment:
+    """One shared object per (address, weight, health): an unchanged cluster's tuple of them
+    compares equal by identity, which keeps the incremental builder's comparison cheap at
+    fleet scale."""
+    return EndpointAssignment(address, weight, health)

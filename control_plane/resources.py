@@ -10,7 +10,7 @@ that copies ``model_name``/``model_version`` from the body of unary calls into t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.cluster.v3 import cluster_pb2, outlier_detection_pb2
@@ -439,7 +439,8 @@ def build_assignment(
 ) -> endpoint_pb2.ClusterLoadAssignment:
     """``no_spill``: the cluster keeps all its traffic while any endpoint is healthy (it is the
     first of a fallback aggregate)."""
-    endpoints = [lb_endpoint(a) for a in sorted(assignments, key=lambda a: a.address)]
+    ordered = sorted(assignments, key=lambda a: (a.address.host, a.address.port))
+    endpoints = [lb_endpoint(a) for a in ordered]
     load = endpoint_pb2.ClusterLoadAssignment(cluster_name=name)
     if no_spill:
         load.policy.overprovisioning_factor.value = NO_SPILL_OVERPROVISIONING
@@ -459,30 +460,61 @@ def route_clusters(route_config: route_pb2.RouteConfiguration) -> set[str]:
     return names
 
 
-def build_resources(state: MeshState) -> dict[str, dict[str, Message]]:
+# How a resource is made: (type URL, name, key, make) -> the message. ``key`` holds everything
+# ``make`` reads, so a caller may hand back the message it made for an equal key before
+# (``control_plane.incremental``); the default makes every one afresh.
+Make = Callable[[str, str, Hashable, Callable[[], Message]], Message]
+
+
+def fresh(type_url: str, name: str, key: Hashable, make: Callable[[], Message]) -> Message:
+    return make()
+
+
+def build_resources(state: MeshState, made: Make = fresh) -> dict[str, dict[str, Message]]:
     """All xDS resources for ``state``, keyed by type URL, then by resource name.
 
     A cluster that a route names but ``state.clusters`` lacks is added with no endpoints, so
     that Envoy answers "no healthy upstream" (UNAVAILABLE) rather than "cluster not found".
+    Every resource is made through ``made`` with a key of its inputs: the route configuration
+    reads the listener options, the models and the cluster names; a cluster its options and
+    its model's circuit breaker; an assignment its members.
     """
-    route_config = build_route_config(state)
-    fallbacks = fallback_members(state, route_clusters(route_config))
+    route_key = (state.listener, state.models, tuple(state.clusters))
+    route_config = made(ROUTE_TYPE, ROUTE_CONFIG_NAME, route_key, lambda: build_route_config(state))
+    assert isinstance(route_config, route_pb2.RouteConfiguration)
+    named_clusters = route_clusters(route_config)
+    fallbacks = fallback_members(state, named_clusters)
     members = dict(state.clusters)
-    named = {c for c in route_clusters(route_config) if c not in fallbacks}
+    named = {c for c in named_clusters if c not in fallbacks}
     for name in named | {c for pair in fallbacks.values() for c in pair}:
         members.setdefault(name, ())
     names = sorted(members)
     primaries = {pair[0] for pair in fallbacks.values()}
-    clusters = {name: build_cluster(state, name) for name in names}
-    clusters.update({name: aggregate_cluster(name, list(pair)) for name, pair in fallbacks.items()})
-    listener = build_listener(state)
+    models = {m.name: m for m in state.models}
+
+    def cluster(name: str) -> Message:
+        model = models.get(cluster_model(name) or "")  # a cluster reads its circuit breaker
+        key = ("eds", state.listener, model.circuit_breaker if model else None)
+        return made(CLUSTER_TYPE, name, key, lambda: build_cluster(state, name))
+
+    def aggregate(name: str, pair: tuple[str, str]) -> Message:
+        return made(CLUSTER_TYPE, name, ("aggregate", pair),
+                    lambda: aggregate_cluster(name, list(pair)))  # fmt: skip
+
+    def assignment(name: str) -> Message:
+        key = (members[name], name in primaries)
+        return made(ENDPOINT_TYPE, name, key,
+                    lambda: build_assignment(name, members[name], name in primaries))  # fmt: skip
+
+    clusters = {name: cluster(name) for name in names}
+    clusters.update({name: aggregate(name, pair) for name, pair in fallbacks.items()})
+    listener_key = (state.listener, any(m.rate_limit for m in state.models))
+    listener = made(LISTENER_TYPE, LISTENER_NAME, listener_key, lambda: build_listener(state))
     return {
-        LISTENER_TYPE: {listener.name: listener},
-        ROUTE_TYPE: {route_config.name: route_config},
+        LISTENER_TYPE: {LISTENER_NAME: listener},
+        ROUTE_TYPE: {ROUTE_CONFIG_NAME: route_config},
         CLUSTER_TYPE: dict(sorted(clusters.items())),
-        ENDPOINT_TYPE: {
-            name: build_assignment(name, members[name], name in primaries) for name in names
-        },
+        ENDPOINT_TYPE: {name: assignment(name) for name in names},
     }
 
 

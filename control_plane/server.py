@@ -28,6 +28,7 @@ from control_plane.canary_runs import CanaryRuns
 from control_plane.endpointslices import EndpointSlices
 from control_plane.envoy_stats import EnvoyStats
 from control_plane.fallback import Fallbacks
+from control_plane.incremental import SnapshotBuilder
 from control_plane.live_view import LiveFeed
 from control_plane.mesh import EndpointAddress, EndpointHealth, MeshState
 from control_plane.metrics import ControlPlaneMetrics
@@ -35,9 +36,8 @@ from control_plane.nodes import NodeRegistry
 from control_plane.operator_api import OperatorApi
 from control_plane.otlp_receiver import start_receiver
 from control_plane.placement import PlacementPoller, build_mesh_state
-from control_plane.resources import build_resources
 from control_plane.routing import Router
-from control_plane.snapshot import InconsistentSnapshot, SnapshotCache, build_snapshot
+from control_plane.snapshot import InconsistentSnapshot, SnapshotCache
 from control_plane.telemetry import TelemetryStore, VersionTelemetry
 from control_plane.topology import (
     EndpointResolver,
@@ -115,6 +115,7 @@ class ControlPlane:
         self.admin_port = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self.live = LiveFeed()
+        self.builder = SnapshotBuilder()  # re-makes only the resources whose inputs changed
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -203,7 +204,7 @@ class ControlPlane:
             pool_health=self.router.pool_health(),
         )
         try:
-            snapshot = build_snapshot(build_resources(state))
+            snapshot = self.builder.build(state)
         except InconsistentSnapshot as exc:  # a bug, not an operator error: keep the last good
             log.error("snapshot not set (%s): %s", reason, exc)
             return False
@@ -215,6 +216,8 @@ class ControlPlane:
             "at": round(time.time(), 3),
             "build_ms": round(elapsed * 1000, 3),
             "changed": changed,
+            "resources_made": self.builder.made,
+            "resources_reused": self.builder.reused,
         }
         if changed:
             self.metrics.snapshots.inc()

@@ -80,14 +80,25 @@ class Snapshot:
     @classmethod
     def build(cls, resources: Mapping[str, Mapping[str, Any]]) -> Snapshot:
         """Packs messages (type URL -> name -> message) and versions each type by content."""
+        return cls.from_packed(
+            {
+                type_url: {
+                    name: pack(name, message, type_url)
+                    for name, message in resources.get(type_url, {}).items()
+                }
+                for type_url in TYPE_ORDER
+            }
+        )
+
+    @classmethod
+    def from_packed(cls, packed: Mapping[str, Mapping[str, PackedResource]]) -> Snapshot:
+        """A snapshot of resources already packed (type URL -> name -> resource): each type's
+        version is a digest of its resources' names and versions, so nothing is re-hashed."""
         typed = {}
         for type_url in TYPE_ORDER:
-            packed = {
-                name: pack(name, message, type_url)
-                for name, message in resources.get(type_url, {}).items()
-            }
-            version = _digest(f"{n}={packed[n].version}" for n in sorted(packed))
-            typed[type_url] = TypeResources(version, packed)
+            items = packed.get(type_url, {})
+            version = _digest(f"{n}={items[n].version}" for n in sorted(items))
+            typed[type_url] = TypeResources(version, dict(items))
         return cls(typed)
 
     def of(self, type_url: str) -> TypeResources:
@@ -130,9 +141,13 @@ def _listener_route_names(listeners: Mapping[str, Any]) -> set[str]:
     return names
 
 
-def build_snapshot(resources: Mapping[str, Mapping[str, Any]]) -> Snapshot:
-    """Builds a snapshot and checks it; raises InconsistentSnapshot listing every problem."""
-    snapshot = Snapshot.build(resources)
+def build_snapshot(
+    resources: Mapping[str, Mapping[str, Any]],
+    packed: Mapping[str, Mapping[str, PackedResource]] | None = None,
+) -> Snapshot:
+    """Builds a snapshot and checks it; raises InconsistentSnapshot listing every problem.
+    ``packed``: the same resources already packed (the incremental builder's), used as is."""
+    snapshot = Snapshot.build(resources) if packed is None else Snapshot.from_packed(packed)
     errors = snapshot.consistency_errors(resources)
     if errors:
         raise InconsistentSnapshot("; ".join(errors))
