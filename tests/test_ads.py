@@ -231,6 +231,31 @@ async def test_delta_sends_only_changes_and_removals() -> None:
         stream.close()
 
 
+async def test_a_node_that_stops_acking_delays_nobody_and_then_gets_only_the_newest() -> None:
+    """Back-pressure: an Envoy that does not acknowledge holds up only its own stream, and
+    the changes it missed coalesce into one response with the newest snapshot."""
+    async with Harness() as h:
+        h.cache.set_snapshot(mesh(("a", 1)))
+        stuck, healthy = h.stream(), h.stream()
+        for stream in (stuck, healthy):
+            stream.send(type_url=CLUSTER_TYPE)
+        held = await stuck.receive()  # never acknowledged while the snapshot moves on
+        last = await healthy.receive()
+        for port in range(2, 12):
+            healthy.send(
+                type_url=CLUSTER_TYPE, version_info=last.version_info, response_nonce=last.nonce
+            )
+            h.cache.set_snapshot(mesh(("a", port)))
+            last = await healthy.receive()  # each change reaches the healthy node at once
+        assert await stuck.quiet_for(0.3)  # nothing queued up behind the missing ACK
+        stuck.send(type_url=CLUSTER_TYPE, version_info=held.version_info, response_nonce=held.nonce)
+        newest = await stuck.receive()
+        assert newest.version_info == last.version_info  # one response: the tenth change
+        assert await stuck.quiet_for(0.3)
+        for stream in (stuck, healthy):
+            stream.close()
+
+
 def test_inconsistent_snapshot_is_refused_with_every_reason() -> None:
     resources: dict[str, dict[str, Any]] = {
         CLUSTER_TYPE: {"a": cluster_pb2.Cluster(name="a", type=cluster_pb2.Cluster.EDS)},
