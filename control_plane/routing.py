@@ -8,6 +8,7 @@ plane pushes only when a pool's decision says so (hysteresis), so noise does not
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -44,16 +45,33 @@ def _value(signal: Any) -> float | None:
     return None if signal is None else float(signal.value)
 
 
+Members = Mapping[str, list[EndpointAddress]]
+
+
+def ready_members(
+    reports: Mapping[EndpointAddress, EndpointReport],
+) -> dict[str, list[EndpointAddress]]:
+    """Per model, the reachable endpoints where it is READY, in address order: one pass over
+    the fleet per recompute, so each pool then reads only its own endpoints."""
+    members: dict[str, list[EndpointAddress]] = {}
+    for address in sorted(reports, key=lambda a: (a.host, a.port)):
+        report = reports[address]
+        if report.reachable:
+            for model in {m for m, _ in report.ready_models}:
+                members.setdefault(model, []).append(address)
+    return members
+
+
 def pool_signals(
     model: str,
     telemetry: Mapping[str, EndpointTelemetry],
     reports: Mapping[EndpointAddress, EndpointReport],
+    members: Members | None = None,
 ) -> list[EndpointSignals]:
-    """The endpoints where ``model`` is READY, with their signals (None where missing)."""
+    """The endpoints where ``model`` is READY, with their signals (None where missing).
+    ``members``: ``ready_members(reports)``, computed once for every pool."""
     signals = []
-    for address, report in sorted(reports.items()):
-        if not report.reachable or not any(m == model for m, _ in report.ready_models):
-            continue
+    for address in (members if members is not None else ready_members(reports)).get(model, []):
         seen = telemetry.get(address.key)
         if seen is None:
             signals.append(EndpointSignals(address.key, stale=True))
@@ -98,6 +116,7 @@ def _probation(
     return set(memory.probation)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _address(key: str) -> EndpointAddress:
     host, _, port = key.rpartition(":")
     return EndpointAddress(host.strip("[]"), int(port))
@@ -122,10 +141,11 @@ class Router:
         """Updates every pool's weights and health; True when Envoy should be told."""
         changed = False
         wall = time.time()
+        members = ready_members(reports)
         for model in topology.models:
             memory = self.pools.setdefault(model.name, PoolMemory())
             policy = topology.policy(model.name)
-            signals = pool_signals(model.name, telemetry, reports)
+            signals = pool_signals(model.name, telemetry, reports, members)
             decision, memory.state = decide_pool(signals, policy, memory.state)
             ejection = decide_ejections(signals, policy, memory.ejections, now)
             for event in ejection.events:

@@ -6,7 +6,6 @@ Pure: the previous per-endpoint states and the time come in, the new states come
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -99,9 +98,22 @@ def _judge(
     return _Verdict(tuple(causes), (mem, err, lat), strikes)
 
 
-def _others_p99(sig: EndpointSignals, pool: Sequence[EndpointSignals]) -> float | None:
-    values = sorted(s.p99_ms for s in pool if s is not sig and s.p99_ms is not None and not s.stale)
-    return statistics.median(values) if values else None
+class _PoolP99:
+    """The median P99 of a pool without one of its endpoints; sorted once per pool, not once
+    per endpoint (a pool of n costs O(n) per endpoint instead of O(n log n))."""
+
+    def __init__(self, pool: Sequence[EndpointSignals]) -> None:
+        self.values = sorted(s.p99_ms for s in pool if s.p99_ms is not None and not s.stale)
+
+    def without(self, sig: EndpointSignals) -> float | None:
+        values = self.values
+        if sig.p99_ms is not None and not sig.stale:
+            values = values.copy()
+            values.remove(sig.p99_ms)  # one equal value: the same median as removing sig's
+        if not values:
+            return None
+        middle = len(values) // 2
+        return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
 
 
 def _max_out(serving: int, share: float) -> int:
@@ -138,9 +150,10 @@ def decide_ejections(
         if not prev.draining:
             events.append(f"{sig.endpoint} is draining: the server reports draining.")
 
+    pool_p99 = _PoolP99(serving)
     verdicts = {
         s.endpoint: _judge(
-            s, policy, previous.get(s.endpoint, EjectionState()), _others_p99(s, serving)
+            s, policy, previous.get(s.endpoint, EjectionState()), pool_p99.without(s)
         )
         for s in serving
     }
