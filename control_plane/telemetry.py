@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+import operator
 import threading
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -345,7 +346,7 @@ def window_delta(samples: deque[tuple[float, Vec]], window_s: float) -> tuple[Ve
     sample at most ``window_s`` before the newest one (span 0: no rate yet)."""
     t_new, new = samples[-1]
     t_base, base = next((t, v) for t, v in samples if t >= t_new - window_s)
-    return tuple(a - b for a, b in zip(new, base, strict=True)), t_new - t_base, t_new
+    return tuple(map(operator.sub, new, base)), t_new - t_base, t_new
 
 
 def _rate(series: Labeled, now: float, window_s: float) -> Signal | None:
@@ -392,6 +393,9 @@ def _percentile_ms(series: Labeled, q: float, now: float, window_s: float) -> Si
     bounds = max(deltas, key=lambda d: sum(d[1]))[0]
     counts = [0.0] * (len(bounds) + 1)
     for own, delta, _, _ in deltas:
+        if own == bounds and len(delta) == len(counts):  # the usual case: nothing to re-bin
+            counts = list(map(operator.add, counts, delta))
+            continue
         for i, n in enumerate(delta):
             upper = own[i] if i < len(own) else math.inf
             counts[bisect.bisect_left(bounds, upper)] += n
