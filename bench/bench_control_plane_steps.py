@@ -1,0 +1,144 @@
+"""What each step of the control plane's loop costs at fleet scale, in process (no network).
+
+For N endpoints spread over 100 model pools (each endpoint one pool, realistic model-server
+exports from bench_telemetry.sample_registry):
+
+- ingest: TelemetryStore.ingest of one export request per endpoint (one second's telemetry)
+- telemetry snapshot: every endpoint's windowed P99, rates and gauges (the routing loop's input)
+- routing recompute: scores, ejections and weights of every pool
+- mesh state: clusters and assignments from placement and the routed weights
+- snapshot, one pool changed: the incremental SnapshotBuilder beside a full build of the same
+  state (identical versions are checked), side by side in one run
+
+    .venv/bin/python bench/bench_control_plane_steps.py [--endpoints 1000,10000] [--repeat 3]
+
+Medians of --repeat runs; the machine is shared, so compare within a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_telemetry import sample_registry
+
+from control_plane.incremental import SnapshotBuilder
+from control_plane.mesh import EndpointAddress, MeshState
+from control_plane.placement import EndpointReport, build_mesh_state
+from control_plane.resources import build_resources
+from control_plane.routing import Router
+from control_plane.snapshot import build_snapshot
+from control_plane.telemetry import TelemetryStore
+from control_plane.topology import parse_topology
+from model_server.telemetry import build_request
+
+MODELS = 100
+
+
+def timed(fn: Callable[[], object], repeat: int) -> float:
+    """Median milliseconds of ``repeat`` calls."""
+    samples = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - started) * 1000)
+    return statistics.median(samples)
+
+
+def run(n: int, repeat: int) -> list[tuple[str, float]]:
+    addresses = [EndpointAddress(f"10.{i // 65536}.{i // 256 % 256}.{i % 256}", 8001)
+                 for i in range(n)]  # fmt: skip
+    pool = {a: f"m{i % MODELS}" for i, a in enumerate(addresses)}
+    models = [{"name": f"m{j}", "sla_p99_ms": 50, "capacity_qps": 100} for j in range(MODELS)]
+    topology = parse_topology(
+        {"models": models, "endpoints": [{"address": a.key} for a in addresses]}
+    )
+    registry = sample_registry().registry
+    requests = [build_request(registry, a.key) for a in addresses]
+    store, clock = TelemetryStore(), [0.0]
+
+    def ingest() -> None:
+        clock[0] += 1.0
+        for request in requests:
+            store.ingest(request, clock[0])
+
+    rows = [("ingest: one export per endpoint", timed(ingest, repeat))]
+    raw = store.snapshot(clock[0] + 0.5)
+    rows.append(("telemetry snapshot", timed(lambda: store.snapshot(clock[0] + 0.5), repeat)))
+    # The sample registry reports model "classifier": give each endpoint its own pool's name.
+    telemetry = {
+        a.key: dataclasses.replace(
+            raw[a.key],
+            models=tuple(dataclasses.replace(m, model=pool[a]) for m in raw[a.key].models),
+        )
+        for a in addresses
+    }
+    reports = {a: EndpointReport(a, True, frozenset({(pool[a], "1")}), True) for a in addresses}
+    router = Router()
+    rows.append(
+        (
+            "routing recompute (100 pools)",
+            timed(lambda: router.recompute(topology, telemetry, reports, clock[0]), repeat),
+        )
+    )
+    weights = router.pool_weights()
+    rows.append(
+        (
+            "mesh state",
+            timed(lambda: build_mesh_state(topology, reports, pool_weights=weights), repeat),
+        )
+    )
+    builder = SnapshotBuilder()
+    builder.build(build_mesh_state(topology, reports, pool_weights=weights))
+    states = []
+    for k in range(repeat):  # each a weight change in one pool
+        changed = {
+            **weights,
+            "m0": {a: 1 + k for a in weights.get("m0", {})} or {addresses[0]: 1 + k},
+        }
+        states.append(build_mesh_state(topology, reports, pool_weights=changed))
+    incremental = statistics.median(_time_each(builder.build, states))
+    full = statistics.median(_time_each(lambda s: build_snapshot(build_resources(s)), states))
+    assert (
+        builder.build(states[-1]).versions()
+        == build_snapshot(build_resources(states[-1])).versions()
+    )
+    rows.append((f"snapshot, one pool changed: incremental (made {builder.made})", incremental))
+    rows.append(("snapshot, one pool changed: full build", full))
+    return rows
+
+
+def _time_each(fn: Callable[[MeshState], object], items: list[MeshState]) -> list[float]:
+    out = []
+    for item in items:
+        started = time.perf_counter()
+        fn(item)
+        out.append((time.perf_counter() - started) * 1000)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--endpoints", default="1000,10000")
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    counts = [int(n) for n in args.endpoints.split(",")]
+    results = {n: run(n, args.repeat) for n in counts}
+    print(f"\n| step | {' | '.join(f'{n:,} endpoints (ms)' for n in counts)} |")
+    print("| --- " * (len(counts) + 1) + "|")
+    for i, (step, _) in enumerate(results[counts[0]]):
+        step = step.split(" (made")[0] if "incremental" in step else step
+        cells = " | ".join(f"{results[n][i][1]:,.1f}" for n in counts)
+        print(f"| {step} | {cells} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
