@@ -152,23 +152,27 @@ class AdminServer:
                     self._json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": message})
                     return
                 try:
-                    self.send_response(HTTPStatus.OK)
-                    self.send_header("content-type", "text/event-stream")
-                    self.send_header("cache-control", "no-cache")
-                    self.end_headers()
-                    sequence, opening = feed.opening()
-                    self._event("history", opening, retry_ms=1000)
-                    while not admin.stopping.is_set():
-                        sequence, frame = feed.next_frame(sequence, EVENT_KEEPALIVE_S)
-                        if frame is None:
-                            self.wfile.write(b": keep-alive\n\n")
-                            self.wfile.flush()
-                        else:
-                            self._event("frame", frame)
+                    with feed.watching():
+                        self._stream(feed)
                 except (BrokenPipeError, ConnectionResetError, TimeoutError):
                     pass  # the page went away
                 finally:
                     streams.release()
+
+            def _stream(self, feed: LiveFeed) -> None:
+                self.send_response(HTTPStatus.OK)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("cache-control", "no-cache")
+                self.end_headers()
+                sequence, opening = feed.opening()
+                self._event("history", opening, retry_ms=1000)
+                while not admin.stopping.is_set():
+                    sequence, frame = feed.next_frame(sequence, EVENT_KEEPALIVE_S)
+                    if frame is None:
+                        self.wfile.write(b": keep-alive\n\n")
+                        self.wfile.flush()
+                    else:
+                        self._event("frame", frame)
 
             def _event(self, name: str, body: Any, retry_ms: int | None = None) -> None:
                 retry = f"retry: {retry_ms}\n" if retry_ms is not None else ""

@@ -10,8 +10,9 @@ QPS, weight and share, so a page that (re)connects draws its sparklines at once.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,9 +149,21 @@ class LiveFeed:
 
     def __init__(self, points: int = HISTORY_POINTS) -> None:
         self.history = History(points)
+        self.viewers = 0  # pages open now: frames every second only while there are some
         self._frame: dict[str, Any] | None = None
         self._sequence = 0
         self._changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Counts one open page for as long as the block runs."""
+        with self._changed:
+            self.viewers += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self.viewers -= 1
 
     def publish(self, frame: dict[str, Any]) -> None:
         with self._changed:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import signal
 import time
 from collections.abc import Coroutine
@@ -52,7 +53,8 @@ TOPOLOGY_CHECK_INTERVAL_S = 1.0
 ROUTING_INTERVAL_S = 0.5  # how often telemetry is turned into weights and ejections
 JUDGE_INTERVAL_S = 0.5  # how often running canaries and open circuits are judged
 DNS_REFRESH_INTERVAL_S = 5.0
-LIVE_VIEW_INTERVAL_S = 1.0  # a frame of the live view (GET /ui) every second
+LIVE_VIEW_INTERVAL_S = 1.0  # a frame of the live view (GET /ui) every second while watched
+LIVE_VIEW_IDLE_INTERVAL_S = 10.0  # and this often while no page is open
 
 
 @dataclass(frozen=True)
@@ -329,13 +331,19 @@ class ControlPlane:
             self.rebuild(reason)
 
     async def _publish_live_view(self) -> None:
-        """A frame of the live view every second, whether or not a page is open (its history
-        is what a page draws first)."""
+        """A frame of the live view every second while a page is open, and every
+        LIVE_VIEW_IDLE_INTERVAL_S otherwise: the history a page draws first stays, and a fleet
+        nobody watches does not pay a frame a second (measured at 11-20% of the control
+        plane's time at 1,000 endpoints)."""
+        last = -math.inf
         while True:
-            try:
-                self.live.publish(await self.api.live_frame())
-            except Exception:  # a view must never take the control plane down
-                log.exception("live view frame failed")
+            now = time.monotonic()
+            if self.live.viewers or now - last >= LIVE_VIEW_IDLE_INTERVAL_S:
+                last = now
+                try:
+                    self.live.publish(await self.api.live_frame())
+                except Exception:  # a view must never take the control plane down
+                    log.exception("live view frame failed")
             await asyncio.sleep(LIVE_VIEW_INTERVAL_S)
 
     # -- admin --------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from control_plane import admin as admin_module
 from control_plane.admin import AdminServer
 from control_plane.cli import read_token
 from control_plane.live_view import History, LiveFeed, build_frame, endpoint_state
+from tests.support import wait_for
 
 ROUTE = {"weight": 100, "health": "HEALTHY", "score": 0.9, "reason": "score 0.90"}
 
@@ -257,6 +258,21 @@ def test_events_start_with_the_history_then_stream_each_frame(admin: Admin) -> N
     assert first == "history" and opening["frame"]["at"] == 1.0
     assert [p["at"] for p in opening["history"]["classifier"]["a:1"]] == [1.0]
     assert second == "frame" and frame["at"] == 2.0
+
+
+def test_open_pages_are_counted_while_they_are_open(admin: Admin) -> None:
+    """The control plane builds a frame a second only while someone watches."""
+    assert admin.feed.viewers == 0
+    with urllib.request.urlopen(admin.url + "/events", timeout=10) as stream:
+        stream.readline()  # the stream is open
+        wait_for(lambda: admin.feed.viewers == 1, 5, "the page counted")
+    frame = build_frame(*status_and_telemetry(), 1.0)
+
+    def gone() -> bool:  # a write is how the handler learns the page went away
+        admin.feed.publish(frame)
+        return admin.feed.viewers == 0
+
+    wait_for(gone, 20, "the page uncounted")
 
 
 def test_open_pages_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
