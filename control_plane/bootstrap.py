@@ -184,20 +184,22 @@ def _port(text: str) -> int:
 
 
 def port_list(text: str) -> list[int]:
-    """``18000`` or ``18000,18001`` (one port per control-plane replica)."""
+    """``18000`` or ``18000,18001`` (one port per control-plane replica): ``target_list``
+    without hosts."""
     try:
-        ports = [_port(part) for part in text.split(",") if part.strip()]
-    except ValueError:
+        targets = target_list(text)
+    except argparse.ArgumentTypeError:
+        targets = []
+    ports = [t for t in targets if isinstance(t, int)]
+    if not ports or len(ports) != len(targets):
         raise argparse.ArgumentTypeError(
             f"{text!r} is not PORT[,PORT...] with ports between 1 and 65535"
-        ) from None
-    if not ports:
-        raise argparse.ArgumentTypeError(f"{text!r} names no port")
+        )
     return ports
 
 
 def target_list(text: str) -> list[int | str]:
-    """Like ``port_list``, and an item may be HOST:PORT (a replica on a host of its own)."""
+    """``PORT[,PORT...]`` where an item may be HOST:PORT (a replica on a host of its own)."""
     targets: list[int | str] = []
     for part in (p.strip() for p in text.split(",")):
         if not part:
