@@ -115,17 +115,20 @@ class ComposeMesh:
             raise RuntimeError(f"the launcher exited:\n{self.log.read_text()[-3000:]}")
         return self
 
-    def envoy_healthy(self, cluster: str = "model:classifier") -> int:
-        """How many of ``cluster``'s hosts Envoy itself considers healthy right now."""
+    def envoy_clusters(self) -> str:
+        """Envoy's admin /clusters text ("" when the admin does not answer)."""
         url = f"http://127.0.0.1:{self.env['INFERMESH_ENVOY_ADMIN_PORT']}/clusters"
         try:
             with urllib.request.urlopen(url, timeout=5) as response:
-                text = response.read().decode()
+                return str(response.read().decode())
         except OSError:
-            return 0
+            return ""
+
+    def envoy_healthy(self, cluster: str = "model:classifier") -> int:
+        """How many of ``cluster``'s hosts Envoy itself considers healthy right now."""
         return sum(
             1
-            for line in text.splitlines()
+            for line in self.envoy_clusters().splitlines()
             if line.startswith(f"{cluster}::") and line.endswith("::health_flags::healthy")
         )
 
@@ -133,14 +136,8 @@ class ComposeMesh:
         """Per model-server host, across Envoy's clusters of ``cluster`` (the model's and its
         versions'): requests sent there (``rq_total``) and whether any of those clusters would
         route to it now (``healthy``). Empty when Envoy's admin does not answer."""
-        url = f"http://127.0.0.1:{self.env['INFERMESH_ENVOY_ADMIN_PORT']}/clusters"
-        try:
-            with urllib.request.urlopen(url, timeout=5) as response:
-                text = response.read().decode()
-        except OSError:
-            return {}
         hosts: dict[str, dict[str, Any]] = {}
-        for line in text.splitlines():
+        for line in self.envoy_clusters().splitlines():
             parts = line.split("::")
             if len(parts) != 4 or not (parts[0] == cluster or parts[0].startswith(f"{cluster}:")):
                 continue
