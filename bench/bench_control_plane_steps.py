@@ -4,7 +4,8 @@ For N endpoints spread over 100 model pools (each endpoint one pool, realistic m
 exports from bench_telemetry.sample_registry):
 
 - ingest: TelemetryStore.ingest of one export request per endpoint (one second's telemetry)
-- telemetry snapshot: every endpoint's windowed P99, rates and gauges (the routing loop's input)
+- telemetry snapshot: every endpoint's windowed P99, rates and gauges (the routing loop's input),
+  after every endpoint reported, and again with no new data (a routing tick between two reports)
 - routing recompute: scores, ejections and weights of every pool
 - mesh state: clusters and assignments from placement and the routed weights
 - snapshot, one pool changed: the incremental SnapshotBuilder beside a full build of the same
@@ -70,8 +71,20 @@ def run(n: int, repeat: int) -> list[tuple[str, float]]:
             store.ingest(request, clock[0])
 
     rows = [("ingest: one export per endpoint", timed(ingest, repeat))]
+    fresh = []
+    for _ in range(repeat):  # every endpoint reported since the last read
+        ingest()
+        started = time.perf_counter()
+        store.snapshot(clock[0] + 0.25)
+        fresh.append((time.perf_counter() - started) * 1000)
+    rows.append(("telemetry snapshot, new data from every endpoint", statistics.median(fresh)))
     raw = store.snapshot(clock[0] + 0.5)
-    rows.append(("telemetry snapshot", timed(lambda: store.snapshot(clock[0] + 0.5), repeat)))
+    rows.append(
+        (
+            "telemetry snapshot, no new data since the last read",
+            timed(lambda: store.snapshot(clock[0] + 0.5), repeat),
+        )
+    )
     # The sample registry reports model "classifier": give each endpoint its own pool's name.
     telemetry = {
         a.key: dataclasses.replace(

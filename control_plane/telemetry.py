@@ -25,9 +25,11 @@ import dataclasses
 import math
 import operator
 import threading
+from array import array
 from collections import Counter, deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
@@ -38,10 +40,13 @@ from control_plane.otlp_receiver import Point, decode_request
 DURATION = "inference_request_duration_seconds"
 REQUESTS = "inference_requests"
 OK_CODES = frozenset({"ok", "0", "200", "success"})
+PLACEMENT_SIGNALS = frozenset({"model_state", "server_draining"})  # see take_placement_hints
 MAX_SAMPLES = 256  # per series; a faster exporter shortens the window rather than the memory
 
 Attrs = tuple[tuple[str, str], ...]
-Vec = tuple[float, ...]
+Vec = Sequence[float]  # a tuple, or an array of doubles for histogram buckets
+Sample = tuple[float, Vec]  # (arrival time, values)
+MAX_INTERNED = 10_000
 
 
 @dataclass(frozen=True)
@@ -107,23 +112,40 @@ class IngestResult:
 
 
 class _Series:
-    __slots__ = ("bounds", "kind", "last_start", "samples")
+    __slots__ = ("_delta", "bounds", "kind", "labels", "last_start", "samples")
 
-    def __init__(self, kind: str, bounds: Vec) -> None:
+    def __init__(self, kind: str, bounds: Vec, labels: dict[str, str] | None = None) -> None:
         self.kind = kind  # "gauge", "counter", "histogram"
         self.bounds = bounds
+        self.labels = labels or {}  # the attributes as a dict, made once (reads need it often)
         self.last_start = 0
-        self.samples: deque[tuple[float, Vec]] = deque(maxlen=MAX_SAMPLES)
+        # A gauge keeps only its last value: a list, as a deque allocates a block of 64 slots.
+        self.samples: deque[Sample] = (
+            deque(maxlen=MAX_SAMPLES) if kind != "gauge" else cast("deque[Sample]", [])
+        )
+        self._delta: tuple[object, object, float, tuple[Vec, float, float]] | None = None
+
+    def delta(self, window_s: float) -> tuple[Vec, float, float]:
+        """``window_delta`` of the samples, kept until a sample arrives or leaves: a series
+        reporting every second is read by every routing tick and by every p50/p99/rate."""
+        first, last, cached = self.samples[0], self.samples[-1], self._delta
+        if cached and cached[0] is first and cached[1] is last and cached[2] == window_s:
+            return cached[3]
+        result = window_delta(self.samples, window_s)
+        self._delta = (first, last, window_s, result)
+        return result
 
 
 class _Endpoint:
-    __slots__ = ("dropped_series", "interval_s", "last_seen", "series")
+    __slots__ = ("computed", "dropped_series", "first_seen", "interval_s", "last_seen", "series")
 
     def __init__(self, now: float, interval_s: float) -> None:
-        self.last_seen = now
+        self.first_seen = self.last_seen = now
         self.interval_s = interval_s
         self.series: dict[tuple[str, Attrs], _Series] = {}
         self.dropped_series = 0
+        # (when, its telemetry) until the next point arrives: a later read only ages it
+        self.computed: tuple[float, EndpointTelemetry] | None = None
 
 
 class TelemetryStore:
@@ -147,9 +169,19 @@ class TelemetryStore:
         self._endpoints: dict[str, _Endpoint] = {}
         self._lock = threading.Lock()
         self._last_forget = -math.inf
+        self._placement_hints: set[str] = set()
+        self._interned: dict[Any, Any] = {}  # see _shared
 
     def __len__(self) -> int:
         return len(self._endpoints)
+
+    def take_placement_hints(self) -> set[str]:
+        """The endpoints whose own telemetry said, since the last call, that a model version
+        changed state or that the server started or stopped draining: placement should probe
+        them now rather than at their turn in its cycle."""
+        with self._lock:
+            hints, self._placement_hints = self._placement_hints, set()
+        return hints
 
     def ingest(self, request: ExportMetricsServiceRequest, received_at: float) -> IngestResult:
         """Decodes and stores one export request; never raises on bad data."""
@@ -183,6 +215,7 @@ class TelemetryStore:
             if gap >= 0.05:  # several requests of one export round are one arrival
                 endpoint.interval_s = 0.7 * endpoint.interval_s + 0.3 * gap
             endpoint.last_seen = max(endpoint.last_seen, now)
+        endpoint.computed = None
         return endpoint
 
     def _forget(self, now: float, force: bool = False) -> None:
@@ -194,6 +227,16 @@ class TelemetryStore:
         ]:
             del self._endpoints[key]
 
+    def _shared(self, key: Any, value: Any) -> Any:
+        """One object for what thousands of endpoints repeat (histogram bounds, label sets),
+        kept for the first MAX_INTERNED distinct ones."""
+        found = self._interned.get(key)
+        if found is None:
+            found = value
+            if len(self._interned) < MAX_INTERNED:
+                self._interned[key] = value
+        return found
+
     def _store(self, endpoint: _Endpoint, p: Point, now: float) -> bool:
         key = (p.name, p.attrs)
         series = endpoint.series.get(key)
@@ -201,16 +244,27 @@ class TelemetryStore:
             if series is None and len(endpoint.series) >= self.max_series_per_endpoint:
                 endpoint.dropped_series += 1
                 return False
-            series = endpoint.series[key] = _Series(p.kind, p.bounds)
+            known = endpoint.first_seen < now  # a new series of a known endpoint: a new version
+            bounds = self._shared(("bounds", p.bounds), p.bounds)  # one copy of the usual bounds
+            attrs, labels = self._shared(
+                ("attrs", p.attrs), (p.attrs, dict(p.attrs))
+            )  # and of labels
+            series = endpoint.series[(p.name, attrs)] = _Series(p.kind, bounds, labels)
+            if known and p.name in PLACEMENT_SIGNALS:
+                self._placement_hints.add(p.endpoint)
         samples = series.samples
         if p.kind == "gauge":
+            if p.name in PLACEMENT_SIGNALS and samples and samples[-1][1] != p.values:
+                self._placement_hints.add(p.endpoint)
             samples.clear()
             samples.append((now, p.values))
             return True
         duration = min(max(p.duration_s, 0.0), self.forget_after_s)
         if p.delta:
             base = samples[-1][1] if samples else None
-            values = p.values if base is None else tuple(map(sum, zip(base, p.values, strict=True)))
+            values = (
+                p.values if base is None else _like(p.values, map(operator.add, base, p.values))
+            )
         else:
             values = p.values
             restarted = p.start_ns > series.last_start > 0
@@ -218,7 +272,7 @@ class TelemetryStore:
                 samples.clear()  # the counter went back: a restart starts a new window
             series.last_start = max(series.last_start, p.start_ns)
         if not samples and duration > 0:
-            samples.append((now - duration, tuple(0.0 for _ in values)))
+            samples.append((now - duration, _like(values, (0.0 for _ in values))))
         elif samples and samples[-1][0] >= now:  # one arrival (or reordered): the newer value
             now = samples.pop()[0]
         samples.append((now, values))
@@ -230,7 +284,16 @@ class TelemetryStore:
     def snapshot(self, now: float) -> dict[str, EndpointTelemetry]:
         with self._lock:
             self._forget(now, force=True)
-            return {key: self._telemetry(key, e, now) for key, e in self._endpoints.items()}
+            return {key: self._computed(key, e, now) for key, e in self._endpoints.items()}
+
+    def _computed(self, key: str, e: _Endpoint, now: float) -> EndpointTelemetry:
+        """The endpoint's telemetry; unchanged data since the last read is only aged (routing
+        reads every endpoint twice per reporting interval; at fleet scale this halves it)."""
+        if e.computed is not None and e.computed[0] <= now:
+            return _aged(e.computed[1], now - e.computed[0], self.stale_after_intervals)
+        telemetry = self._telemetry(key, e, now)
+        e.computed = (now, telemetry)
+        return telemetry
 
     def as_json(self, now: float) -> dict[str, Any]:
         """What the admin's GET /telemetry serves."""
@@ -250,8 +313,8 @@ class TelemetryStore:
         requests: dict[str, Labeled] = {}
         with self._lock:
             for e in self._endpoints.values():
-                for (name, attrs), s in e.series.items():
-                    labels = dict(attrs)
+                for (name, _), s in e.series.items():
+                    labels = s.labels
                     if labels.get("model") != model or not s.samples:
                         continue
                     if s.samples[-1][0] < e.last_seen - self.window_s:
@@ -271,14 +334,14 @@ class TelemetryStore:
             }
 
     def _telemetry(self, key: str, e: _Endpoint, now: float) -> EndpointTelemetry:
-        live = [
-            (name, dict(attrs), s)
-            for (name, attrs), s in e.series.items()
-            if s.samples and s.samples[-1][0] >= e.last_seen - self.window_s
-        ]
+        live: dict[str, Labeled] = {}  # metric name -> its series still reporting
+        cutoff = e.last_seen - self.window_s
+        for (name, _), s in e.series.items():
+            if s.samples and s.samples[-1][0] >= cutoff:
+                live.setdefault(name, []).append((s.labels, s))
 
-        def of(name: str) -> list[tuple[dict[str, str], _Series]]:
-            return [(attrs, s) for n, attrs, s in live if n == name]
+        def of(name: str) -> Labeled:
+            return live.get(name, [])
 
         durations = of(DURATION)
         requests = of(REQUESTS)
@@ -322,6 +385,39 @@ class TelemetryStore:
 
 
 # -- pure computations over series -----------------------------------------------------------
+def _like(values: Vec, items: Iterable[float]) -> Vec:
+    """``items`` stored like ``values``: an array of doubles stays one."""
+    return array("d", items) if isinstance(values, array) else tuple(items)
+
+
+def _aged(t: EndpointTelemetry, dt: float, stale_after_intervals: float) -> EndpointTelemetry:
+    """``t`` read ``dt`` seconds later with no new data: every age grows by ``dt``."""
+    if dt == 0:
+        return t
+
+    def older(s: Signal | None) -> Signal | None:
+        return None if s is None else Signal(s.value, s.age_s + dt)
+
+    age = t.age_s + dt
+    return dataclasses.replace(
+        t,
+        age_s=age,
+        stale=age > stale_after_intervals * t.interval_s,
+        p50_ms=older(t.p50_ms),
+        p99_ms=older(t.p99_ms),
+        qps=older(t.qps),
+        error_rate=older(t.error_rate),
+        queue_depth=older(t.queue_depth),
+        in_flight=older(t.in_flight),
+        memory_used_bytes=older(t.memory_used_bytes),
+        memory_total_bytes=older(t.memory_total_bytes),
+        kv_blocks_used=older(t.kv_blocks_used),
+        kv_blocks_total=older(t.kv_blocks_total),
+        draining=None if t.draining is None else Flag(t.draining.value, t.draining.age_s + dt),
+        models=tuple(ModelTelemetry(m.model, older(m.p99_ms), older(m.qps)) for m in t.models),
+    )
+
+
 Labeled = list[tuple[dict[str, str], _Series]]
 
 
@@ -346,13 +442,13 @@ def window_delta(samples: deque[tuple[float, Vec]], window_s: float) -> tuple[Ve
     sample at most ``window_s`` before the newest one (span 0: no rate yet)."""
     t_new, new = samples[-1]
     t_base, base = next((t, v) for t, v in samples if t >= t_new - window_s)
-    return tuple(map(operator.sub, new, base)), t_new - t_base, t_new
+    return _like(new, map(operator.sub, new, base)), t_new - t_base, t_new
 
 
 def _rate(series: Labeled, now: float, window_s: float) -> Signal | None:
     total, newest, found = 0.0, -math.inf, False
     for _, s in series:
-        delta, span, t = window_delta(s.samples, window_s)
+        delta, span, t = s.delta(window_s)
         if span > 0:
             total, newest, found = total + delta[0] / span, max(newest, t), True
     return Signal(total, now - newest) if found else None
@@ -360,20 +456,20 @@ def _rate(series: Labeled, now: float, window_s: float) -> Signal | None:
 
 def _after(series: _Series, since: float) -> _Series:
     """A copy holding only the samples that arrived at or after ``since``."""
-    copy = _Series(series.kind, series.bounds)
+    copy = _Series(series.kind, series.bounds, series.labels)
     copy.samples.extend(sample for sample in series.samples if sample[0] >= since)
     return copy
 
 
 def _count(series: Labeled, window_s: float) -> float:
-    return sum(window_delta(s.samples, window_s)[0][0] for _, s in series)
+    return sum(s.delta(window_s)[0][0] for _, s in series)
 
 
 def _error_rate(series: Labeled, now: float, window_s: float) -> Signal | None:
     errors = total = 0.0
     newest = -math.inf
     for attrs, s in series:
-        delta, span, t = window_delta(s.samples, window_s)
+        delta, span, t = s.delta(window_s)
         if span > 0:
             total += delta[0]
             errors += 0.0 if attrs.get("code", "").lower() in OK_CODES else delta[0]
@@ -386,7 +482,7 @@ def _error_rate(series: Labeled, now: float, window_s: float) -> Signal | None:
 def _percentile_ms(series: Labeled, q: float, now: float, window_s: float) -> Signal | None:
     """The q-quantile in milliseconds of the histogram deltas, re-binned onto the bounds of the
     series with the most observations."""
-    deltas = [(s.bounds, *window_delta(s.samples, window_s)) for _, s in series]
+    deltas = [(s.bounds, *s.delta(window_s)) for _, s in series]
     deltas = [d for d in deltas if d[2] > 0 and sum(d[1]) > 0]
     if not deltas:
         return None
