@@ -53,6 +53,7 @@ TOPOLOGY_CHECK_INTERVAL_S = 1.0
 ROUTING_INTERVAL_S = 0.5  # how often telemetry is turned into weights and ejections
 JUDGE_INTERVAL_S = 0.5  # how often running canaries and open circuits are judged
 DNS_REFRESH_INTERVAL_S = 5.0
+PLACEMENT_HINT_INTERVAL_S = 0.1  # how often telemetry's model-state changes become probes
 LIVE_VIEW_INTERVAL_S = 1.0  # a frame of the live view (GET /ui) every second while watched
 LIVE_VIEW_IDLE_INTERVAL_S = 10.0  # and this often while no page is open
 
@@ -108,6 +109,8 @@ class ControlPlane:
             self.topology.placement.poll_interval_s,
             self.topology.placement.timeout_s,
             self._on_placement_change,
+            max_probes_per_s=self.topology.placement.max_probes_per_s,
+            max_concurrent_probes=self.topology.placement.max_concurrent_probes,
         )
         self.last_rebuild: dict[str, Any] = {}
         self.mesh_state: MeshState | None = None  # what the current snapshot was built from
@@ -169,6 +172,7 @@ class ControlPlane:
         self._spawn(self._publish_live_view())
         self._spawn(self._follow_slices())
         self._spawn(self._judge_canaries())
+        self._spawn(self._probe_on_hints())
         self._spawn(self._watch_circuits())
         log.info(
             "control plane listening: xds=%s:%d admin=%s:%d otlp=%s:%d topology=%s endpoints=%d",
@@ -245,6 +249,16 @@ class ControlPlane:
             if changed:
                 self.rebuild("telemetry-driven weights or ejections")
 
+    async def _probe_on_hints(self) -> None:
+        """An endpoint whose telemetry says a model version changed state (or the server
+        started draining) is probed now: at fleet scale placement's cycle is long."""
+        while True:
+            await asyncio.sleep(PLACEMENT_HINT_INTERVAL_S)
+            hints = self.telemetry.take_placement_hints()
+            if hints:
+                known = {a.key: a for a in self.endpoints}
+                self.poller.request_probe([known[k] for k in hints if k in known])
+
     async def _judge_canaries(self) -> None:
         while True:
             await asyncio.sleep(JUDGE_INTERVAL_S)
@@ -297,6 +311,8 @@ class ControlPlane:
             reason, len(topology.models), len(topology.endpoints),
         )  # fmt: skip
         self.poller.interval_s = topology.placement.poll_interval_s
+        self.poller.max_probes_per_s = topology.placement.max_probes_per_s
+        self.poller.max_concurrent_probes = topology.placement.max_concurrent_probes
         await self.slices.sync(topology.endpoints)
         self.endpoints = await self.resolver.resolve(topology.endpoints)
         await self.poller.poll_once()

@@ -18,7 +18,11 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
       access_log: ""                # a file for Envoy's JSON access log, one line per request
     xds: {host: 127.0.0.1, port: 18000}      # where the control plane serves ADS
     admin: {host: 127.0.0.1, port: 19000}    # the control plane's status HTTP
-    placement: {poll_interval_s: 1.0, timeout_s: 1.0}   # model server polling, both > 0
+    placement:                      # model server polling (control_plane.placement_poller)
+      poll_interval_s: 1.0          # > 0: each endpoint probed once per interval, staggered
+      timeout_s: 1.0                # > 0: deadline of each probe RPC
+      max_probes_per_s: 500         # > 0: probe budget; more endpoints stretch the interval
+      max_concurrent_probes: 200    # integer >= 1: probes in flight at most
     telemetry:                      # the OTLP/gRPC metrics receiver (control_plane.telemetry)
       host: 127.0.0.1               # a host name or IP to bind
       port: 14317                   # 1..65535
@@ -105,8 +109,10 @@ class TopologyError(Exception):
 
 @dataclass(frozen=True)
 class PlacementOptions:
-    poll_interval_s: float = 1.0  # seconds between two polls of every model server
+    poll_interval_s: float = 1.0  # seconds between two probes of each model server
     timeout_s: float = 1.0  # deadline of each probe RPC
+    max_probes_per_s: float = 500.0  # probe budget: above it the interval stretches
+    max_concurrent_probes: int = 200  # probes in flight at most
 
 
 @dataclass(frozen=True)
@@ -203,7 +209,10 @@ _LISTENER = {
     "body_routing": "bool", "lb_policy": "lb_policy", "access_log": "path",
 }  # fmt: skip
 _BIND = {"host": "host", "port": "port"}
-_PLACEMENT = {"poll_interval_s": "positive", "timeout_s": "positive"}
+_PLACEMENT = {
+    "poll_interval_s": "positive", "timeout_s": "positive", "max_probes_per_s": "positive",
+    "max_concurrent_probes": "count",
+}  # fmt: skip
 _TELEMETRY = {
     "host": "host", "port": "port", "window_s": "positive",
     "stale_after_intervals": "positive", "forget_after_s": "positive",
@@ -244,6 +253,8 @@ def _build(data: object, source: str, early_errors: list[str]) -> Topology:
     xds = EndpointAddress(**c.section(root, "xds", _BIND, d.xds))
     admin = EndpointAddress(**c.section(root, "admin", _BIND, d.admin))
     placement = PlacementOptions(**c.section(root, "placement", _PLACEMENT, d.placement))
+    if placement.max_concurrent_probes == 0:
+        c.errors.append("placement.max_concurrent_probes: must be >= 1, got 0")
     telemetry = TelemetryOptions(**c.section(root, "telemetry", _TELEMETRY, d.telemetry))
     models, capacity, policies, canaries = (
         _models(c, root["models"]) if "models" in root else ((), (), (), ())
