@@ -48,7 +48,7 @@ def _interval(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="infermesh-model-server",
-        description="KServe v2 / Triton gRPC inference server on ONNX Runtime.",
+        description="KServe v2 / Triton inference server (gRPC and HTTP/REST) on ONNX Runtime.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
@@ -58,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="Prometheus /metrics port; default gRPC port + 1000; -1 disables",
+    )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="KServe v2 HTTP/REST port (Triton's HTTP protocol); default gRPC port + 2000 "
+        "(a free one when --port is 0); -1 disables",
     )
     p.add_argument("--model-repository", type=Path, default=Path("models"))
     p.add_argument(
@@ -174,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         metrics_port=args.metrics_port,
+        http_port=args.http_port,
         model_repository=args.model_repository,
         models=args.models,
         device=args.device,

@@ -38,3 +38,24 @@ class ModelConfigError(Exception):
 
 class MemoryBudgetExceeded(Exception):
     """Loading a model would cross the memory budget."""
+
+
+# The HTTP status a REST client sees for each gRPC status (KServe v2 REST, Triton's choices).
+# One table for every HTTP face of the mesh: the model server's REST port, and the control
+# plane / Envoy when they answer REST clients. Anything missing here is a 500.
+HTTP_STATUS: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.OK: 200,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,  # nginx's "client closed request"
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+def http_status(code: grpc.StatusCode) -> int:
+    """The HTTP status for a gRPC status code (500 for those without a closer match)."""
+    return HTTP_STATUS.get(code, 500)

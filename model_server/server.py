@@ -28,6 +28,7 @@ from model_server.memory import (
 )
 from model_server.metrics import ServerMetrics
 from model_server.repository import ModelRepository
+from model_server.rest import RestServer
 from model_server.runtime import DeviceChoice, choose_device
 from model_server.service import InferenceService, ServingGate
 from model_server.telemetry import OtlpExporter
@@ -46,6 +47,7 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8001
     metrics_port: int | None = None  # None: port + 1000 (0 when port is 0); -1 disables
+    http_port: int | None = None  # KServe v2 REST; None: port + 2000 (0 when port is 0); -1 off
     model_repository: Path = Path("models")
     models: tuple[str, ...] | None = None  # None: every model in the repository
     device: str = "auto"
@@ -69,6 +71,11 @@ class ServerSettings:
         if self.metrics_port is not None:
             return self.metrics_port
         return 0 if self.port == 0 else self.port + 1000
+
+    def resolved_http_port(self) -> int:
+        if self.http_port is not None:
+            return self.http_port
+        return 0 if self.port == 0 else self.port + 2000
 
 
 def memory_source(device: DeviceChoice, budget: int | None) -> MemorySource:
@@ -98,6 +105,8 @@ class ModelServer:
         self.grpc_server: grpc.aio.Server | None = None
         self.port = 0
         self.metrics_port = -1
+        self.http_port = -1
+        self._rest: RestServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.tracing: Tracing | None = None
         self._http: AdminServer | None = None
@@ -168,15 +177,19 @@ class ModelServer:
                 self.refresh_memory,
             )
             self.metrics_port = self._http.server_address[1]
+        if s.resolved_http_port() >= 0:
+            self._rest = RestServer(service, s.max_request_bytes, s.max_concurrent_rpcs)
+            self.http_port = await self._rest.start(s.host, s.resolved_http_port())
         reading = self.memory.read()
         if s.enable_fault_injection:
             log.warning("fault injection enabled: POST /faults on the metrics port")
         log.info(
-            "model server listening: grpc=%s:%d metrics=%s advertise=%s device=%s memory=%s "
-            "(%s of %s)",
+            "model server listening: grpc=%s:%d metrics=%s http=%s advertise=%s device=%s "
+            "memory=%s (%s of %s)",
             s.host,
             self.port,
             f"{s.host}:{self.metrics_port}" if self.metrics_port >= 0 else "off",
+            f"{s.host}:{self.http_port}" if self.http_port >= 0 else "off",
             self.advertised,
             self.device.label,
             reading.source,
@@ -305,6 +318,9 @@ class ModelServer:
     async def stop(self, grace: float | None = None) -> None:
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace)
+        if self._rest is not None:
+            await self._rest.stop()
+            self._rest = None
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)  # flush the last spans
         for task in list(self._tasks):

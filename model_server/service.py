@@ -103,11 +103,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelReady(
         self, request: service_pb2.ModelReadyRequest, context: grpc.aio.ServicerContext
     ) -> object:
-        try:
-            self.repository.resolve(request.name, request.version)
-        except InferenceError:
-            return service_pb2.ModelReadyResponse(ready=False)
-        return service_pb2.ModelReadyResponse(ready=True)
+        return service_pb2.ModelReadyResponse(ready=self.model_ready(request.name, request.version))
 
     async def ServerMetadata(self, request: object, context: grpc.aio.ServicerContext) -> object:
         return service_pb2.ServerMetadataResponse(
@@ -117,50 +113,64 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(
         self, request: service_pb2.ModelMetadataRequest, context: grpc.aio.ServicerContext
     ) -> object:
-        version = await self._resolve_or_abort(request.name, request.version, context)
-        assert version.spec is not None
-        entry = self.repository.models[request.name]
+        return await _or_abort(context, self.model_metadata, request.name, request.version)
+
+    async def ModelConfig(
+        self, request: service_pb2.ModelConfigRequest, context: grpc.aio.ServicerContext
+    ) -> object:
+        return await _or_abort(context, self.model_config, request.name, request.version)
+
+    async def ModelStatistics(
+        self, request: service_pb2.ModelStatisticsRequest, context: grpc.aio.ServicerContext
+    ) -> object:
+        return await _or_abort(context, self.model_statistics, request.name, request.version)
+
+    # The answers themselves, for every transport (gRPC above, REST in model_server.rest):
+    # each raises InferenceError, which the transport turns into its own status.
+    def model_ready(self, name: str, version: str) -> bool:
+        try:
+            self.repository.resolve(name, version)
+        except InferenceError:
+            return False
+        return True
+
+    def model_metadata(self, name: str, version: str) -> service_pb2.ModelMetadataResponse:
+        resolved = self.repository.resolve(name, version)
+        assert resolved.spec is not None
+        entry = self.repository.models[name]
         ready = sorted(v.version for v in entry.serving.values() if v.state is ModelState.READY)
         response = service_pb2.ModelMetadataResponse(
-            name=request.name, versions=[str(v) for v in ready], platform="onnxruntime_onnx"
+            name=name, versions=[str(v) for v in ready], platform="onnxruntime_onnx"
         )
         for tensors, target in (
-            (version.spec.inputs, response.inputs),
-            (version.spec.outputs, response.outputs),
+            (resolved.spec.inputs, response.inputs),
+            (resolved.spec.outputs, response.outputs),
         ):
             for tensor in tensors:
                 target.add(
                     name=tensor.name,
                     datatype=tensor.datatype.name,
-                    shape=tensor.shape_with_batch(version.spec.max_batch_size),
+                    shape=tensor.shape_with_batch(resolved.spec.max_batch_size),
                 )
         return response
 
-    async def ModelConfig(
-        self, request: service_pb2.ModelConfigRequest, context: grpc.aio.ServicerContext
-    ) -> object:
-        version = await self._resolve_or_abort(request.name, request.version, context)
-        assert version.spec is not None and version.session is not None
+    def model_config(self, name: str, version: str) -> service_pb2.ModelConfigResponse:
+        resolved = self.repository.resolve(name, version)
+        assert resolved.spec is not None and resolved.session is not None
         response = service_pb2.ModelConfigResponse()
-        response.config.CopyFrom(version.spec.config)
+        response.config.CopyFrom(resolved.spec.config)
         # Report what really runs the model, not what was asked for.
-        response.config.parameters["execution_provider"].string_value = version.session.provider
+        response.config.parameters["execution_provider"].string_value = resolved.session.provider
         return response
 
-    async def ModelStatistics(
-        self, request: service_pb2.ModelStatisticsRequest, context: grpc.aio.ServicerContext
-    ) -> object:
+    def model_statistics(self, name: str, version: str) -> service_pb2.ModelStatisticsResponse:
         versions = [
             v
             for v in self.repository.all_versions()
-            if (not request.name or v.name == request.name)
-            and (not request.version or str(v.version) == request.version)
+            if (not name or v.name == name) and (not version or str(v.version) == version)
         ]
-        if request.name and not versions:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"no statistics for model {request.name!r} version {request.version or 'any'}",
-            )
+        if name and not versions:
+            raise ModelNotFound(f"no statistics for model {name!r} version {version or 'any'}")
         response = service_pb2.ModelStatisticsResponse()
         for v in sorted(versions, key=lambda v: (v.name, v.version)):
             _add_statistics(response, v)
@@ -220,23 +230,35 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         self, request: service_pb2.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> object:
         metadata = context.invocation_metadata() or ()
-        generative = self._generative(request, _routed_version(metadata))
+        try:
+            return await self.infer(request, metadata, context.time_remaining())
+        except InferenceError as exc:
+            await context.abort(exc.code, exc.message)
+        raise AssertionError("unreachable")
+
+    async def infer(
+        self,
+        request: service_pb2.ModelInferRequest,
+        metadata: Sequence[tuple[str, Any]],
+        time_remaining_s: float | None = None,
+    ) -> service_pb2.ModelInferResponse:
+        """One ModelInfer whatever the transport (gRPC, or REST converted by model_server.rest):
+        routing headers in ``metadata`` (lower-case names), tracing, gate, validation, batching,
+        metrics. Raises InferenceError with the status to answer."""
+        routed = _routed_version(metadata)
+        generative = self._generative(request, routed)
         with self.tracing.span(metadata) as span:
             try:
                 if generative is not None:  # the whole completion in one answer
                     responses = [r async for r in self._generate(request, generative)]
                     response = join_text(responses)
                 else:
-                    response = await self._infer(
-                        request, _routed_version(metadata), span, metadata,
-                        context.time_remaining(),
-                    )  # fmt: skip
+                    response = await self._infer(request, routed, span, metadata, time_remaining_s)
             except InferenceError as exc:
                 self.tracing.finish(span, exc.code, exc.message)
-                await context.abort(exc.code, exc.message)
+                raise
             self.tracing.finish(span, grpc.StatusCode.OK)
             return response
-        raise AssertionError("unreachable")
 
     async def ModelStreamInfer(
         self,
@@ -272,7 +294,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         span: Any = None,
         metadata: Sequence[tuple[str, Any]] = (),
         time_remaining_s: float | None = None,
-    ) -> object:
+    ) -> service_pb2.ModelInferResponse:
         started = time.monotonic_ns()
         version: ModelVersion | None = None
         code = grpc.StatusCode.OK
@@ -383,14 +405,24 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         outcome = version.stats.success if code is grpc.StatusCode.OK else version.stats.fail
         outcome.add(elapsed_ns)
 
-    async def _resolve_or_abort(
-        self, name: str, version: str, context: grpc.aio.ServicerContext
-    ) -> ModelVersion:
+    def record_rejected(self, name: str, version: str, code: grpc.StatusCode) -> None:
+        """Counts a request its transport refused before ``infer`` (a REST body that does not
+        convert), under the labels the same refusal gets over gRPC from the validation."""
         try:
-            return self.repository.resolve(name, version)
-        except (ModelNotFound, ModelUnavailable, InvalidInput) as exc:
-            await context.abort(exc.code, exc.message)
-        raise AssertionError("unreachable")
+            resolved: ModelVersion | None = self.repository.resolve(name, version)
+        except InferenceError:
+            resolved = None
+        self._record(resolved, code, 0)
+
+
+async def _or_abort(
+    context: grpc.aio.ServicerContext, answer: Callable[[str, str], Any], name: str, version: str
+) -> Any:
+    try:
+        return answer(name, version)
+    except InferenceError as exc:
+        await context.abort(exc.code, exc.message)
+    raise AssertionError("unreachable")
 
 
 def _routed_version(metadata: Sequence[tuple[str, Any]]) -> str:
