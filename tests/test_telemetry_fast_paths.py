@@ -5,9 +5,10 @@ an endpoint's own telemetry become placement hints."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
-from control_plane.telemetry import TelemetryStore
+from control_plane.telemetry import TelemetryStore, telemetry_json
 from tests.test_telemetry_store import BOUNDS, counter, gauge, histogram, request
 
 EP2 = "127.0.0.1:8002"
@@ -96,3 +97,16 @@ def test_model_state_changes_become_placement_hints() -> None:
     store.ingest(request([gauge("server_draining", 1)], EP2), 5.0)
     store.ingest(request([gauge("inference_queue_depth", 7, model="m")]), 5.0)
     assert store.take_placement_hints() == {EP2}  # draining counts; a queue depth does not
+
+
+def test_telemetry_json_is_asdict() -> None:
+    store = TelemetryStore(window_s=4.0)
+    traffic(store, 6, 3)
+    store.ingest(request([state(1), gauge("accelerator_memory_used_bytes", 5e8, source="nvml")]), 6)
+    for later in (6.0, 7.5, 40.0):
+        for t in store.snapshot(later).values():
+            assert telemetry_json(t) == dataclasses.asdict(t)
+    assert store.as_json(7.5)["endpoints"]["127.0.0.1:8001"]["draining"] == {
+        "value": False,
+        "age_s": 1.5,
+    }
