@@ -4,11 +4,16 @@ Stock KServe clients (tritonclient) put the model name only in the request body.
 calls Envoy buffers the body, this script reads field 1 (model_name) and field 2
 (model_version) of the protobuf message and sets them as headers, then clears the route cache
 so the route is chosen again by model. Streams are not buffered: they need the header.
+The script matches by path only, not by content type: gRPC-Web calls (binary
+``application/grpc-web[+proto]``, the same 5-byte framing; text mode is decoded first) reach it
+as gRPC, since Envoy's grpc_web filter runs before it (``control_plane.edge``).
 """
 
 from __future__ import annotations
 
 from control_plane.mesh import MODEL_HEADER, VERSION_HEADER
+
+LUA_FILTER = "envoy.filters.http.lua"
 
 # Unary KServe requests whose field 1 is the model name.
 BODY_ROUTED_METHODS = (

@@ -28,9 +28,32 @@ def model_cluster(model: str, version: str | None = None) -> str:
 
 
 def cluster_model(cluster: str) -> str | None:
-    """The model a ``model_cluster`` name belongs to (None for other clusters)."""
-    kind, _, rest = cluster.partition(":")
+    """The model a ``model_cluster`` name (or its REST twin) belongs to (None for others)."""
+    kind, _, rest = base_cluster(cluster).partition(":")
     return rest.split(":")[0] if kind == "model" and rest else None
+
+
+REST_CLUSTER_PREFIX = "rest:"
+
+
+def rest_cluster(cluster: str) -> str:
+    """The KServe v2 REST twin of a cluster: the same endpoints, ports shifted by the REST
+    offset (``fallback:X`` -> ``fallback:rest:X``, other names ``rest:`` prefixed)."""
+    kind, _, rest = cluster.partition(":")
+    if kind == "fallback":
+        return f"fallback:{REST_CLUSTER_PREFIX}{rest}"
+    return REST_CLUSTER_PREFIX + cluster
+
+
+def base_cluster(cluster: str) -> str:
+    """The gRPC cluster a REST twin mirrors (any other name as it is)."""
+    if cluster.startswith("fallback:" + REST_CLUSTER_PREFIX):
+        return "fallback:" + cluster.removeprefix("fallback:" + REST_CLUSTER_PREFIX)
+    return cluster.removeprefix(REST_CLUSTER_PREFIX)
+
+
+def is_rest_cluster(cluster: str) -> bool:
+    return base_cluster(cluster) != cluster
 
 
 @dataclass(frozen=True, order=True)
@@ -108,6 +131,34 @@ class ModelRoute:
 
 
 @dataclass(frozen=True)
+class RestOptions:
+    """KServe v2 REST through the listener: ``/v2/...`` paths go to each cluster's REST twin,
+    whose endpoints are the gRPC ones with the port + ``port_offset`` (the model server's
+    default --http-port is its gRPC port + 2000)."""
+
+    enabled: bool = True
+    port_offset: int = 2000
+
+
+# What a browser may send (gRPC-Web's own headers and the mesh's routing headers) and read.
+CORS_ALLOW_HEADERS = (
+    "content-type", "x-grpc-web", "x-user-agent", "grpc-timeout", "x-model-name",
+    "x-model-version", "x-priority", "inference-header-content-length",
+)  # fmt: skip
+CORS_EXPOSE_HEADERS = ("grpc-status", "grpc-message")
+
+
+@dataclass(frozen=True)
+class CorsOptions:
+    """CORS on the listener's virtual host; ``allow_origins`` exact origins, "*" for any."""
+
+    allow_origins: tuple[str, ...]
+    allow_headers: tuple[str, ...] = CORS_ALLOW_HEADERS
+    expose_headers: tuple[str, ...] = CORS_EXPOSE_HEADERS
+    max_age_s: int = 86400
+
+
+@dataclass(frozen=True)
 class ListenerOptions:
     """The Envoy listener and the cluster options that apply to every model cluster."""
 
@@ -120,6 +171,9 @@ class ListenerOptions:
     body_routing: bool = True  # Lua filter reads the model name from unary request bodies
     lb_policy: str = "least_request"  # one of LB_POLICIES; EDS weights apply under both
     access_log: str = ""  # a file Envoy appends one JSON line per request to ("": none)
+    rest: RestOptions = RestOptions()  # KServe v2 REST routes and clusters
+    grpc_web: bool = True  # Envoy's gRPC-Web filter (browsers' framing, to plain gRPC)
+    cors: CorsOptions | None = None  # None: no CORS
 
 
 @dataclass(frozen=True)

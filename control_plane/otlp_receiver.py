@@ -20,8 +20,8 @@ import itertools
 import logging
 import math
 import time
-from collections import Counter
 from array import array
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 

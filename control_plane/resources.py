@@ -41,8 +41,9 @@ from google.protobuf import any_pb2
 from google.protobuf.message import Message
 from google.protobuf.wrappers_pb2 import UInt32Value
 
+from control_plane import edge
 from control_plane.envoy_values import duration, packed
-from control_plane.lua_routing import lua_source
+from control_plane.lua_routing import LUA_FILTER, lua_source
 from control_plane.mesh import (
     LISTENER_NAME,
     MODEL_HEADER,
@@ -53,9 +54,12 @@ from control_plane.mesh import (
     EndpointHealth,
     MeshState,
     ModelRoute,
+    base_cluster,
     cluster_model,
     fallback_cluster,
+    is_rest_cluster,
     model_cluster,
+    rest_cluster,
 )
 from control_plane.protection import (
     FALLBACK_HEADER,
@@ -73,7 +77,6 @@ CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 
 HCM_FILTER = "envoy.filters.network.http_connection_manager"
-LUA_FILTER = "envoy.filters.http.lua"
 ROUTER_FILTER = "envoy.filters.http.router"
 HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 GRPC_SERVICE = "/inference.GRPCInferenceService/"
@@ -113,14 +116,21 @@ def socket_address(host: str, port: int) -> address_pb2.Address:
 # --- listener -------------------------------------------------------------------------------
 
 
-def http_filters(body_routing: bool, rate_limits: bool = False) -> list[hcm_pb2.HttpFilter]:
-    """[Lua body routing], [the rate limit, after Lua so it sees the re-selected route], router."""
+def http_filters(
+    body_routing: bool, rate_limits: bool = False, grpc_web: bool = False, cors: bool = False
+) -> list[hcm_pb2.HttpFilter]:
+    """[gRPC-Web, so Lua reads gRPC], [Lua body routing], [CORS, the rate limit: after Lua so
+    they see the re-selected route], router."""
     filters = [hcm_pb2.HttpFilter(name=ROUTER_FILTER, typed_config=packed(router_pb2.Router()))]
     if rate_limits:
         filters.insert(0, rate_limit_filter())
+    if cors:
+        filters.insert(0, edge.cors_filter())
     if body_routing:
         lua = lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=lua_source()))
         filters.insert(0, hcm_pb2.HttpFilter(name=LUA_FILTER, typed_config=packed(lua)))
+    if grpc_web:
+        filters.insert(0, edge.grpc_web_filter())
     return filters
 
 
@@ -152,8 +162,13 @@ def build_listener(state: MeshState) -> listener_pb2.Listener:
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
         stat_prefix=LISTENER_NAME,
         rds=hcm_pb2.Rds(route_config_name=ROUTE_CONFIG_NAME, config_source=ads_source()),
-        http_filters=http_filters(options.body_routing, any(m.rate_limit for m in state.models)),
-    )
+        http_filters=http_filters(
+            options.body_routing, any(m.rate_limit for m in state.models), options.grpc_web,
+            options.cors is not None,
+        ),
+    )  # fmt: skip
+    if options.rest.enabled:
+        manager.local_reply_config.CopyFrom(edge.local_reply_config())
     if options.body_routing:
         # On HTTP/2 the stream window bounds a body a filter buffers (16 MiB by default, then
         # 413 "Payload Too Large"): lift it to what the model servers accept.
@@ -346,11 +361,19 @@ def build_route_config(state: MeshState) -> route_pb2.RouteConfiguration:
             lua=True,
         ),
     ]
+    if state.listener.rest.enabled:  # /v2 paths only: first, or x-model-name would take them
+        routes = edge.rest_routes(routes, to_servers) + routes
+    if state.listener.cors is not None:  # preflights need a route with an action, to any
+        routes.insert(0, edge.preflight_route(to_servers))
     if not state.listener.body_routing:
         for item in routes:
             if LUA_FILTER in item.typed_per_filter_config:  # no Lua filter to configure
                 del item.typed_per_filter_config[LUA_FILTER]
     host = rc_pb2.VirtualHost(name=LISTENER_NAME, domains=["*"], routes=routes)
+    if state.listener.cors is not None:
+        host.typed_per_filter_config[edge.CORS_FILTER].CopyFrom(
+            edge.cors_policy(state.listener.cors)
+        )
     return route_pb2.RouteConfiguration(name=ROUTE_CONFIG_NAME, virtual_hosts=[host])
 
 
@@ -399,7 +422,7 @@ _LB_POLICY = {
 def build_cluster(state: MeshState, name: str) -> cluster_pb2.Cluster:
     options = state.listener
     model = next((m for m in state.models if m.name == cluster_model(name)), None)
-    return cluster_pb2.Cluster(
+    result = cluster_pb2.Cluster(
         name=name,
         type=cluster_pb2.Cluster.EDS,
         eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(
@@ -423,6 +446,7 @@ def build_cluster(state: MeshState, name: str) -> cluster_pb2.Cluster:
         track_cluster_stats=cluster_pb2.TrackClusterStats(per_endpoint_stats=True),
         ignore_health_on_host_removal=True,
     )
+    return edge.make_rest_cluster(result) if is_rest_cluster(name) else result
 
 
 def lb_endpoint(assignment: EndpointAssignment) -> ep_pb2.LbEndpoint:
@@ -485,16 +509,19 @@ def build_resources(state: MeshState, made: Make = fresh) -> dict[str, dict[str,
     named_clusters = route_clusters(route_config)
     fallbacks = fallback_members(state, named_clusters)
     members = dict(state.clusters)
+    if state.listener.rest.enabled:  # every cluster's twin shares its tuple of assignments
+        members.update({rest_cluster(name): items for name, items in state.clusters.items()})
     named = {c for c in named_clusters if c not in fallbacks}
     for name in named | {c for pair in fallbacks.values() for c in pair}:
-        members.setdefault(name, ())
+        members.setdefault(name, state.clusters.get(base_cluster(name), ()))  # a REST twin's
     names = sorted(members)
     primaries = {pair[0] for pair in fallbacks.values()}
     models = {m.name: m for m in state.models}
 
     def cluster(name: str) -> Message:
         model = models.get(cluster_model(name) or "")  # a cluster reads its circuit breaker
-        key = ("eds", state.listener, model.circuit_breaker if model else None)
+        breaker = model.circuit_breaker if model else None
+        key = ("eds", state.listener, breaker, is_rest_cluster(name))
         return made(CLUSTER_TYPE, name, key, lambda: build_cluster(state, name))
 
     def aggregate(name: str, pair: tuple[str, str]) -> Message:
@@ -502,9 +529,12 @@ def build_resources(state: MeshState, made: Make = fresh) -> dict[str, dict[str,
                     lambda: aggregate_cluster(name, list(pair)))  # fmt: skip
 
     def assignment(name: str) -> Message:
-        key = (members[name], name in primaries)
-        return made(ENDPOINT_TYPE, name, key,
-                    lambda: build_assignment(name, members[name], name in primaries))  # fmt: skip
+        # A REST twin shares the gRPC cluster's tuple (cheap to compare); ports shift here.
+        offset = state.listener.rest.port_offset if is_rest_cluster(name) else 0
+        key = (members[name], name in primaries, offset)
+        return made(ENDPOINT_TYPE, name, key, lambda: build_assignment(
+            name, edge.rest_assignments(members[name], offset) if offset else members[name],
+            name in primaries))  # fmt: skip
 
     clusters = {name: cluster(name) for name in names}
     clusters.update({name: aggregate(name, pair) for name, pair in fallbacks.items()})
@@ -525,5 +555,6 @@ def fallback_members(state: MeshState, named: set[str]) -> dict[str, tuple[str, 
         primary = name.removeprefix(fallback_cluster(""))
         model = next((m for m in state.models if m.name == cluster_model(primary)), None)
         if primary != name and model is not None and model.fallback is not None:
-            fallbacks[name] = (primary, model_cluster(model.fallback))
+            other = model_cluster(model.fallback)
+            fallbacks[name] = (primary, rest_cluster(other) if is_rest_cluster(name) else other)
     return fallbacks

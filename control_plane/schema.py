@@ -84,6 +84,8 @@ _RULES: dict[str, tuple[Any, str, str]] = {
     "name": (_MODEL_NAME.fullmatch, _STR, "a model name (letters, digits, '_', '.', '-')"),
     "lb_policy": (lambda v: v in LB_POLICIES, _STR, f"one of {', '.join(LB_POLICIES)}"),
     "path": (lambda v: v == "" or v.startswith("/"), _STR, 'an absolute path (or "")'),
+    # A nested section, returned as it is for its own parser (e.g. listener.rest).
+    "mapping": (lambda v: isinstance(v, dict), "", "a mapping"),
 }
 
 

@@ -18,6 +18,7 @@ from control_plane.mesh import (
     ListenerOptions,
     MeshState,
     ModelRoute,
+    RestOptions,
     model_cluster,
 )
 from control_plane.resources import build_resources
@@ -45,7 +46,8 @@ def fleet() -> MeshState:
         clusters[model_cluster(model)] = members
         clusters[model_cluster(model, "1")] = members
     return MeshState(
-        listener=ListenerOptions(),
+        # gRPC only: the REST twins' reuse is tested in tests/test_edge.py.
+        listener=ListenerOptions(rest=RestOptions(enabled=False)),
         models=tuple(ModelRoute(m, 50, timeout_s=2) for m in MODELS),
         clusters=dict(sorted(clusters.items())),
     )
@@ -100,7 +102,7 @@ CHANGES: list[tuple[str, Callable[[MeshState], MeshState], int]] = [
         else m,
     ), 3),  # model:c's two clusters, and the routes (the model changed)
     ("listener options", lambda s: dataclasses.replace(
-        s, listener=ListenerOptions(health_check_interval_s=2)
+        s, listener=ListenerOptions(health_check_interval_s=2, rest=RestOptions(enabled=False))
     ), 1 + 1 + 7),  # listener, routes, every cluster (their health checks); no assignment
     ("a model removed", lambda s: drop_model(s, "c"), 1),  # the routes; c's resources go
 ]  # fmt: skip

@@ -75,7 +75,13 @@ def test_rate_limited_routes_and_the_filter_order() -> None:
     manager = hcm_pb2.HttpConnectionManager()
     listener.filter_chains[0].filters[0].typed_config.Unpack(manager)
     names = [f.name for f in manager.http_filters]
-    assert names == ["envoy.filters.http.lua", RATE_LIMIT_FILTER, "envoy.filters.http.router"]
+    edge = ["envoy.filters.http.grpc_web"]  # gRPC-Web is on by default (tests/test_edge.py)
+    assert names == [
+        *edge,
+        "envoy.filters.http.lua",
+        RATE_LIMIT_FILTER,
+        "envoy.filters.http.router",
+    ]
     routes = {r.name: r for r in resources[ROUTE_TYPE][ROUTE_CONFIG_NAME].virtual_hosts[0].routes}
     for name in (BIG, model_cluster("classifier", "1")):
         limit = local_rate_limit_pb2.LocalRateLimit()

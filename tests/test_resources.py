@@ -41,6 +41,7 @@ from control_plane.mesh import (
     ListenerOptions,
     MeshState,
     ModelRoute,
+    RestOptions,
     model_cluster,
 )
 from control_plane.resources import (
@@ -70,13 +71,19 @@ DEFAULT_BOOTSTRAP: dict[str, Any] = dict(
 )
 
 
+GRPC_ONLY: dict[str, Any] = {"rest": RestOptions(enabled=False), "grpc_web": False}
+
+
 def mesh_state() -> MeshState:
     """Two models (the classifier split 90/10 across versions), two servers, one draining."""
     a = EndpointAssignment(A, weight=3)
     b = EndpointAssignment(B, weight=1, health=EndpointHealth.DRAINING)
     classifier = ModelRoute("classifier", 50, timeout_s=2.5, version_split=(("1", 90), ("2", 10)))
     return MeshState(
-        listener=ListenerOptions(port=8080, health_check_interval_s=0.5, retry_budget_percent=20),
+        # The gRPC-only mesh: REST and gRPC-Web are tested in tests/test_edge.py.
+        listener=ListenerOptions(
+            port=8080, health_check_interval_s=0.5, retry_budget_percent=20, **GRPC_ONLY
+        ),
         models=(classifier, ModelRoute("detector", sla_p99_ms=80, timeout_s=4)),
         clusters={
             SERVERS_CLUSTER: (a, b),
@@ -158,7 +165,9 @@ def test_listener_routes_over_ads_with_lua_before_the_router(resources: Resource
 
 def test_body_routing_off_drops_the_lua_filter() -> None:
     state = mesh_state()
-    state = MeshState(ListenerOptions(body_routing=False), state.models, state.clusters)
+    state = MeshState(
+        ListenerOptions(body_routing=False, **GRPC_ONLY), state.models, state.clusters
+    )
     built: Resources = build_resources(state)
     manager = manager_of(built[LISTENER_TYPE][LISTENER_NAME])
     assert [f.name for f in manager.http_filters] == ["envoy.filters.http.router"]

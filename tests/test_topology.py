@@ -184,7 +184,7 @@ ERROR_CASES = [
     ("listener.lb_policy", "random", 'listener.lb_policy: must be one of least_request, round_robin, got "random"'),  # noqa: E501
     ("listener.health_check_interval_s", 0, "listener.health_check_interval_s: must be > 0, got 0"),
     ("listener.connect_timeout_s", -0.1, "listener.connect_timeout_s: must be > 0, got -0.1"),
-    ("listener.prot", 1, "listener.prot: unknown key (expected one of: host, port, health_check_interval_s, connect_timeout_s, max_retries, retry_budget_percent, body_routing, lb_policy, access_log)"),  # noqa: E501
+    ("listener.prot", 1, "listener.prot: unknown key (expected one of: host, port, health_check_interval_s, connect_timeout_s, max_retries, retry_budget_percent, body_routing, lb_policy, access_log, rest, grpc_web, cors)"),  # noqa: E501
     ("listener", [], "listener: must be a mapping with string keys, got []"),
     ("xds.port", 70000, "xds.port: must be a port in 1..65535, got 70000"),
     ("xds.host", "a b", 'xds.host: must be a host name or IP, got "a b"'),
@@ -256,7 +256,7 @@ def test_many_errors_are_reported_at_once(tmp_path: Path) -> None:
         'line 3: duplicate key "xds" (first at line 2)',
         "listener.prot: unknown key (expected one of: host, port, health_check_interval_s, "
         "connect_timeout_s, max_retries, retry_budget_percent, body_routing, lb_policy, "
-        "access_log)",
+        "access_log, rest, grpc_web, cors)",
         "listener.port: must be a port in 1..65535, got 0",
         'listener.body_routing: must be true or false, got "maybe"',
         "placement.poll_interval_s: must be > 0, got -1",
