@@ -327,7 +327,7 @@ class TelemetryStore:
             return {
                 version: VersionTelemetry(
                     _count(requests.get(version, []), self.window_s),
-                    _percentile_ms(durations.get(version, []), 0.99, now, self.window_s),
+                    _percentiles_ms(durations.get(version, []), (0.99,), now, self.window_s)[0],
                     _error_rate(requests.get(version, []), now, self.window_s),
                 )
                 for version in sorted(durations.keys() | requests.keys())
@@ -354,14 +354,17 @@ class TelemetryStore:
 
         draining = _gauge_sum(of("server_draining"), now)
         age = now - e.last_seen
+        p50, p99 = _percentiles_ms(durations, (0.5, 0.99), now, self.window_s)
+        single = len(models) == 1  # the usual server: its model's figures are the endpoint's
+        qps = _rate(requests, now, self.window_s)
         return EndpointTelemetry(
             endpoint=key,
             age_s=age,
             interval_s=e.interval_s,
             stale=age > self.stale_after_intervals * e.interval_s,
-            p50_ms=_percentile_ms(durations, 0.5, now, self.window_s),
-            p99_ms=_percentile_ms(durations, 0.99, now, self.window_s),
-            qps=_rate(requests, now, self.window_s),
+            p50_ms=p50,
+            p99_ms=p99,
+            qps=qps,
             error_rate=_error_rate(requests, now, self.window_s),
             queue_depth=_gauge_sum(of("inference_queue_depth"), now),
             in_flight=_gauge_sum(of("inference_in_flight_requests"), now),
@@ -372,9 +375,11 @@ class TelemetryStore:
             kv_blocks_total=_gauge_sum(of("kv_cache_blocks_total"), now),
             draining=None if draining is None else Flag(draining.value > 0, draining.age_s),
             models=tuple(
-                ModelTelemetry(
+                ModelTelemetry(model, p99, qps)
+                if single
+                else ModelTelemetry(
                     model,
-                    _percentile_ms(_only(durations, model), 0.99, now, self.window_s),
+                    _percentiles_ms(_only(durations, model), (0.99,), now, self.window_s)[0],
                     _rate(_only(requests, model), now, self.window_s),
                 )
                 for model in models
@@ -502,13 +507,15 @@ def _error_rate(series: Labeled, now: float, window_s: float) -> Signal | None:
     return Signal(errors / total if total > 0 else 0.0, now - newest)
 
 
-def _percentile_ms(series: Labeled, q: float, now: float, window_s: float) -> Signal | None:
-    """The q-quantile in milliseconds of the histogram deltas, re-binned onto the bounds of the
-    series with the most observations."""
+def _percentiles_ms(
+    series: Labeled, qs: tuple[float, ...], now: float, window_s: float
+) -> list[Signal | None]:
+    """The qs-quantiles in milliseconds of the histogram deltas, merged once and re-binned onto
+    the bounds of the series with the most observations."""
     deltas = [(s.bounds, *s.delta(window_s)) for _, s in series]
     deltas = [d for d in deltas if d[2] > 0 and sum(d[1]) > 0]
     if not deltas:
-        return None
+        return [None for _ in qs]
     bounds = max(deltas, key=lambda d: sum(d[1]))[0]
     counts = [0.0] * (len(bounds) + 1)
     for own, delta, _, _ in deltas:
@@ -518,8 +525,8 @@ def _percentile_ms(series: Labeled, q: float, now: float, window_s: float) -> Si
         for i, n in enumerate(delta):
             upper = own[i] if i < len(own) else math.inf
             counts[bisect.bisect_left(bounds, upper)] += n
-    value = bucket_quantile(bounds, counts, q)
-    return Signal(value * 1000.0, now - max(t for *_, t in deltas))
+    age = now - max(t for *_, t in deltas)
+    return [Signal(bucket_quantile(bounds, counts, q) * 1000.0, age) for q in qs]
 
 
 def bucket_quantile(bounds: Vec, counts: list[float] | Vec, q: float) -> float:

@@ -1,0 +1,56 @@
+"""publish_assignments leaves exactly the series of the newest assignments, touching only the
+clusters that changed."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+
+from control_plane.mesh import EndpointAddress, EndpointAssignment, EndpointHealth
+from control_plane.metrics import ControlPlaneMetrics
+
+A, B = EndpointAddress("10.0.0.1", 8001), EndpointAddress("10.0.0.2", 8001)
+OK, DRAIN = EndpointHealth.HEALTHY, EndpointHealth.DRAINING
+
+
+def series(metrics: ControlPlaneMetrics) -> set[str]:
+    text = generate_latest(metrics.registry).decode()
+    return {
+        line
+        for line in text.splitlines()
+        if line.startswith(("xds_endpoint_weight{", "xds_endpoint_health{"))
+    }
+
+
+def expected(clusters: dict[str, tuple[EndpointAssignment, ...]]) -> set[str]:
+    out = set()
+    for cluster, assignments in clusters.items():
+        for a in assignments:
+            labels = f'cluster="{cluster}",endpoint="{a.address.key}"'
+            out.add(f"xds_endpoint_weight{{{labels}}} {float(a.weight)}")
+            out.add(f'xds_endpoint_health{{{labels},health="{a.health.value}"}} 1.0')
+    return out
+
+
+def test_each_publish_leaves_exactly_the_newest_series() -> None:
+    steps = [
+        {"model:m": (EndpointAssignment(A, 3, OK), EndpointAssignment(B, 1, OK)), "servers": ()},
+        {"model:m": (EndpointAssignment(A, 5, OK), EndpointAssignment(B, 1, DRAIN))},
+        {"model:m": (EndpointAssignment(A, 5, OK),), "model:n": (EndpointAssignment(B, 2, OK),)},
+        {"model:n": (EndpointAssignment(B, 2, OK),)},  # model:m gone
+        {},
+    ]
+    metrics = ControlPlaneMetrics()
+    for clusters in steps:
+        metrics.publish_assignments(clusters)
+        assert series(metrics) == expected(clusters)
+
+
+def test_unchanged_clusters_are_not_rewritten(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    metrics = ControlPlaneMetrics()
+    big = tuple(EndpointAssignment(EndpointAddress("10.1.0.1", 9000 + i), 1, OK) for i in range(50))
+    metrics.publish_assignments({"model:big": big, "model:m": (EndpointAssignment(A, 1, OK),)})
+    calls: list[tuple[str, ...]] = []
+    labels = metrics.endpoint_weight.labels
+    monkeypatch.setattr(metrics.endpoint_weight, "labels", lambda *a: calls.append(a) or labels(*a))
+    metrics.publish_assignments({"model:big": big, "model:m": (EndpointAssignment(A, 4, OK),)})
+    assert calls == [("model:m", A.key)]
