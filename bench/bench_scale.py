@@ -64,6 +64,7 @@ def write_topology(path: Path, args: argparse.Namespace, endpoints: list[str]) -
             "health_check_interval_s": args.hc_interval,
         },
         "placement": {"poll_interval_s": args.poll_interval, "timeout_s": args.poll_timeout},
+        "telemetry": {"decoder_processes": args.decoder_processes},
         "models": [
             {"name": f"m{i}", "sla_p99_ms": args.sla_ms, "capacity_qps": 1000}
             for i in range(args.models)
@@ -350,6 +351,9 @@ def main() -> int:
     p.add_argument("--sla-ms", type=float, default=50.0)
     p.add_argument("--poll-interval", type=float, default=1.0, help="placement poll (topology)")
     p.add_argument("--poll-timeout", type=float, default=1.0)
+    p.add_argument(
+        "--decoder-processes", type=int, default=0, help="telemetry.decoder_processes (OTLP)"
+    )
     p.add_argument("--otlp-interval", type=float, default=1.0, help="each endpoint's export")
     p.add_argument("--hc-interval", type=float, default=60.0,
                    help="Envoy active health checks of the fleet (listener option)")  # fmt: skip

@@ -1,3 +1,6 @@
 from control_plane.cli import main
 
-raise SystemExit(main())
+# Guarded: the OTLP decoder processes (telemetry.decoder_processes) are spawned, and a spawned
+# child imports the parent's main module again.
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -16,6 +16,7 @@ import math
 import signal
 import time
 from collections.abc import Coroutine
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from control_plane.mesh import EndpointAddress, EndpointHealth, MeshState
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.nodes import NodeRegistry
 from control_plane.operator_api import OperatorApi
-from control_plane.otlp_receiver import start_receiver
+from control_plane.otlp_receiver import start_decoders, start_receiver
 from control_plane.placement import PlacementPoller, build_mesh_state
 from control_plane.routing import Router
 from control_plane.snapshot import InconsistentSnapshot, SnapshotCache
@@ -100,6 +101,7 @@ class ControlPlane:
         self.fallbacks = Fallbacks(self.router.decisions)
         self.api = OperatorApi(self)
         self.otlp_server: grpc.aio.Server | None = None
+        self.decoders: ProcessPoolExecutor | None = None  # telemetry.decoder_processes
         self.otlp_port = 0
         self.endpoints: tuple[EndpointAddress, ...] = ()
         self.weights: dict[EndpointAddress, int] = {}
@@ -157,8 +159,15 @@ class ControlPlane:
         )
         self.admin_port = self.admin.port
         otlp_port = t.telemetry.port if self.settings.otlp_port is None else self.settings.otlp_port
+        if t.telemetry.decoder_processes:
+            self.decoders = start_decoders(t.telemetry.decoder_processes)
         self.otlp_server, self.otlp_port = await start_receiver(
-            self.telemetry, self.metrics, t.telemetry.host, otlp_port, envoy=self.envoy_stats
+            self.telemetry,
+            self.metrics,
+            t.telemetry.host,
+            otlp_port,
+            envoy=self.envoy_stats,
+            decoders=self.decoders,
         )
         await self.poller.poll_once()  # the first snapshot already knows what is READY where
         self.rebuild("start")
@@ -192,6 +201,8 @@ class ControlPlane:
             await self.grpc_server.stop(grace=1.0)
         if self.otlp_server is not None:
             await self.otlp_server.stop(grace=0.5)
+        if self.decoders is not None:
+            self.decoders.shutdown(wait=False, cancel_futures=True)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

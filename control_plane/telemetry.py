@@ -27,7 +27,7 @@ import operator
 import threading
 from array import array
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -186,6 +186,16 @@ class TelemetryStore:
     def ingest(self, request: ExportMetricsServiceRequest, received_at: float) -> IngestResult:
         """Decodes and stores one export request; never raises on bad data."""
         points, ignored, errors = decode_request(request, self.max_points_per_request)
+        return self.ingest_points(points, ignored, errors, received_at)
+
+    def ingest_points(
+        self,
+        points: Sequence[Point],
+        ignored: Mapping[str, int],
+        errors: Sequence[str],
+        received_at: float,
+    ) -> IngestResult:
+        """Stores what ``decode_request`` made of one request (perhaps in another process)."""
         reasons = Counter(ignored)
         accepted = 0
         with self._lock:

@@ -39,6 +39,7 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
       window_s: 10                  # > 0: the sliding window of rates and percentiles
       stale_after_intervals: 3      # > 0: stale after this many missed reporting intervals
       forget_after_s: 300           # > 0: forget an endpoint unseen this long
+      decoder_processes: 0          # integer >= 0: OTLP decoding in processes (0: a thread)
     models:                         # required, at least one
       - name: classifier            # letters, digits, '_', '.', '-'; unique
         sla_p99_ms: 50              # required, > 0
@@ -133,6 +134,7 @@ class TelemetryOptions:
     window_s: float = 10.0  # sliding window of rates and percentiles
     stale_after_intervals: float = 3.0  # stale after this many observed reporting intervals
     forget_after_s: float = 300.0  # an endpoint unseen this long is forgotten
+    decoder_processes: int = 0  # OTLP decoding in this many processes (0: a worker thread)
 
 
 @dataclass(frozen=True)
@@ -227,7 +229,7 @@ _PLACEMENT = {
 }  # fmt: skip
 _TELEMETRY = {
     "host": "host", "port": "port", "window_s": "positive",
-    "stale_after_intervals": "positive", "forget_after_s": "positive",
+    "stale_after_intervals": "positive", "forget_after_s": "positive", "decoder_processes": "count",
 }  # fmt: skip
 _MODEL = {
     "name": "name", "sla_p99_ms": "positive", "capacity_qps": "positive",

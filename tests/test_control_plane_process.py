@@ -10,11 +10,17 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceResponse,
+)
 
+from control_plane.otlp_receiver import EXPORT_METHOD
 from tests.envoy_support import free_port
 from tests.mesh_support import write_topology
 from tests.support import ROOT, wait_for
+from tests.test_telemetry_store import gauge, request
 
 pytestmark = pytest.mark.integration
 
@@ -31,15 +37,19 @@ def test_a_bad_topology_is_refused_with_every_error(tmp_path: Path) -> None:
         assert fragment in result.stderr
 
 
-def test_sighup_reloads_and_a_broken_reload_keeps_the_last_good(tmp_path: Path) -> None:
-    topology = write_topology(tmp_path / "topology.yaml", free_port(), ["127.0.0.1:1"])
-    log = tmp_path / "cp.log"
+def start_control_plane(topology: Path, log: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    """The control plane on free xDS, admin and OTLP ports, its output in ``log``."""
     command = [
         sys.executable, "-m", "control_plane", "--topology", str(topology),
         "--xds-port", "0", "--admin-port", "0", "--otlp-port", "0",
     ]  # fmt: skip
     with log.open("wb") as out:
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT), log
+
+
+def test_sighup_reloads_and_a_broken_reload_keeps_the_last_good(tmp_path: Path) -> None:
+    topology = write_topology(tmp_path / "topology.yaml", free_port(), ["127.0.0.1:1"])
+    proc, log = start_control_plane(topology, tmp_path / "cp.log")
     try:
         match = wait_for(
             lambda: re.search(r"admin=[\d.]+:(\d+)", log.read_text()), 30, "control plane up"
@@ -59,6 +69,59 @@ def test_sighup_reloads_and_a_broken_reload_keeps_the_last_good(tmp_path: Path) 
             assert "127.0.0.1:1" in json.loads(response.read())["endpoints"]  # last good kept
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        found.update(int(p) for p in text)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_decoder_processes_decode_and_go_with_the_control_plane(tmp_path: Path) -> None:
+    top = {"telemetry": {"decoder_processes": 2}}
+    topology = write_topology(tmp_path / "t.yaml", free_port(), ["127.0.0.1:1"], top=top)
+    proc, log = start_control_plane(topology, tmp_path / "cp.log")
+    try:
+        match = wait_for(
+            lambda: re.search(r"admin=[\d.]+:(\d+) otlp=[\d.]+:(\d+)", log.read_text()),
+            30,
+            "control plane up",
+        )
+        admin, otlp = match.group(1), match.group(2)
+        with grpc.insecure_channel(f"127.0.0.1:{otlp}") as channel:
+            export = channel.unary_unary(
+                EXPORT_METHOD, response_deserializer=ExportMetricsServiceResponse.FromString
+            )
+            body = request([gauge("inference_queue_depth", 7.0, model="m")], "127.0.0.1:1")
+            export(body.SerializeToString(), timeout=30)
+            with pytest.raises(grpc.RpcError) as bad:
+                export(b"\xff\xff not protobuf", timeout=30)
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+        def queue_depth() -> float | None:
+            with urllib.request.urlopen(f"http://127.0.0.1:{admin}/telemetry", timeout=5) as r:
+                endpoint = json.loads(r.read())["endpoints"].get("127.0.0.1:1") or {}
+            return (endpoint.get("queue_depth") or {}).get("value")
+
+        assert wait_for(queue_depth, 10, "the decoded gauge in /telemetry") == 7.0
+        decoders = children(proc.pid)
+        assert len(decoders) >= 2  # the two decoders (and the pool's resource tracker)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        wait_for(lambda: not any(alive(p) for p in decoders), 10, "the decoders gone")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -6,7 +6,8 @@ import asyncio
 import math
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Executor
 
 import grpc
 import pytest
@@ -20,8 +21,10 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 
+from control_plane.envoy_stats import EnvoyStats
+from control_plane.mesh import model_cluster
 from control_plane.metrics import ControlPlaneMetrics
-from control_plane.otlp_receiver import EXPORT_METHOD, start_receiver
+from control_plane.otlp_receiver import EXPORT_METHOD, start_decoders, start_receiver
 from control_plane.telemetry import TelemetryStore
 from tests.test_telemetry_store import BOUNDS, attrs, gauge, request
 
@@ -50,10 +53,19 @@ class Receiver:
         return self.metrics.registry.get_sample_value("telemetry_points_total") or 0.0
 
 
-@pytest.fixture
-async def receiver() -> AsyncIterator[Receiver]:
+@pytest.fixture(scope="module")
+def decoders() -> Iterator[Executor]:
+    pool = start_decoders(1)
+    yield pool
+    pool.shutdown(cancel_futures=True)
+
+
+@pytest.fixture(params=["thread", "decoder process"])
+async def receiver(request: pytest.FixtureRequest) -> AsyncIterator[Receiver]:
+    """Every receiver test runs with decoding in a worker thread and in a decoder process."""
+    pool = request.getfixturevalue("decoders") if request.param != "thread" else None
     store, metrics = TelemetryStore(), ControlPlaneMetrics()
-    server, port = await start_receiver(store, metrics, "127.0.0.1", 0)
+    server, port = await start_receiver(store, metrics, "127.0.0.1", 0, decoders=pool)
     r = Receiver(store, metrics, port)
     try:
         yield r
@@ -172,3 +184,27 @@ async def test_100k_points(receiver: Receiver) -> None:
     except grpc.aio.AioRpcError as exc:
         assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
     await good_request_is_accepted(receiver)
+
+
+@pytest.mark.parametrize("mode", ["thread", "decoder process"])
+async def test_envoy_resources_go_to_envoy_stats(mode: str, decoders: Executor) -> None:
+    from tests.test_protection import overflow_report
+
+    store, envoy = TelemetryStore(), EnvoyStats()
+    clock = iter(float(t) for t in range(1, 100))
+    server, port = await start_receiver(
+        store, None, "127.0.0.1", 0, lambda: next(clock), envoy,
+        decoders if mode != "thread" else None,
+    )  # fmt: skip
+    r = Receiver(store, ControlPlaneMetrics(), port)
+    try:
+        for value in (0, 4):
+            mixed = request([gauge("inference_queue_depth", 2.0, model="m")], ENDPOINT)
+            mixed.resource_metrics.append(overflow_report(value))
+            response = await r.export(mixed)
+            assert not response.HasField("partial_success")
+        assert envoy.recent_overflows({model_cluster("classifier")}, now=2.5) == 4
+        assert set(store.snapshot(2.5)) == {ENDPOINT}  # the Envoy resource is not an endpoint
+    finally:
+        await r.channel.close()
+        await server.stop(None)
