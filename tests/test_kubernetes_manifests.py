@@ -132,6 +132,11 @@ def test_model_server_ports_probes_and_address() -> None:
     assert args.advertise_address == f"10.1.2.3:{args.port}"  # what the EndpointSlice lists
     assert port_number(c, "grpc") == args.port
     assert port_number(c, "metrics") == args.metrics_port
+    assert port_number(c, "http") == args.http_port
+    # Envoy reaches the REST port as the gRPC port + the topology's offset.
+    text = named("ConfigMap", "infermesh-topology")["data"]["topology.yaml"]
+    rest = parse_topology_text(text, "ConfigMap infermesh-topology").listener.rest
+    assert rest.enabled and args.http_port == args.port + rest.port_offset
     readiness = c["readinessProbe"]["grpc"]  # grpc.health.v1, as model_server.server serves
     assert readiness["port"] == args.port and readiness.get("service", "") == ""
     for kind, probe in probes(c):
