@@ -262,7 +262,9 @@ async def test_joining_and_leaving_endpoints_in_the_background() -> None:
     async with fleet_of(3) as (_, fakes):
         addresses = [f.address for f in fakes[:2]]
         changes: Changes = []
-        poller = PlacementPoller(lambda: tuple(addresses), 30.0, 2.0, changes.append)
+        poller = PlacementPoller(
+            lambda: tuple(addresses), 30.0, 2.0, changes.append, keep_channels_up_to_s=60
+        )
         try:
             await poller.poll_once()
             await poller.start()
@@ -308,3 +310,18 @@ def test_constructor_keeps_positional_arguments() -> None:
     assert poller.effective_interval_s == 3.0
     poller.max_concurrent_probes = 0
     assert poller.max_concurrent_probes == 1
+
+
+async def test_channels_are_kept_only_while_the_cycle_is_short() -> None:
+    async with fleet_of(3) as (_, fakes):
+        addresses = [f.address for f in fakes]
+        poller = PlacementPoller(lambda: addresses, 1.0, 2.0)
+        try:
+            reports = await poller.poll_once()
+            assert poller.open_channels == set(addresses)
+            poller.interval_s = 30.0  # a long cycle: each probe connects and lets go
+            reports = await poller.poll_once()
+            assert poller.open_channels == frozenset()
+            assert all(r.reachable and r.server_ready for r in reports.values())
+        finally:
+            await poller.stop()
