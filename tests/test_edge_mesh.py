@@ -15,6 +15,7 @@ import json
 import shutil
 import socket
 import struct
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -192,6 +193,17 @@ def test_rest_json_binary_and_plain_http_get_the_grpc_numbers(mesh: Mesh) -> Non
     assert status == 200, body
     (output,) = json.loads(body)["outputs"]
     np.testing.assert_allclose(np.array(output["data"]).reshape(1, 10), expected, rtol=1e-6)
+    curl = shutil.which("curl")
+    if curl is not None:  # what a script would do (Debian has it; not a Python dependency)
+        done = subprocess.run(
+            [curl, "-sS", "--fail-with-body", "-H", "content-type: application/json",
+             "--data-binary", "@-", f"http://{mesh.url}/v2/models/classifier/infer"],
+            input=json.dumps(json_infer_body()).encode(), capture_output=True, timeout=30,
+            check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        (output,) = json.loads(done.stdout)["outputs"]
+        np.testing.assert_allclose(np.array(output["data"]).reshape(1, 10), expected, rtol=1e-6)
     client = httpclient.InferenceServerClient(mesh.url)
     assert client.is_server_live() and client.is_server_ready()
     assert client.is_model_ready("classifier") and client.is_model_ready("classifier", "2")

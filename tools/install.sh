@@ -42,6 +42,9 @@ fi
 if [ -z "${INFERMESH_SKIP_BROWSER:-}" ] && ! command -v chromedriver >/dev/null 2>&1; then
   packages+=(chromium chromium-driver)
 fi
+if ! command -v curl >/dev/null 2>&1; then  # tests/test_edge_mesh.py calls REST with curl
+  packages+=(curl)
+fi
 if [ ${#packages[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "install: installing Debian packages: ${packages[*]}"
