@@ -218,8 +218,11 @@ def main() -> int:
         bm.wait_for(lambda: envoy.call("/ready").strip() == "LIVE", 30, "Envoy /ready")
         for cluster in (bm.CLUSTER, f"rest:{bm.CLUSTER}"):
             healthy = re.compile(f"^{cluster}::.*::health_flags::healthy$", re.M)
-            bm.wait_for(lambda h=healthy: len(h.findall(envoy.call("/clusters"))) == 2, 30,
-                        f"2 healthy hosts in {cluster}")  # fmt: skip
+
+            def two_healthy(pattern: re.Pattern[str] = healthy) -> bool:
+                return len(pattern.findall(envoy.call("/clusters"))) == 2
+
+            bm.wait_for(two_healthy, 30, f"2 healthy hosts in {cluster}")
         status, want = bm.grpc_check(f"{HOST}:{listener}", req, True, None)
         probs = np.frombuffer(want, np.float32)
         checks = [f"{GRPC}: {status}"]

@@ -3,6 +3,7 @@ clusters that changed."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import generate_latest
 
 from control_plane.mesh import EndpointAddress, EndpointAssignment, EndpointHealth
@@ -32,7 +33,7 @@ def expected(clusters: dict[str, tuple[EndpointAssignment, ...]]) -> set[str]:
 
 
 def test_each_publish_leaves_exactly_the_newest_series() -> None:
-    steps = [
+    steps: list[dict[str, tuple[EndpointAssignment, ...]]] = [
         {"model:m": (EndpointAssignment(A, 3, OK), EndpointAssignment(B, 1, OK)), "servers": ()},
         {"model:m": (EndpointAssignment(A, 5, OK), EndpointAssignment(B, 1, DRAIN))},
         {"model:m": (EndpointAssignment(A, 5, OK),), "model:n": (EndpointAssignment(B, 2, OK),)},
@@ -45,12 +46,17 @@ def test_each_publish_leaves_exactly_the_newest_series() -> None:
         assert series(metrics) == expected(clusters)
 
 
-def test_unchanged_clusters_are_not_rewritten(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_unchanged_clusters_are_not_rewritten(monkeypatch: pytest.MonkeyPatch) -> None:
     metrics = ControlPlaneMetrics()
     big = tuple(EndpointAssignment(EndpointAddress("10.1.0.1", 9000 + i), 1, OK) for i in range(50))
     metrics.publish_assignments({"model:big": big, "model:m": (EndpointAssignment(A, 1, OK),)})
     calls: list[tuple[str, ...]] = []
     labels = metrics.endpoint_weight.labels
-    monkeypatch.setattr(metrics.endpoint_weight, "labels", lambda *a: calls.append(a) or labels(*a))
+
+    def counted(*names: str) -> object:
+        calls.append(names)
+        return labels(*names)
+
+    monkeypatch.setattr(metrics.endpoint_weight, "labels", counted)
     metrics.publish_assignments({"model:big": big, "model:m": (EndpointAssignment(A, 4, OK),)})
     assert calls == [("model:m", A.key)]

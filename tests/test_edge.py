@@ -91,6 +91,11 @@ def state(
     )
 
 
+def route_config(built: dict[str, Any]) -> Any:
+    """The one RouteConfiguration of a build."""
+    return built[ROUTE_TYPE][ROUTE_CONFIG_NAME]
+
+
 def routes_of(built: Resources) -> list[rc_pb2.Route]:
     return list(built[ROUTE_TYPE][ROUTE_CONFIG_NAME].virtual_hosts[0].routes)
 
@@ -310,7 +315,7 @@ def test_listener_filters_and_json_local_replies_for_rest() -> None:
 def test_cors_policy_on_the_virtual_host() -> None:
     options = CorsOptions(("https://a.example", "*"), ("content-type",), ("grpc-status",), 60)
     built = build_resources(state(ListenerOptions(cors=options)))
-    host = built[ROUTE_TYPE][ROUTE_CONFIG_NAME].virtual_hosts[0]
+    host = route_config(built).virtual_hosts[0]
     policy = cors_pb2.CorsPolicy()
     assert host.typed_per_filter_config[edge.CORS_FILTER].Unpack(policy)
     matchers = [json_format.MessageToDict(m) for m in policy.allow_origin_string_match]
@@ -318,7 +323,7 @@ def test_cors_policy_on_the_virtual_host() -> None:
     assert (policy.allow_headers, policy.expose_headers, policy.max_age) == (
         "content-type", "grpc-status", "60"
     )  # fmt: skip
-    none = build_resources(state(ListenerOptions()))[ROUTE_TYPE][ROUTE_CONFIG_NAME]
+    none = route_config(build_resources(state(ListenerOptions())))
     assert edge.CORS_FILTER not in none.virtual_hosts[0].typed_per_filter_config
     assert "cors-preflight" not in [r.name for r in none.virtual_hosts[0].routes]
     assert not policy.forward_not_matching_preflights.value  # Envoy answers every preflight

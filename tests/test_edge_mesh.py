@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import contextlib
+import functools
 import http.client
 import json
 import shutil
@@ -87,7 +88,10 @@ class Mesh:
     def wait_healthy(self) -> None:
         for name in ("servers", model_cluster("classifier"), model_cluster("limited")):
             for cluster in (name, rest_cluster(name)):
-                wait_for(lambda c=cluster: self.healthy(c) == 2, 30, f"2 healthy in {cluster}")
+                wait_for(functools.partial(self.all_healthy, cluster), 30, f"2 in {cluster}")
+
+    def all_healthy(self, cluster: str) -> bool:
+        return self.healthy(cluster) == 2
 
 
 @pytest.fixture(scope="module")

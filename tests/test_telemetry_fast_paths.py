@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
+from opentelemetry.proto.metrics.v1 import metrics_pb2 as m
+
 from control_plane.telemetry import TelemetryStore, telemetry_json
 from tests.test_telemetry_store import BOUNDS, counter, gauge, histogram, request
 
@@ -78,7 +80,7 @@ def test_a_metric_of_the_wrong_type_is_counted_per_point() -> None:
     assert result.errors == ("wrong_type: inference_requests: gauge for a counter",)
 
 
-def state(value: float, version: str = "1", name: str = "READY") -> object:
+def state(value: float, version: str = "1", name: str = "READY") -> m.Metric:
     return gauge("model_state", value, model="m", version=version, state=name)
 
 
