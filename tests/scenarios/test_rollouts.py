@@ -125,6 +125,9 @@ def test_canary_rolls_a_bad_v2_back_by_itself_and_promotes_a_good_one_under_load
             assert '"status": "running"' in mesh.cli("canary", "classifier", "2", *FAST)
             good = wait_for(lambda: finished_canary(mesh), 60, "the good canary to finish")
             promoted_seen = time.monotonic()
+            # Said here, with the canary's reason: otherwise a rollback shows up only as the
+            # wait for v2 below timing out.
+            assert good["status"] == "promoted", good
             wait_for(lambda: only_version(traffic, "2"), 20, "every request on v2")
             traffic.wait_ok(100)
         good_served = served_since(traffic, mark)
