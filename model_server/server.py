@@ -18,6 +18,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from model_server.admin_http import AdminServer, start_admin_server
 from model_server.faults import FaultInjector
+from model_server.gate import ServingGate
 from model_server.memory import (
     MemoryGuard,
     MemorySource,
@@ -30,7 +31,7 @@ from model_server.metrics import ServerMetrics
 from model_server.repository import ModelRepository
 from model_server.rest import RestServer
 from model_server.runtime import DeviceChoice, choose_device
-from model_server.service import InferenceService, ServingGate
+from model_server.service import InferenceService
 from model_server.telemetry import OtlpExporter
 from model_server.tracing import Tracing
 

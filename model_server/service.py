@@ -6,7 +6,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -21,6 +20,7 @@ from model_server.errors import (
     ModelUnavailable,
 )
 from model_server.faults import FaultInjector
+from model_server.gate import ServingGate
 from model_server.generative import (
     BYTE_VOCAB,
     join_text,
@@ -28,10 +28,11 @@ from model_server.generative import (
     special_ids,
     text_response,
 )
-from model_server.lifecycle import DurationStat, ModelState, ModelVersion
+from model_server.lifecycle import ModelState, ModelVersion
 from model_server.metrics import ServerMetrics
 from model_server.model_config import parse_config_override
 from model_server.repository import ModelRepository
+from model_server.statistics import add_statistics
 from model_server.tracing import Tracing
 from model_server.validation import decode_request, encode_response, request_scheduling
 
@@ -46,32 +47,6 @@ ROUTED_VERSION_HEADER = "x-model-version"
 FALLBACK_HEADER = "x-infermesh-fallback"
 FALLBACK_PARAMETER = "infermesh_fallback_from"
 UNKNOWN_MODEL_LABEL = "_unknown"  # never a client-chosen string: label sets stay bounded
-
-
-@dataclass
-class ServingGate:
-    """Server-wide admission: readiness flags and the requests in flight (for the drain)."""
-
-    ready: Callable[[], bool]
-    refusing: bool = False
-    in_flight: int = 0
-    last_arrival: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.idle = asyncio.Event()
-        self.idle.set()
-
-    def enter(self) -> None:
-        self.last_arrival = time.monotonic()
-        if self.refusing:
-            raise ModelUnavailable("server is draining and takes no new requests")
-        self.in_flight += 1
-        self.idle.clear()
-
-    def leave(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self.idle.set()
 
 
 class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -173,7 +148,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             raise ModelNotFound(f"no statistics for model {name!r} version {version or 'any'}")
         response = service_pb2.ModelStatisticsResponse()
         for v in sorted(versions, key=lambda v: (v.name, v.version)):
-            _add_statistics(response, v)
+            add_statistics(response, v)
         return response
 
     # -- repository ---------------------------------------------------------------------------
@@ -432,27 +407,3 @@ def _routed_version(metadata: Sequence[tuple[str, Any]]) -> str:
 
 def _header(metadata: Sequence[tuple[str, Any]], name: str) -> str:
     return next((str(value) for key, value in metadata if key == name), "")
-
-
-def _duration(target: service_pb2.StatisticDuration, source: DurationStat) -> None:
-    target.count = source.count
-    target.ns = source.ns
-
-
-def _add_statistics(response: service_pb2.ModelStatisticsResponse, v: ModelVersion) -> None:
-    stats = response.model_stats.add(
-        name=v.name,
-        version=str(v.version),
-        last_inference=v.stats.last_inference_ms,
-        inference_count=v.stats.inference_count,
-        execution_count=v.stats.execution_count,
-    )
-    inference = stats.inference_stats
-    for field in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output"):
-        _duration(getattr(inference, field), getattr(v.stats, field))
-    if v.memory_bytes:
-        stats.memory_usage.add(
-            type="CPU" if v.device.kind == "cpu" else "GPU",
-            id=v.device.index,
-            byte_size=v.memory_bytes,
-        )
