@@ -74,9 +74,9 @@ class ComposeMesh:
         topology = (ROOT / "deploy" / "topology.yaml").read_text()
         names = ("ENVOY", "ENVOY_ADMIN", "XDS", "ADMIN", "OTLP", "XDS2", "ADMIN2", "OTLP2",
                  "PROMETHEUS")  # fmt: skip
-        ports = distinct_free_ports(len(PORTS) + len(names))
+        server_ports, ports = mesh_ports(len(PORTS), len(names))
         for index, old in enumerate(PORTS, start=1):
-            new = str(ports.pop())
+            new = str(server_ports.pop())
             port = re.compile(rf"(?<!\d){old}(?!\d)")  # not the 8001 inside 18001
             compose, topology = port.sub(new, compose), port.sub(new, topology)
             self.server_ports[f"model-server-{index}"] = int(new)
@@ -201,14 +201,42 @@ class ComposeMesh:
         self.stop()
 
 
-def distinct_free_ports(count: int) -> list[int]:
-    """``count`` different free loopback ports: every socket stays bound until all are chosen
-    (one free_port() after another can return the same port twice)."""
-    sockets = [socket.socket() for _ in range(count)]
+SERVER_PORT_OFFSETS = (1000, 2000)  # a model server's metrics and REST ports by default
+
+
+def mesh_ports(servers: int, others: int) -> tuple[list[int], list[int]]:
+    """Free loopback ports, all different: ``servers`` gRPC ports P whose P + 1000 (metrics)
+    and P + 2000 (REST) are free too, and ``others``. Every socket stays bound until all are
+    chosen (one free_port() after another can return the same port twice, and a REST port
+    taken by a control plane's admin once made a replica fail to start)."""
+    held: list[socket.socket] = []
+    used: set[int] = set()
+
+    def hold(port: int) -> int | None:
+        if port in used or port > 65535:
+            return None
+        sock = socket.socket()
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            sock.close()
+            return None
+        held.append(sock)
+        used.add(int(sock.getsockname()[1]))
+        return int(sock.getsockname()[1])
+
     try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in sockets]
+        chosen: list[int] = []
+        rest: list[int] = []
+        while len(chosen) < servers:
+            port = hold(0)
+            if port is not None and all(hold(port + k) for k in SERVER_PORT_OFFSETS):
+                chosen.append(port)  # else what it held stays out of every choice
+        while len(rest) < others:
+            port = hold(0)
+            if port is not None:
+                rest.append(port)
+        return chosen, rest
     finally:
-        for sock in sockets:
+        for sock in held:
             sock.close()
