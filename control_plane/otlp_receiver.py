@@ -243,22 +243,30 @@ def _attribute_value(kv: KeyValue) -> str | None:
 Decoded = tuple[list[Point], dict[str, int], list[str], bytes]
 
 
-def decode_export(raw: bytes, max_points: int, split_envoy: bool) -> Decoded:
-    """Bytes of an Export request -> (points, ignored by reason, first errors, the Envoy
-    resources re-serialized, b"" when none). Pure, so it can run in a decoder process
-    (``telemetry.decoder_processes``): decoding costs ~15-25 us a point in Python, most of the
-    receiver's time, and a process takes it off the control plane's GIL. Raises DecodeError."""
-    request = ExportMetricsServiceRequest.FromString(raw)
-    envoy = b""
+def split_and_decode(
+    request: ExportMetricsServiceRequest, max_points: int, split_envoy: bool
+) -> tuple[list[Point], dict[str, int], list[str], list[metrics_pb2.ResourceMetrics]]:
+    """``decode_request`` of the model servers' resources, and Envoy's resources apart (its
+    stat sink's per-endpoint stats go to their own view) when ``split_envoy``."""
+    envoy: list[metrics_pb2.ResourceMetrics] = []
     if split_envoy and any(is_envoy(r) for r in request.resource_metrics):
         resources = request.resource_metrics
-        envoy = ExportMetricsServiceRequest(
-            resource_metrics=[r for r in resources if is_envoy(r)]
-        ).SerializeToString()
+        envoy = [r for r in resources if is_envoy(r)]
         request = ExportMetricsServiceRequest(
             resource_metrics=[r for r in resources if not is_envoy(r)]
         )
     return (*decode_request(request, max_points), envoy)
+
+
+def decode_export(raw: bytes, max_points: int, split_envoy: bool) -> Decoded:
+    """Bytes of an Export request -> ``split_and_decode``, Envoy's resources re-serialized (b""
+    when none). Pure, so it can run in a decoder process (``telemetry.decoder_processes``):
+    decoding costs ~15-25 us a point in Python, most of the receiver's time, and a process
+    takes it off the control plane's GIL. Raises DecodeError."""
+    request = ExportMetricsServiceRequest.FromString(raw)
+    points, ignored, errors, envoy = split_and_decode(request, max_points, split_envoy)
+    blob = ExportMetricsServiceRequest(resource_metrics=envoy).SerializeToString() if envoy else b""
+    return points, ignored, errors, blob
 
 
 def start_decoders(processes: int) -> ProcessPoolExecutor:
@@ -315,21 +323,28 @@ class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
     def _ingest(self, request: ExportMetricsServiceRequest | bytes, now: float) -> IngestResult:
         if isinstance(request, bytes):
             request = ExportMetricsServiceRequest.FromString(request)
-        if self.envoy is not None and any(is_envoy(r) for r in request.resource_metrics):
-            # Envoy's stat sink: its per-endpoint stats go to their own view.
-            from_envoy = [r for r in request.resource_metrics if is_envoy(r)]
-            used = self.envoy.ingest(from_envoy, now)
-            rest = [r for r in request.resource_metrics if not is_envoy(r)]
-            result = self.store.ingest(ExportMetricsServiceRequest(resource_metrics=rest), now)
-            return dataclasses.replace(result, points=result.points + used)
-        return self.store.ingest(request, now)
+        split = self.envoy is not None
+        points, ignored, errors, envoy = split_and_decode(
+            request, self.store.max_points_per_request, split
+        )
+        return self._store(points, ignored, errors, envoy, now)
 
     def _ingest_decoded(self, decoded: Decoded, now: float) -> IngestResult:
-        points, ignored, errors, envoy = decoded
+        points, ignored, errors, blob = decoded
+        envoy = list(ExportMetricsServiceRequest.FromString(blob).resource_metrics) if blob else []
+        return self._store(points, ignored, errors, envoy, now)
+
+    def _store(
+        self,
+        points: list[Point],
+        ignored: dict[str, int],
+        errors: list[str],
+        envoy: list[metrics_pb2.ResourceMetrics],
+        now: float,
+    ) -> IngestResult:
         result = self.store.ingest_points(points, ignored, errors, now)
         if envoy and self.envoy is not None:
-            request = ExportMetricsServiceRequest.FromString(envoy)
-            used = self.envoy.ingest(list(request.resource_metrics), now)
+            used = self.envoy.ingest(envoy, now)
             result = dataclasses.replace(result, points=result.points + used)
         return result
 
