@@ -124,6 +124,9 @@ def test_memory_ballast_moves_the_memory_signal(
     telemetry_mesh: tuple[list[ServerProcess], ControlPlaneThread],
 ) -> None:
     server, plane = telemetry_mesh[0][1], telemetry_mesh[1]
+    wait_for(
+        lambda: endpoint(plane, server).get("memory_used_bytes") is not None, 10, "a memory signal"
+    )
     before = value(endpoint(plane, server)["memory_used_bytes"])
     assert endpoint(plane, server)["memory_source"] == "process"
     post_faults(server, {"ballast_bytes": 200 * MiB})
