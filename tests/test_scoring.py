@@ -66,7 +66,8 @@ def test_filter_pool_splits_scored_neutral_excluded() -> None:
             sig("drain", draining=True),
             sig("notready", ready=False),
             sig("stale-drain", stale=True, draining=True),  # exclusion wins over staleness
-        ]
+        ],
+        POLICY,
     )
     assert [s.endpoint for s in result.scored] == ["ok"]
     assert result.neutral == ["stale"]
@@ -128,7 +129,7 @@ def test_queue_scorer_is_relative_to_pool(
 
 
 def test_scorers_in_order_and_named_after_weights() -> None:
-    assert [s.name for s in SCORERS] == ["qps", "latency", "memory", "kv_cache", "queue"]
+    assert [s.name for s in SCORERS] == ["qps", "latency", "memory", "kv_cache", "queue", "labels"]
     for s in SCORERS:
         assert hasattr(ScoreWeights(), s.name)
         assert all(hasattr(sig(), c) for c in s.consumes)

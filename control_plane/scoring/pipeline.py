@@ -58,7 +58,7 @@ def decide_pool(
     signals: Sequence[EndpointSignals], policy: PoolPolicy, previous: PoolState | None
 ) -> tuple[PoolDecision, PoolState]:
     prev = previous or PoolState()
-    result = filter_pool(signals)
+    result = filter_pool(signals, policy)
     scores = {s.endpoint: combine(s, result.scored, policy) for s in result.scored}
     for ep in result.neutral:
         scores[ep] = EndpointScore(ep, None, {})

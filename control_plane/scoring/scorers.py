@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from control_plane.scoring.types import EndpointSignals, PoolPolicy
+from control_plane.scoring.types import DEVICE_CLASS, EndpointSignals, PoolPolicy
 
 
 def _clamp01(x: float) -> float:
@@ -36,13 +36,21 @@ class Scorer(Protocol):
 
 @dataclass(frozen=True)
 class QpsScorer:
+    """QPS headroom: 1 - qps / capacity, where capacity is that of the endpoint's device class.
+
+    ``policy.capacity_for(device_class)``: an a100 rated 3000 qps at 1500 qps scores 0.5, a
+    cpu endpoint rated 200 qps at 150 qps scores 0.25; an endpoint without a device class, or
+    of a class the pool does not list, is measured against ``policy.capacity_qps``.
+    """
+
     name: str = "qps"
-    consumes: tuple[str, ...] = ("qps",)
+    consumes: tuple[str, ...] = ("qps", "labels")
 
     def score(
         self, endpoint: EndpointSignals, pool: Sequence[EndpointSignals], policy: PoolPolicy
     ) -> float | None:
-        return _headroom(endpoint.qps, policy.capacity_qps)
+        capacity_qps = policy.capacity_for(endpoint.label(DEVICE_CLASS))
+        return _headroom(endpoint.qps, capacity_qps)
 
 
 @dataclass(frozen=True)
@@ -57,15 +65,44 @@ class LatencyScorer:
         return _headroom(endpoint.p99_ms, policy.sla_p99_ms)
 
 
+def _headroom_above_need(used: float | None, total: float | None, need: float) -> float | None:
+    """How much of what a card could ever have free beyond ``need`` bytes it has free now.
+
+    clamp01((free - need) / (total - need)), free = total - used. The same used share means
+    different things on different cards: with need = 10 GB, a 24 GB card at 80% used has
+    4.8 GB free and cannot take the model (0), an 80 GB card at 80% has 16 GB free, 6 GB
+    beyond the need out of at most 70 GB (about 0.086), and at 50% about 0.43. An empty card
+    scores 1. A card no larger than the need can never take the model: 0. None when used or
+    total is missing or total is not positive.
+    """
+    if used is None or total is None or total <= 0:
+        return None
+    if total <= need:
+        return 0.0
+    free = total - used
+    return _clamp01((free - need) / (total - need))
+
+
 @dataclass(frozen=True)
 class MemoryScorer:
+    """Accelerator (or host) memory headroom.
+
+    Without ``policy.memory_need_bytes``: 1 - used / total. With it: the free memory beyond
+    what the model needs, as a share of the most a card of that size could have beyond the
+    need (`_headroom_above_need`), so cards of different sizes are compared by how close
+    they are to being unable to run the model, not by their used share.
+    """
+
     name: str = "memory"
     consumes: tuple[str, ...] = ("memory_used_bytes", "memory_total_bytes")
 
     def score(
         self, endpoint: EndpointSignals, pool: Sequence[EndpointSignals], policy: PoolPolicy
     ) -> float | None:
-        return _headroom(endpoint.memory_used_bytes, endpoint.memory_total_bytes)
+        used, total = endpoint.memory_used_bytes, endpoint.memory_total_bytes
+        if policy.memory_need_bytes is None:
+            return _headroom(used, total)
+        return _headroom_above_need(used, total, policy.memory_need_bytes)
 
 
 @dataclass(frozen=True)
@@ -97,12 +134,40 @@ class QueueScorer:
         return _clamp01(1.0 - endpoint.queue_depth / deepest)
 
 
+@dataclass(frozen=True)
+class LabelScorer:
+    """The share of the pool's preferred labels (``policy.prefer_labels``) the endpoint has.
+
+    Each (name, accepted values) pair counts 1 and is matched when the endpoint's label
+    ``name`` is one of the accepted values: preferring device_class a100 and zone us-east-1a,
+    an a100 in us-west-2b scores 0.5. None when the pool prefers no labels. Labels come from
+    placement, not telemetry, so this is never None for lack of telemetry.
+    """
+
+    name: str = "labels"
+    consumes: tuple[str, ...] = ("labels",)
+
+    def score(
+        self, endpoint: EndpointSignals, pool: Sequence[EndpointSignals], policy: PoolPolicy
+    ) -> float | None:
+        preferred = policy.prefer_labels
+        if not preferred:
+            return None
+        matched = 0
+        for label, accepted in preferred:
+            value = endpoint.label(label)
+            if value is not None and value in accepted:
+                matched += 1
+        return matched / len(preferred)
+
+
 SCORERS: tuple[Scorer, ...] = (
     QpsScorer(),
     LatencyScorer(),
     MemoryScorer(),
     KvCacheScorer(),
     QueueScorer(),
+    LabelScorer(),
 )
 
 
@@ -143,7 +208,9 @@ def combine(
 ) -> EndpointScore:
     weights = {s.name: float(getattr(policy.score_weights, s.name, 0.0)) for s in scorers}
     parts = {s.name: s.score(endpoint, pool, policy) for s in scorers if weights[s.name] > 0}
-    score = weighted_mean(parts, weights)
+    measured = [v for n, v in parts.items() if n != "labels" and v is not None]
+    # Labels are placement, not evidence: with no telemetry at all the endpoint stays neutral.
+    score = weighted_mean(parts, weights) if measured else None
     # Only when latency counts at all (its weight 0 means the operator routes without it).
     factor = over_sla_factor(endpoint.p99_ms, policy) if weights.get("latency", 0) > 0 else 1.0
     if score is not None and factor < 1.0:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+Labels = tuple[tuple[str, str], ...]  # (name, value) pairs sorted by name
+LabelRule = tuple[tuple[str, tuple[str, ...]], ...]  # (name, accepted values) sorted by name
+DEVICE_CLASS = "device_class"  # the label that names an endpoint's accelerator (a10g, cpu...)
+
 
 @dataclass(frozen=True)
 class EndpointSignals:
@@ -25,6 +29,10 @@ class EndpointSignals:
     kv_blocks_used: float | None = None
     kv_blocks_total: float | None = None
     queue_depth: float | None = None
+    labels: Labels = ()  # the topology's labels over those the server reports
+
+    def label(self, name: str) -> str | None:
+        return next((v for k, v in self.labels if k == name), None)
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,7 @@ class ScoreWeights:
     memory: float = 0.2
     kv_cache: float = 0.0  # generative pools set these
     queue: float = 0.0
+    labels: float = 0.0  # the share of the pool's preferred labels an endpoint has
 
 
 @dataclass(frozen=True)
@@ -63,3 +72,12 @@ class PoolPolicy:
     backoff_base_s: float = 5.0  # first ejection lasts this long; each repeat doubles it
     backoff_max_s: float = 300.0
     slow_start_s: float = 10.0  # a returning or new endpoint ramps to its full weight
+    # Device classes and labels (placement rules)
+    require_labels: LabelRule = ()  # a filter: an endpoint without an accepted value is out
+    prefer_labels: LabelRule = ()  # scored by the "labels" scorer
+    capacity_by_class: tuple[tuple[str, float], ...] = ()  # device_class -> capacity_qps
+    memory_need_bytes: float | None = None  # what the model needs free on a card to run
+
+    def capacity_for(self, device_class: str | None) -> float:
+        """Capacity per endpoint of this device class (``capacity_qps`` if not listed)."""
+        return dict(self.capacity_by_class).get(device_class or "", self.capacity_qps)
