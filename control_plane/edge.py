@@ -155,6 +155,8 @@ def rest_routes(grpc_routes: Iterable[rc_pb2.Route], to_servers: rc_pb2.RouteAct
         version = _header_value(grpc.match, VERSION_HEADER)
         if version is None:
             match = rc_pb2.RouteMatch(path_separated_prefix=base)
+            # A lane's own headers (x-sla-class, a size range) select it over REST too.
+            match.headers.extend(h for h in grpc.match.headers if h.name != MODEL_HEADER)
             by_model.append(_derived(f"rest:{grpc.name}", match, grpc))
             continue
         path = rc_pb2.RouteMatch(path_separated_prefix=f"{base}/versions/{version}")

@@ -10,6 +10,8 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from control_plane.scoring.types import LabelRule
+
 # Request header that selects a model's cluster; the Lua filter sets it from the request body
 # for clients that do not send it (stock tritonclient).
 MODEL_HEADER = "x-model-name"
@@ -88,6 +90,7 @@ class EndpointAssignment:
     address: EndpointAddress
     weight: int = 1
     health: EndpointHealth = EndpointHealth.HEALTHY
+    priority: int = 0  # Envoy's priority level: 1 takes traffic only when 0 cannot (lanes)
 
 
 def fallback_cluster(cluster: str) -> str:
@@ -112,6 +115,24 @@ class CircuitBreaker:
 
 
 @dataclass(frozen=True)
+class SlaClass:
+    """How requests of one SLA class are routed: their own deadline and retries."""
+
+    name: str
+    timeout_s: float
+    max_retries: int | None = None  # None: the listener's max_retries
+    per_try_timeout_s: float | None = None  # None: one try may use the whole timeout
+
+
+@dataclass(frozen=True)
+class LargeInputs:
+    """Requests whose declared size is at least ``min_bytes`` prefer endpoints with labels."""
+
+    min_bytes: int
+    prefer: LabelRule
+
+
+@dataclass(frozen=True)
 class ModelRoute:
     """How requests for one model are routed.
 
@@ -128,6 +149,8 @@ class ModelRoute:
     circuit_breaker: CircuitBreaker | None = None
     fallback: str | None = None  # a model whose pool serves when this one's has no healthy host
     fallback_active: bool = False  # the circuit is open: every request goes to the fallback
+    sla_classes: tuple[SlaClass, ...] = ()  # x-sla-class values with their own route (lanes)
+    large_inputs: LargeInputs | None = None  # a lane for requests with large declared inputs
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ thread hands every request over), and every change goes through ``ControlPlane.r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
@@ -65,7 +66,8 @@ class OperatorApi:
         # The store locks while it computes windows: keep that off the event loop.
         now = time.monotonic()
         body = await asyncio.to_thread(self.plane.telemetry.as_json, now)
-        return {**body, "envoy": self.plane.envoy_stats.as_json(now)}
+        scrapes = {k: dataclasses.asdict(v) for k, v in self.plane.scraper.stats().items()}
+        return {**body, "envoy": self.plane.envoy_stats.as_json(now), "scrapes": scrapes}
 
     async def set_split(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
         if model not in {m.name for m in self.plane.topology.models}:

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 from collections.abc import Mapping
 
+from control_plane.lanes import lane_members, matches
 from control_plane.mesh import (
     SERVERS_CLUSTER,
     EndpointAddress,
@@ -38,6 +39,7 @@ from control_plane.placement_poller import (
     open_channel,
     probe_endpoint,
 )
+from control_plane.scoring.types import Labels
 from control_plane.topology import Topology
 
 __all__ = [
@@ -63,6 +65,7 @@ def build_mesh_state(
     health: Mapping[EndpointAddress, EndpointHealth] | None = None,
     pool_weights: Mapping[str, Mapping[EndpointAddress, int]] | None = None,
     pool_health: Mapping[str, Mapping[EndpointAddress, EndpointHealth]] | None = None,
+    labels: Mapping[str, Labels] | None = None,
 ) -> MeshState:
     """The mesh for a topology and the latest placement (pure; equal inputs, equal output).
 
@@ -75,6 +78,11 @@ def build_mesh_state(
     routing decided) apply to that model's clusters, except that routing never ejects every
     endpoint of a cluster; ``weights`` / ``health`` (operator overrides) win over them
     everywhere. Cluster names and endpoints are sorted.
+
+    ``labels`` (endpoint key -> its labels) apply each model's placement requirement (an
+    endpoint without the required labels is in none of the model's clusters) and its lanes
+    (``control_plane.lanes``: SLA-class and large-input clusters with priorities; endpoints
+    reserved for a class leave the model's other clusters).
     """
     weights = weights or {}
     health = health or {}
@@ -94,6 +102,7 @@ def build_mesh_state(
                 members[model_cluster(name)].add(address)
                 members.setdefault(model_cluster(name, version), set()).add(address)
 
+    priorities = _apply_labels(topology, members, labels or {})
     pool_weights = pool_weights or {}
     pool_health = pool_health or {}
 
@@ -106,6 +115,7 @@ def build_mesh_state(
                 address,
                 max(1, int(weights.get(address, routed_weights.get(address, 1)))),
                 health.get(address, routed_health.get(address)) or EndpointHealth.HEALTHY,
+                priorities.get(cluster, {}).get(address, 0),
             )
             for address in sorted(members[cluster], key=_address_order)
         )
@@ -126,15 +136,36 @@ def build_mesh_state(
     return MeshState(listener=topology.listener, models=topology.models, clusters=clusters)
 
 
+def _apply_labels(
+    topology: Topology, members: dict[str, set[EndpointAddress]], labels: Mapping[str, Labels]
+) -> dict[str, dict[EndpointAddress, int]]:
+    """Narrows each model's clusters in ``members`` to the endpoints its placement rule and
+    lanes allow, adds its lane clusters, and returns each lane's endpoint priorities."""
+    priorities: dict[str, dict[EndpointAddress, int]] = {}
+    for model in topology.models:
+        require = topology.policy(model.name).require_labels
+        if not (require or model.sla_classes or model.large_inputs):
+            continue
+        own = model_cluster(model.name)
+        by_key = {a.key: a for a in members[own] if matches(labels.get(a.key, ()), require)}
+        split = lane_members(model.name, by_key, labels, model.sla_classes, model.large_inputs)
+        for name in [n for n in members if n == own or n.startswith(f"{own}:v")]:
+            members[name] = {a for a in members[name] if a.key in split.shared}
+        for lane, pairs in split.lanes.items():
+            members[lane] = {by_key[k] for k, _ in pairs}
+            priorities[lane] = {by_key[k]: p for k, p in pairs}
+    return priorities
+
+
 def _address_order(address: EndpointAddress) -> tuple[str, int]:
     return address.host, address.port  # EndpointAddress's own order, without its __lt__
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _assignment(
-    address: EndpointAddress, weight: int, health: EndpointHealth
+    address: EndpointAddress, weight: int, health: EndpointHealth, priority: int = 0
 ) -> EndpointAssignment:
     """One shared object per (address, weight, health): an unchanged cluster's tuple of them
     compares equal by identity, which keeps the incremental builder's comparison cheap at
     fleet scale."""
-    return EndpointAssignment(address, weight, health)
+    return EndpointAssignment(address, weight, health, priority)

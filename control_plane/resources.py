@@ -36,13 +36,20 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2 as http_pb2
 from envoy.type.matcher.v3 import string_pb2
-from envoy.type.v3 import percent_pb2
+from envoy.type.v3 import percent_pb2, range_pb2
 from google.protobuf import any_pb2
 from google.protobuf.message import Message
 from google.protobuf.wrappers_pb2 import UInt32Value
 
 from control_plane import edge
 from control_plane.envoy_values import duration, packed
+from control_plane.lanes import (
+    INPUT_BYTES_HEADER,
+    MAX_INT64,
+    SLA_CLASS_HEADER,
+    large_cluster,
+    sla_cluster,
+)
 from control_plane.lua_routing import LUA_FILTER, lua_source
 from control_plane.mesh import (
     LISTENER_NAME,
@@ -54,6 +61,7 @@ from control_plane.mesh import (
     EndpointHealth,
     MeshState,
     ModelRoute,
+    SlaClass,
     base_cluster,
     cluster_model,
     fallback_cluster,
@@ -228,15 +236,18 @@ def grpc_error(
     return route(name, match, lua=lua, direct_response=response, response_headers_to_add=add)
 
 
-def retry_policy(state: MeshState, timeout_s: float | None = None) -> rc_pb2.RetryPolicy:
-    """Retries on other hosts (previous_hosts) for failures a model server did not cause."""
+def retry_policy(
+    state: MeshState, timeout_s: float | None = None, retries: int | None = None
+) -> rc_pb2.RetryPolicy:
+    """Retries on other hosts (previous_hosts) for failures a model server did not cause;
+    ``retries`` None: the listener's max_retries."""
     predicate = rc_pb2.RetryPolicy.RetryHostPredicate(
         name="envoy.retry_host_predicates.previous_hosts",
         typed_config=packed(previous_hosts_pb2.PreviousHostsPredicate()),
     )
     policy = rc_pb2.RetryPolicy(
         retry_on=RETRY_ON,
-        num_retries=UInt32Value(value=state.listener.max_retries),
+        num_retries=UInt32Value(value=state.listener.max_retries if retries is None else retries),
         retry_host_predicate=[predicate],
         host_selection_retry_max_attempts=3,
     )
@@ -251,11 +262,15 @@ def split_weights(model: ModelRoute) -> list[tuple[str, int]]:
 
 
 def model_action(
-    state: MeshState, model: ModelRoute, cluster: str | None = None
+    state: MeshState, model: ModelRoute, cluster: str | None = None, sla: SlaClass | None = None
 ) -> rc_pb2.RouteAction:
-    """Timeout and retries of ``model``; to ``cluster`` if given, else by its version split."""
+    """Timeout and retries of ``model`` (of its SLA class ``sla`` if given); to ``cluster`` if
+    given, else by its version split."""
+    timeout = model.timeout_s if sla is None else sla.timeout_s
+    per_try = timeout if sla is None or sla.per_try_timeout_s is None else sla.per_try_timeout_s
     action = rc_pb2.RouteAction(
-        timeout=duration(model.timeout_s), retry_policy=retry_policy(state, model.timeout_s)
+        timeout=duration(timeout),
+        retry_policy=retry_policy(state, per_try, None if sla is None else sla.max_retries),
     )
     weights = [] if cluster else split_weights(model)
     versions = [v for v, w in model.version_split if w > 0]  # the same order as split_weights
@@ -336,6 +351,7 @@ def build_route_config(state: MeshState) -> route_pb2.RouteConfiguration:
             action = model_action(state, model, cluster)
             routes += model_routes(cluster, model_match(model.name, version), action, model)
     for model in state.models:
+        routes += lane_routes(state, model)
         action = model_action(state, model)
         routes += model_routes(model_cluster(model.name), model_match(model.name), action, model)
     has_header = rc_pb2.HeaderMatcher(name=MODEL_HEADER, present_match=True)
@@ -375,6 +391,33 @@ def build_route_config(state: MeshState) -> route_pb2.RouteConfiguration:
             edge.cors_policy(state.listener.cors)
         )
     return route_pb2.RouteConfiguration(name=ROUTE_CONFIG_NAME, virtual_hosts=[host])
+
+
+def lane_routes(state: MeshState, model: ModelRoute) -> list[rc_pb2.Route]:
+    """A model's SLA-class routes (``x-sla-class: C``; any other value is an error naming the
+    classes), then its large-input routes (declared size, or content-length, >= min_bytes)."""
+    routes = []
+    for sla in model.sla_classes:
+        match = model_match(model.name)
+        match.headers.append(exact_header(SLA_CLASS_HEADER, sla.name))
+        cluster = sla_cluster(model.name, sla.name)
+        routes += model_routes(cluster, match, model_action(state, model, cluster, sla), model)
+    if model.sla_classes:
+        unknown = model_match(model.name)
+        unknown.headers.append(rc_pb2.HeaderMatcher(name=SLA_CLASS_HEADER, present_match=True))
+        known = ", ".join(c.name for c in model.sla_classes)
+        message = f"{SLA_CLASS_HEADER}: unknown class for model {model.name}, expected {known}"
+        routes.append(grpc_error(f"{model_cluster(model.name)}:sla-unknown", unknown,
+                                 GRPC_INVALID_ARGUMENT, message))  # fmt: skip
+    if model.large_inputs is not None:
+        cluster = large_cluster(model.name)
+        action = model_action(state, model, cluster)
+        at_least = range_pb2.Int64Range(start=model.large_inputs.min_bytes, end=MAX_INT64)
+        for header in (INPUT_BYTES_HEADER, "content-length"):
+            match = model_match(model.name)
+            match.headers.append(rc_pb2.HeaderMatcher(name=header, range_match=at_least))
+            routes += model_routes(f"{cluster}:{header}", match, action, model)
+    return routes
 
 
 # --- clusters and endpoints -----------------------------------------------------------------
@@ -464,12 +507,13 @@ def build_assignment(
     """``no_spill``: the cluster keeps all its traffic while any endpoint is healthy (it is the
     first of a fallback aggregate)."""
     ordered = sorted(assignments, key=lambda a: (a.address.host, a.address.port))
-    endpoints = [lb_endpoint(a) for a in ordered]
     load = endpoint_pb2.ClusterLoadAssignment(cluster_name=name)
     if no_spill:
         load.policy.overprovisioning_factor.value = NO_SPILL_OVERPROVISIONING
-    if endpoints:
-        load.endpoints.add(lb_endpoints=endpoints)
+    # Envoy needs priorities numbered 0, 1, ... without gaps.
+    for level, priority in enumerate(sorted({a.priority for a in ordered})):
+        endpoints = [lb_endpoint(a) for a in ordered if a.priority == priority]
+        load.endpoints.add(lb_endpoints=endpoints, priority=level)
     return load
 
 

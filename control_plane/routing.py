@@ -15,12 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from control_plane.lanes import fleet_labels
 from control_plane.mesh import EndpointAddress, EndpointHealth
 from control_plane.placement import EndpointReport
 from control_plane.scoring.ejection import EjectionState, decide_ejections
 from control_plane.scoring.pipeline import PoolDecision, PoolState, decide_pool
 from control_plane.scoring.slow_start import apply_slow_start
-from control_plane.scoring.types import EndpointSignals, PoolPolicy
+from control_plane.scoring.types import EndpointSignals, Labels, PoolPolicy
 from control_plane.scoring.weights import needs_push
 from control_plane.telemetry import EndpointTelemetry
 from control_plane.topology import Topology
@@ -67,14 +68,17 @@ def pool_signals(
     telemetry: Mapping[str, EndpointTelemetry],
     reports: Mapping[EndpointAddress, EndpointReport],
     members: Members | None = None,
+    labels: Mapping[str, Labels] | None = None,
 ) -> list[EndpointSignals]:
     """The endpoints where ``model`` is READY, with their signals (None where missing).
-    ``members``: ``ready_members(reports)``, computed once for every pool."""
+    ``members``: ``ready_members(reports)``, computed once for every pool; ``labels``: each
+    endpoint's (``lanes.fleet_labels``; default: what telemetry reports)."""
     signals = []
     for address in (members if members is not None else ready_members(reports)).get(model, []):
         seen = telemetry.get(address.key)
+        known = labels.get(address.key, ()) if labels is not None else ()
         if seen is None:
-            signals.append(EndpointSignals(address.key, stale=True))
+            signals.append(EndpointSignals(address.key, stale=True, labels=known))
             continue
         per_model = next((m for m in seen.models if m.model == model), None)
         signals.append(
@@ -90,6 +94,7 @@ def pool_signals(
                 kv_blocks_used=_value(seen.kv_blocks_used),
                 kv_blocks_total=_value(seen.kv_blocks_total),
                 queue_depth=_value(seen.queue_depth),
+                labels=known if labels is not None else seen.labels,
             )
         )
     return signals
@@ -127,6 +132,7 @@ class Router:
         self.pools: dict[str, PoolMemory] = {}
         self.decisions: deque[dict[str, Any]] = deque(maxlen=MAX_DECISIONS)
         self.new_ejections: list[str] = []  # causes since the caller last took them
+        self.labels: dict[str, Labels] = {}  # every endpoint's, as of the last recompute
 
     def _log(self, pool: str, event: str, now_wall: float) -> None:
         self.decisions.append({"at": round(now_wall, 3), "pool": pool, "decision": event})
@@ -142,10 +148,15 @@ class Router:
         changed = False
         wall = time.time()
         members = ready_members(reports)
+        reported = {key: t.labels for key, t in telemetry.items() if t.labels}
+        labels = fleet_labels(topology.endpoint_labels(), reported)
+        if labels != self.labels:
+            self.labels = labels
+            changed = True  # lanes and placement rules move endpoints between clusters
         for model in topology.models:
             memory = self.pools.setdefault(model.name, PoolMemory())
             policy = topology.policy(model.name)
-            signals = pool_signals(model.name, telemetry, reports, members)
+            signals = pool_signals(model.name, telemetry, reports, members, labels)
             decision, memory.state = decide_pool(signals, policy, memory.state)
             ejection = decide_ejections(signals, policy, memory.ejections, now)
             for event in ejection.events:

@@ -34,6 +34,7 @@ from control_plane.incremental import SnapshotBuilder
 from control_plane.live_view import LiveFeed
 from control_plane.mesh import EndpointAddress, EndpointHealth, MeshState
 from control_plane.metrics import ControlPlaneMetrics
+from control_plane.metrics_scraper import MetricsScraper
 from control_plane.nodes import NodeRegistry
 from control_plane.operator_api import OperatorApi
 from control_plane.otlp_receiver import start_decoders, start_receiver
@@ -95,6 +96,8 @@ class ControlPlane:
             options.window_s, options.stale_after_intervals, options.forget_after_s
         )
         self.envoy_stats = EnvoyStats(options.window_s)
+        # Endpoints that do not push OTLP (Triton): their Prometheus metrics, scraped
+        self.scraper = MetricsScraper(self.telemetry, interval_s=options.scrape_interval_s)
         self.router = Router()
         self.splits: dict[str, tuple[tuple[str, int], ...]] = {}  # operator and canary splits
         self.canaries = CanaryRuns(self.router.decisions, self.metrics)
@@ -169,6 +172,8 @@ class ControlPlane:
             envoy=self.envoy_stats,
             decoders=self.decoders,
         )
+        self.scraper.set_targets(t.scrape_targets())
+        await self.scraper.start()
         await self.poller.poll_once()  # the first snapshot already knows what is READY where
         self.rebuild("start")
         await self.grpc_server.start()
@@ -192,6 +197,7 @@ class ControlPlane:
 
     async def stop(self) -> None:
         await self.poller.stop()
+        await self.scraper.stop()
         for task in list(self._tasks):
             task.cancel()
         await self.slices.stop()
@@ -219,6 +225,7 @@ class ControlPlane:
             self.health,
             pool_weights=self.router.pool_weights(),
             pool_health=self.router.pool_health(),
+            labels=self.router.labels or self.topology.endpoint_labels(),
         )
         try:
             snapshot = self.builder.build(state)
@@ -324,6 +331,8 @@ class ControlPlane:
         self.poller.interval_s = topology.placement.poll_interval_s
         self.poller.max_probes_per_s = topology.placement.max_probes_per_s
         self.poller.max_concurrent_probes = topology.placement.max_concurrent_probes
+        self.scraper.interval_s = topology.telemetry.scrape_interval_s
+        self.scraper.set_targets(topology.scrape_targets())
         await self.slices.sync(topology.endpoints)
         self.endpoints = await self.resolver.resolve(topology.endpoints)
         await self.poller.poll_once()

@@ -98,6 +98,7 @@ class EndpointTelemetry:
     models: tuple[ModelTelemetry, ...] = ()
     series: int = 0
     dropped_series: int = 0
+    labels: tuple[tuple[str, str], ...] = ()  # server_label gauges set to 1: (name, value)
 
 
 @dataclass(frozen=True)
@@ -396,6 +397,7 @@ class TelemetryStore:
             ),
             series=len(e.series),
             dropped_series=e.dropped_series,
+            labels=_labels(of("server_label")),
         )
 
 
@@ -411,6 +413,8 @@ def telemetry_json(t: EndpointTelemetry) -> dict[str, Any]:
         value = getattr(t, name)
         if isinstance(value, Signal | Flag):
             value = plain(value)
+        elif name == "labels":
+            value = dict(value)
         elif name == "models":
             value = tuple(
                 {"model": m.model, "p99_ms": plain(m.p99_ms), "qps": plain(m.qps)} for m in value
@@ -466,6 +470,16 @@ def _only(series: Labeled, model: str) -> Labeled:
 def _memory_source(used: Labeled) -> str | None:
     sources = {a.get("source", "") for a, _ in used}
     return "nvml" if "nvml" in sources else min(sources) if sources else None
+
+
+def _labels(series: Labeled) -> tuple[tuple[str, str], ...]:
+    """The (name, value) pairs whose gauge is set; one value per name (the greatest)."""
+    found = {
+        a.get("name", ""): a.get("value", "")
+        for a, s in sorted(series, key=lambda item: item[0].get("value", ""))
+        if s.samples[-1][1][0] > 0
+    }
+    return tuple(sorted((k, v) for k, v in found.items() if k and v))
 
 
 def _gauge_sum(series: Labeled, now: float) -> Signal | None:

@@ -40,6 +40,7 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
       stale_after_intervals: 3      # > 0: stale after this many missed reporting intervals
       forget_after_s: 300           # > 0: forget an endpoint unseen this long
       decoder_processes: 0          # integer >= 0: OTLP decoding in processes (0: a thread)
+      scrape_interval_s: 2.0        # > 0: scrapes of kind-triton endpoints' /metrics
     models:                         # required, at least one
       - name: classifier            # letters, digits, '_', '.', '-'; unique
         sla_p99_ms: 50              # required, > 0
@@ -89,7 +90,7 @@ from typing import Any
 
 import yaml
 
-from control_plane import edge
+from control_plane import edge, lanes
 from control_plane.canary import CanaryPolicy, parse_policy
 from control_plane.endpointslices import KubernetesEndpoint, parse_source
 from control_plane.mesh import (
@@ -100,7 +101,7 @@ from control_plane.mesh import (
     RateLimit,
 )
 from control_plane.schema import Checker, UniqueKeyLoader, show
-from control_plane.scoring.types import PoolPolicy, ScoreWeights
+from control_plane.scoring.types import Labels, PoolPolicy, ScoreWeights
 
 log = logging.getLogger(__name__)
 
@@ -135,11 +136,18 @@ class TelemetryOptions:
     stale_after_intervals: float = 3.0  # stale after this many observed reporting intervals
     forget_after_s: float = 300.0  # an endpoint unseen this long is forgotten
     decoder_processes: int = 0  # OTLP decoding in this many processes (0: a worker thread)
+    scrape_interval_s: float = 2.0  # Prometheus scrapes of kind-triton endpoints
+
+
+ENDPOINT_KINDS = ("infermesh", "triton")  # how the control plane reads an endpoint's signals
 
 
 @dataclass(frozen=True)
 class StaticEndpoint:
     address: EndpointAddress
+    labels: Labels = ()  # over the labels the server reports
+    kind: str = "infermesh"  # "triton": its Prometheus metrics are scraped (no OTLP)
+    metrics_url: str = ""  # kind triton: where (default http://HOST:PORT+1/metrics)
 
     @property
     def key(self) -> str:
@@ -172,6 +180,18 @@ class Topology:
     telemetry: TelemetryOptions = TelemetryOptions()
     policies: tuple[tuple[str, PoolPolicy], ...] = ()  # (model name, routing policy)
     canaries: tuple[tuple[str, CanaryPolicy], ...] = ()  # (model name, canary progression)
+
+    def endpoint_labels(self) -> dict[str, Labels]:
+        """The labels the topology gives endpoints, by endpoint key."""
+        return {e.key: e.labels for e in self.endpoints if isinstance(e, StaticEndpoint)}
+
+    def scrape_targets(self) -> dict[str, str]:
+        """Endpoint key -> metrics URL, for the endpoints whose signals are scraped."""
+        return {
+            e.key: e.metrics_url
+            for e in self.endpoints
+            if isinstance(e, StaticEndpoint) and e.kind == "triton"
+        }
 
     def canary_policy(self, model: str) -> CanaryPolicy:
         """How a canary of the model progresses (the defaults unless the topology says)."""
@@ -230,13 +250,17 @@ _PLACEMENT = {
 _TELEMETRY = {
     "host": "host", "port": "port", "window_s": "positive",
     "stale_after_intervals": "positive", "forget_after_s": "positive", "decoder_processes": "count",
+    "scrape_interval_s": "positive",
 }  # fmt: skip
 _MODEL = {
     "name": "name", "sla_p99_ms": "positive", "capacity_qps": "positive",
     "timeout_s": "positive", "version_split": "split", "routing": "routing", "canary": "canary",
     "rate_limit": "rate_limit", "circuit_breaker": "circuit_breaker", "fallback": "name",
-    "generative": "bool",
+    "generative": "bool", "placement": "mapping", "memory_bytes": "positive",
+    "sla_classes": "mapping", "large_inputs": "mapping",
 }  # fmt: skip
+_PLACEMENT_RULE = ("require", "prefer", "prefer_weight")
+DEFAULT_PREFER_WEIGHT = 0.2  # the labels scorer's weight when a model prefers labels
 _RATE_LIMIT = {"requests_per_s": "positive", "burst": "count"}
 _CIRCUIT_BREAKER = {"max_requests": "count", "max_pending_requests": "count"}
 # models[].routing: telemetry-driven routing of the model's pool (defaults: PoolPolicy's).
@@ -252,7 +276,9 @@ _ROUTING = {
 # A generative pool is scored mostly on KV-cache headroom and waiting sequences: a server whose
 # cache is nearly full loses weight before it has to turn sequences away.
 GENERATIVE_SCORE_WEIGHTS = ScoreWeights(qps=0.15, latency=0.2, memory=0.1, kv_cache=0.35, queue=0.2)
-_SCORE_WEIGHTS = {k: "nonnegative" for k in ("qps", "latency", "memory", "kv_cache", "queue")}
+_SCORE_WEIGHTS = {
+    k: "nonnegative" for k in ("qps", "latency", "memory", "kv_cache", "queue", "labels")
+}
 _TOP = ("listener", "xds", "admin", "placement", "telemetry", "models", "endpoints")
 
 
@@ -320,22 +346,64 @@ def _models(
         sla = c.value(m, path, "sla_p99_ms", "positive", 1.0)
         timeout = c.value(m, path, "timeout_s", "positive", max(1.0, 20 * sla / 1000))
         split = c.value(m, path, "version_split", "split", ())
+        classes = (
+            lanes.parse_sla_classes(c, m["sla_classes"], f"{path}.sla_classes", timeout)
+            if "sla_classes" in m else ()
+        )  # fmt: skip
+        large = (
+            lanes.parse_large_inputs(c, m["large_inputs"], f"{path}.large_inputs")
+            if "large_inputs" in m else None
+        )  # fmt: skip
         routes.append(
             ModelRoute(
                 name, sla, timeout, split, _rate_limit(c, m, path), _breaker(c, m, path),
-                c.value(m, path, "fallback", "name", None),
+                c.value(m, path, "fallback", "name", None), sla_classes=classes,
+                large_inputs=large,
             )
         )  # fmt: skip
-        capacity.append((name, c.value(m, path, "capacity_qps", "positive", 1.0)))
+        per_class = _capacity(c, m, path)
+        capacity.append((name, per_class[0][1]))
         generative = c.value(m, path, "generative", "bool", False)
         routing = (m.get("routing", {}), f"{path}.routing", capacity[-1][1], sla, generative)
-        policies.append((name, _policy(c, *routing)))
+        pool = _placement(c, m, path, _policy(c, *routing))
+        policies.append((name, dataclasses.replace(pool, capacity_by_class=per_class[1:])))
         if "canary" in m and (canary := c.mapping(m["canary"], f"{path}.canary")) is not None:
             policy, errors = parse_policy(canary, CanaryPolicy(), f"{path}.canary.")
             c.errors.extend(errors)
             canaries.append((name, policy))
     _check_fallbacks(c, routes)
     return tuple(routes), tuple(capacity), tuple(policies), tuple(canaries)
+
+
+def _capacity(c: Checker, m: dict[str, Any], path: str) -> tuple[tuple[str, float], ...]:
+    """``capacity_qps``: a number, or per device class ``{default: 1000, a100: 3000}``;
+    ("default", capacity) first."""
+    given = m.get("capacity_qps")
+    if not isinstance(given, dict):
+        return (("default", c.value(m, path, "capacity_qps", "positive", 1.0)),)
+    where = f"{path}.capacity_qps"
+    if "default" not in given:
+        c.errors.append(f"{where}.default: required (the capacity of unlisted device classes)")
+    by_class = [(str(k), c.value(given, where, k, "positive", 1.0)) for k in given]
+    default = dict(by_class).get("default", 1.0)
+    return (("default", default), *sorted((k, v) for k, v in by_class if k != "default"))
+
+
+def _placement(c: Checker, m: dict[str, Any], path: str, policy: PoolPolicy) -> PoolPolicy:
+    """``placement: {require, prefer, prefer_weight}`` and ``memory_bytes`` onto the policy."""
+    memory = c.value(m, path, "memory_bytes", "positive", None)
+    rule = c.mapping(m.get("placement", {}), f"{path}.placement") or {}
+    where = f"{path}.placement"
+    c.keys(rule, where, _PLACEMENT_RULE)
+    require = lanes.parse_label_rule(c, rule.get("require", {}), f"{where}.require")
+    prefer = lanes.parse_label_rule(c, rule.get("prefer", {}), f"{where}.prefer")
+    default_weight = DEFAULT_PREFER_WEIGHT if prefer else policy.score_weights.labels
+    weight = c.value(rule, where, "prefer_weight", "nonnegative", default_weight)
+    weights = dataclasses.replace(policy.score_weights, labels=weight)
+    return dataclasses.replace(
+        policy, require_labels=require, prefer_labels=prefer, memory_need_bytes=memory,
+        score_weights=weights,
+    )  # fmt: skip
 
 
 def _rate_limit(c: Checker, m: dict[str, Any], path: str) -> RateLimit | None:
@@ -411,21 +479,25 @@ def _policy(
 
 
 _ENDPOINT_KINDS = ("address", "dns", "kubernetes")
+_ENDPOINT_EXTRAS = ("labels", "kind", "metrics_url")  # on an "address" only
 
 
 def _endpoints(c: Checker, value: object) -> tuple[EndpointSource, ...]:
-    result: dict[EndpointSource, int] = {}
+    result: dict[str, tuple[EndpointSource, int]] = {}
     for index, item in enumerate(c.sequence(value, "endpoints") or []):
         path = f"endpoints[{index}]"
         if (m := c.mapping(item, path)) is None:
             continue
-        c.keys(m, path, _ENDPOINT_KINDS)
+        c.keys(m, path, _ENDPOINT_KINDS + _ENDPOINT_EXTRAS)
         kinds = [k for k in _ENDPOINT_KINDS if k in m]
         if len(kinds) != 1:
-            if len(kinds) == len(m):  # else the unknown keys were reported
+            if not set(m) - set(_ENDPOINT_KINDS + _ENDPOINT_EXTRAS):  # else already reported
                 c.errors.append(f"{path}: needs exactly one of 'address', 'dns' or 'kubernetes'")
             continue
         kind = kinds[0]
+        extras = [k for k in _ENDPOINT_EXTRAS if k in m]
+        if extras and kind != "address":
+            c.errors.append(f"{path}: {', '.join(extras)} only go with an 'address' endpoint")
         source: EndpointSource | None
         if kind == "kubernetes":
             source = parse_source(c, m[kind], f"{path}.{kind}")
@@ -433,18 +505,32 @@ def _endpoints(c: Checker, value: object) -> tuple[EndpointSource, ...]:
             source = None
         else:
             source = (
-                StaticEndpoint(EndpointAddress(*host_port)) if kind == "address"
+                _static(c, m, path, EndpointAddress(*host_port)) if kind == "address"
                 else DnsEndpoint(*host_port)
             )  # fmt: skip
         if source is None:
             continue
-        if source in result:
+        if source.key in result:
             c.errors.append(
                 f"{path}.{kind}: duplicate endpoint {show(source.key)} "
-                f"(first at endpoints[{result[source]}])"
+                f"(first at endpoints[{result[source.key][1]}])"
             )
-        result.setdefault(source, index)
-    return tuple(result)
+        result.setdefault(source.key, (source, index))
+    return tuple(source for source, _ in result.values())
+
+
+def _static(c: Checker, m: dict[str, Any], path: str, address: EndpointAddress) -> StaticEndpoint:
+    labels = lanes.parse_labels(c, m["labels"], f"{path}.labels") if "labels" in m else ()
+    kind = m.get("kind", "infermesh")
+    if kind not in ENDPOINT_KINDS:
+        c.fail(f"{path}.kind", f"must be one of {', '.join(ENDPOINT_KINDS)}", kind)
+    host = f"[{address.host}]" if ":" in address.host else address.host
+    url = m.get("metrics_url", f"http://{host}:{address.port + 1}/metrics")
+    if "metrics_url" in m and kind != "triton":
+        c.errors.append(f"{path}.metrics_url: only for kind triton (others push OTLP)")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        c.fail(f"{path}.metrics_url", "must be an http:// or https:// URL", url)
+    return StaticEndpoint(address, labels, kind, url if kind == "triton" else "")
 
 
 @dataclass(frozen=True)

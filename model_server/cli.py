@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -135,8 +136,30 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve POST /faults on the metrics port (latency, errors, memory ballast)",
     )
+    p.add_argument(
+        "--label",
+        dest="labels",
+        type=_label,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a routing label the server reports (repeatable), e.g. zone=b or "
+        "reserved_for=interactive; device_class defaults to the NVML device (or cpu)",
+    )
     add_log_level(p)
     return p
+
+
+_LABEL_TEXT = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
+
+
+def _label(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not _LABEL_TEXT.fullmatch(name) or not _LABEL_TEXT.fullmatch(value):
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=VALUE (letters, digits, '_', '.', '-'), got {text!r}"
+        )
+    return name, value
 
 
 async def serve(settings: ServerSettings) -> int:
@@ -196,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         trace_endpoint=args.trace_endpoint,
         telemetry_interval=args.telemetry_interval,
         enable_fault_injection=args.enable_fault_injection,
+        labels=tuple(args.labels),
     )
     try:
         return asyncio.run(serve(settings))

@@ -79,6 +79,9 @@ class MemoryReading:
 class MemorySource(Protocol):
     def read(self) -> MemoryReading: ...
 
+    @property
+    def device_class(self) -> str: ...  # a routing label: "cpu", "a100", "h200"...
+
 
 def cgroup_memory_limit() -> int | None:
     """The memory limit of this process's cgroup (v2, else v1), None when unlimited."""
@@ -114,6 +117,22 @@ def process_rss() -> int:
     return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
 
+_VENDOR_WORDS = frozenset({"nvidia", "tesla", "geforce", "quadro"})
+
+
+def device_class_name(device_name: str) -> str:
+    """A short device class from an NVML device name, for routing labels:
+    "NVIDIA A100-SXM4-80GB" -> "a100", "NVIDIA H200" -> "h200", "Tesla T4" -> "t4",
+    "NVIDIA GeForce RTX 4090" -> "rtx4090"; "" -> "unknown"."""
+    words = [w for w in device_name.lower().split() if w not in _VENDOR_WORDS]
+    if not words:
+        return "unknown"
+    first = words[0].split("-")[0]
+    if first in ("rtx", "gtx") and len(words) > 1:  # the model number is the next word
+        first += words[1].split("-")[0]
+    return re.sub(r"[^a-z0-9_.]", "", first) or "unknown"
+
+
 class ProcessMemory:
     """CPU host: this process's resident memory against its budget."""
 
@@ -122,6 +141,10 @@ class ProcessMemory:
 
     def read(self) -> MemoryReading:
         return MemoryReading("cpu", "process", process_rss(), self.budget_bytes)
+
+    @property
+    def device_class(self) -> str:
+        return "cpu"
 
 
 class NvmlMemory:
@@ -138,6 +161,11 @@ class NvmlMemory:
     def read(self) -> MemoryReading:
         info = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
         return MemoryReading(self.device, "nvml", int(info.used), int(info.total))
+
+    @property
+    def device_class(self) -> str:
+        name = self._nvml.nvmlDeviceGetName(self._handle)
+        return device_class_name(name.decode() if isinstance(name, bytes) else str(name))
 
 
 def nvml_device_count() -> int:

@@ -150,6 +150,12 @@ class ServerMetrics:
             registry=r,
         )
         self.draining = Gauge("server_draining", "1 once the server has begun to drain", registry=r)
+        self.label = Gauge(
+            "server_label",
+            "1 per routing label of the server (name, value): device_class and --label ones",
+            ["name", "value"],
+            registry=r,
+        )
 
     def publish_model_version(
         self, model: str, version: str, state: str, provider: str | None, previous: str | None

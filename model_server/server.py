@@ -67,6 +67,7 @@ class ServerSettings:
     trace_endpoint: str | None = None  # HOST:PORT of an OTLP/gRPC trace receiver
     telemetry_interval: float = 1.0
     enable_fault_injection: bool = False
+    labels: tuple[tuple[str, str], ...] = ()  # routing labels (--label); device_class is auto
 
     def resolved_metrics_port(self) -> int:
         if self.metrics_port is not None:
@@ -91,6 +92,9 @@ class ModelServer:
         self.metrics = ServerMetrics()
         self.device = choose_device(settings.device)
         self.memory = memory_source(self.device, settings.memory_budget)
+        labels = {"device_class": self.memory.device_class, **dict(settings.labels)}
+        for name, value in sorted(labels.items()):
+            self.metrics.label.labels(name, value).set(1)
         self.repository = ModelRepository(
             settings.model_repository.resolve(),
             self.device,

@@ -43,6 +43,10 @@ class FixedMemory:
     def read(self) -> MemoryReading:
         return self.reading
 
+    @property
+    def device_class(self) -> str:
+        return "a100"
+
 
 def test_guard_admits_what_fits_and_reserves_it() -> None:
     guard = MemoryGuard(FixedMemory(used=600 * MiB, total=1000 * MiB))

@@ -107,7 +107,8 @@ def test_telemetry_json_is_asdict() -> None:
     store.ingest(request([state(1), gauge("accelerator_memory_used_bytes", 5e8, source="nvml")]), 6)
     for later in (6.0, 7.5, 40.0):
         for t in store.snapshot(later).values():
-            assert telemetry_json(t) == dataclasses.asdict(t)
+            # Labels become a mapping in JSON ({"device_class": "cpu"}); the rest is asdict.
+            assert telemetry_json(t) == {**dataclasses.asdict(t), "labels": dict(t.labels)}
     assert store.as_json(7.5)["endpoints"]["127.0.0.1:8001"]["draining"] == {
         "value": False,
         "age_s": 1.5,

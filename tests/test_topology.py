@@ -160,7 +160,7 @@ ERROR_CASES = [
     ("models.0.name", "", "models[0].name: must be a model name (letters, digits, '_', '.', '-'), got \"\""),  # noqa: E501
     ("models.0.name", "a:b", "models[0].name: must be a model name (letters, digits, '_', '.', '-'), got \"a:b\""),  # noqa: E501
     ("models.0.name", 7, "models[0].name: must be a string, got 7"),
-    ("models.0.sla_p99", 5, "models[0].sla_p99: unknown key (expected one of: name, sla_p99_ms, capacity_qps, timeout_s, version_split, routing, canary, rate_limit, circuit_breaker, fallback, generative)"),  # noqa: E501
+    ("models.0.sla_p99", 5, "models[0].sla_p99: unknown key (expected one of: name, sla_p99_ms, capacity_qps, timeout_s, version_split, routing, canary, rate_limit, circuit_breaker, fallback, generative, placement, memory_bytes, sla_classes, large_inputs)"),  # noqa: E501
     ("models.0.version_split", {}, "models[0].version_split: must be a non-empty mapping of version to weight, got {}"),  # noqa: E501
     ("models.0.version_split", [1, 2], "models[0].version_split: must be a non-empty mapping of version to weight, got [1, 2]"),  # noqa: E501
     ("models.0.version_split", {"v1": 1}, 'models[0].version_split: versions must be numbers like "1", got "v1"'),  # noqa: E501
@@ -202,7 +202,7 @@ ERROR_CASES = [
     ("endpoints", [{"dns": "a.local:99999"}], 'endpoints[0].dns: must be host:port with a port in 1..65535, got "a.local:99999"'),  # noqa: E501
     ("endpoints", [{}], "endpoints[0]: needs exactly one of 'address', 'dns' or 'kubernetes'"),
     ("endpoints", [{"address": "1.2.3.4:1", "dns": "a:1"}], "endpoints[0]: needs exactly one of 'address', 'dns' or 'kubernetes'"),  # noqa: E501
-    ("endpoints", [{"adress": "1.2.3.4:1"}], "endpoints[0].adress: unknown key (expected one of: address, dns, kubernetes)"),  # noqa: E501
+    ("endpoints", [{"adress": "1.2.3.4:1"}], "endpoints[0].adress: unknown key (expected one of: address, dns, kubernetes, labels, kind, metrics_url)"),  # noqa: E501
     ("endpoints", [{"address": "127.0.0.1:1"}, {"address": "127.0.0.1:1"}], 'endpoints[1].address: duplicate endpoint "127.0.0.1:1" (first at endpoints[0])'),  # noqa: E501
     ("endpoints", [{"dns": "a.local:1"}, {"dns": "A.local:1"}], 'endpoints[1].dns: duplicate endpoint "a.local:1" (first at endpoints[0])'),  # noqa: E501
 ]  # fmt: skip
