@@ -63,6 +63,7 @@ KINDS = {
     "kv_cache_blocks_total": "gauge",
     "model_state": "gauge",
     "server_draining": "gauge",
+    "server_label": "gauge",  # routing labels a server reports (name, value)
 }
 _DELTA = metrics_pb2.AGGREGATION_TEMPORALITY_DELTA
 _CUMULATIVE = metrics_pb2.AGGREGATION_TEMPORALITY_CUMULATIVE

@@ -186,10 +186,14 @@ class Traffic:
         version: str = "",
         deadline_s: float = 60.0,
         leave_when_draining: bool = False,
+        metadata: tuple[tuple[str, str], ...] = (),
+        batch: int = 1,
     ) -> None:
         self.url = url
         self.clients = clients
         self.version = version
+        self.metadata = metadata  # request headers, e.g. (("x-sla-class", "batch"),)
+        self.batch = batch  # images per request
         self.deadline_s = deadline_s  # a bound on the whole run, whatever happens
         # A client told "draining" goes elsewhere, as a client behind a balancer would.
         self.leave_when_draining = leave_when_draining
@@ -224,7 +228,8 @@ class Traffic:
         wait_for(lambda: self.ok >= start + count, timeout, f"{count} more OK responses")
 
     def _run(self, index: int) -> None:
-        images = np.random.default_rng(index).random((1, 3, 32, 32), dtype=np.float32)
+        shape = (self.batch, 3, 32, 32)
+        images = np.random.default_rng(index).random(shape, dtype=np.float32)
         request = classifier_request(images, version=self.version)
         ends = time.monotonic() + self.deadline_s
         with grpc.insecure_channel(self.url) as channel:
@@ -232,7 +237,7 @@ class Traffic:
             while not self._stop.is_set() and time.monotonic() < ends:
                 sent = time.monotonic()
                 try:
-                    response = stub.ModelInfer(request, timeout=10)
+                    response = stub.ModelInfer(request, timeout=10, metadata=self.metadata)
                 except grpc.RpcError as error:
                     with self._lock:
                         self.errors.append((error.code(), error.details() or ""))
