@@ -17,9 +17,11 @@ from hypothesis import strategies as st
 from control_plane.mesh import (
     CircuitBreaker,
     EndpointAddress,
+    LargeInputs,
     ListenerOptions,
     ModelRoute,
     RateLimit,
+    SlaClass,
 )
 from control_plane.scoring.types import PoolPolicy
 from control_plane.topology import (
@@ -58,12 +60,22 @@ def test_example_file_loads() -> None:
     assert topology.source == str(EXAMPLE)
     assert topology.listener == ListenerOptions()
     limits = RateLimit(500.0, 500), CircuitBreaker(256, 64)
+    classes = (SlaClass("interactive", 1.0, 2, 0.5), SlaClass("batch", 30.0, 0, None))
+    large = LargeInputs(1048576, (("device_class", ("a100", "h100")),))
     assert topology.models == (
-        ModelRoute("classifier", 50.0, 5.0, (("1", 90), ("2", 10)), *limits),
-    )
+        ModelRoute(
+            "classifier", 50.0, 5.0, (("1", 90), ("2", 10)), *limits,
+            sla_classes=classes, large_inputs=large,
+        ),
+    )  # fmt: skip
     assert topology.capacity("classifier") == 1000.0
+    assert topology.policy("classifier").require_labels == (
+        ("device_class", ("a100", "cpu", "h100")),
+    )
     assert topology.endpoints == (
-        StaticEndpoint(EndpointAddress("127.0.0.1", 8001)),
+        StaticEndpoint(
+            EndpointAddress("127.0.0.1", 8001), (("reserved_for", "interactive"), ("zone", "a"))
+        ),
         StaticEndpoint(EndpointAddress("127.0.0.1", 8002)),
         DnsEndpoint("model-servers.local", 8001),
     )
