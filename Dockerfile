@@ -20,7 +20,7 @@ COPY infermesh infermesh
 COPY tools tools
 RUN case "$VARIANT" in cpu) extra="" ;; gpu) extra="[cuda,cudnn]" ;; \
       *) echo "VARIANT must be cpu or gpu, got '$VARIANT'" >&2; exit 1 ;; esac \
- && INFERMESH_VENV=/opt/infermesh INFERMESH_INSTALL=/src INFERMESH_SKIP_PROMETHEUS=1 INFERMESH_SKIP_BROWSER=1 \
+ && INFERMESH_VENV=/opt/infermesh INFERMESH_INSTALL=/src INFERMESH_SKIP_PROMETHEUS=1 INFERMESH_SKIP_BROWSER=1 INFERMESH_SKIP_TRITON=1 \
     bash tools/install.sh \
  && if [ -n "$extra" ]; then \
       /opt/infermesh/bin/python -m pip install -q --no-cache-dir \

@@ -58,4 +58,10 @@ if [ ${#packages[@]} -gt 0 ]; then
   fi
 fi
 
+# A real Triton server for the mixed-fleet tests (tests/test_triton_member_e2e.py), in a
+# virtualenv of its own; INFERMESH_SKIP_TRITON skips it (the container image does).
+if [ -z "${INFERMESH_SKIP_TRITON:-}" ]; then
+  bash "$(dirname "${BASH_SOURCE[0]}")/install_triton.sh"
+fi
+
 "$venv/bin/python" -m infermesh.doctor
