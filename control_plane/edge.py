@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -72,11 +73,10 @@ MAX_PORT = 65535
 def rest_assignments(
     assignments: Iterable[EndpointAssignment], offset: int
 ) -> tuple[EndpointAssignment, ...]:
-    """The REST twin of a cluster's endpoints: each port + ``offset``, weight and health the
-    same; an endpoint whose REST port would fall outside 1..65535 is left out."""
+    """The REST twin of a cluster's endpoints: each port + ``offset``, weight, health and
+    priority the same; an endpoint whose REST port would fall outside 1..65535 is left out."""
     return tuple(
-        EndpointAssignment(EndpointAddress(a.address.host, a.address.port + offset), a.weight,
-                           a.health)
+        dataclasses.replace(a, address=EndpointAddress(a.address.host, a.address.port + offset))
         for a in assignments
         if 1 <= a.address.port + offset <= MAX_PORT
     )  # fmt: skip

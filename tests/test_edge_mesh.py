@@ -14,7 +14,6 @@ import functools
 import http.client
 import json
 import shutil
-import socket
 import struct
 import subprocess
 import time
@@ -34,7 +33,7 @@ from tritonclient.utils import InferenceServerException
 from control_plane import edge
 from control_plane.mesh import model_cluster, rest_cluster
 from model_server.demo_models import build_identity_model, write_model
-from tests.envoy_support import Envoy, free_port
+from tests.envoy_support import Envoy, free_port, free_port_pair
 from tests.mesh_support import ControlPlaneThread, start_plane_and_envoy, write_topology
 from tests.support import ServerProcess, post_faults, start_server, wait_for
 
@@ -43,21 +42,6 @@ OFFSET = 3000  # not the default, so the test shows the option is applied
 ORIGIN = "https://app.example"
 MAX_CONCURRENT = 6
 INFER = "/inference.GRPCInferenceService/ModelInfer"
-
-
-def free_port_pair(offset: int) -> int:
-    """A port P such that P and P + offset are both free on 127.0.0.1."""
-    for _ in range(100):
-        port = free_port()
-        if port + offset > 65535:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port + offset))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair")
 
 
 @dataclass

@@ -23,6 +23,7 @@ from control_plane.mesh import (
     SlaClass,
     base_cluster,
     model_cluster,
+    rest_cluster,
 )
 from control_plane.placement import EndpointReport, build_mesh_state
 from control_plane.resources import ENDPOINT_TYPE, ROUTE_TYPE, build_resources
@@ -221,6 +222,13 @@ def test_reserved_endpoints_serve_only_their_class_and_lanes_carry_priorities() 
     levels = [(g.priority, [e.endpoint.address.socket_address.port_value for e in g.lb_endpoints])
               for g in load.endpoints]  # fmt: skip
     assert levels == [(0, [8001]), (1, [8002, 8003])]
+    twin = build_resources(state)[ENDPOINT_TYPE][
+        rest_cluster(sla_cluster("classifier", "interactive"))
+    ]
+    assert isinstance(twin, endpoint_pb2.ClusterLoadAssignment)
+    levels = [(g.priority, [e.endpoint.address.socket_address.port_value for e in g.lb_endpoints])
+              for g in twin.endpoints]  # fmt: skip
+    assert levels == [(0, [10001]), (1, [10002, 10003])]  # the REST twin keeps the priorities
 
 
 def _routes(t: Topology, labels: dict[str, Any] | None = None) -> list[rc_pb2.Route]:
