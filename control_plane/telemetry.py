@@ -264,6 +264,10 @@ class TelemetryStore:
             if known and p.name in PLACEMENT_SIGNALS:
                 self._placement_hints.add(p.endpoint)
         samples = series.samples
+        # A series new at a known endpoint did not exist at its previous report (a version's
+        # first error): it was zero one reporting interval ago, not at the exporter's start,
+        # which would date its baseline out of the window and lose its first report.
+        first_report = not samples and endpoint.first_seen < now and series.last_start == 0
         if p.kind == "gauge":
             if p.name in PLACEMENT_SIGNALS and samples and samples[-1][1] != p.values:
                 self._placement_hints.add(p.endpoint)
@@ -271,6 +275,8 @@ class TelemetryStore:
             samples.append((now, p.values))
             return True
         duration = min(max(p.duration_s, 0.0), self.forget_after_s)
+        if first_report:
+            duration = min(duration, endpoint.interval_s)
         if p.delta:
             base = samples[-1][1] if samples else None
             values = (
@@ -507,9 +513,16 @@ def _rate(series: Labeled, now: float, window_s: float) -> Signal | None:
 
 
 def _after(series: _Series, since: float) -> _Series:
-    """A copy holding only the samples that arrived at or after ``since``."""
+    """A copy holding the samples that arrived at or after ``since`` and, as their baseline,
+    the last one before it (empty when nothing arrived since). Without that baseline a series
+    first seen after ``since`` (a version's first error: its zero is dated at the exporter's
+    start) would count nothing until its second report, and a canary could pass a step on
+    its successes alone."""
     copy = _Series(series.kind, series.bounds, series.labels)
-    copy.samples.extend(sample for sample in series.samples if sample[0] >= since)
+    samples = list(series.samples)
+    first = next((i for i, sample in enumerate(samples) if sample[0] >= since), len(samples))
+    if first < len(samples):
+        copy.samples.extend(samples[max(0, first - 1) :])
     return copy
 
 
