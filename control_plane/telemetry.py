@@ -513,16 +513,17 @@ def _rate(series: Labeled, now: float, window_s: float) -> Signal | None:
 
 
 def _after(series: _Series, since: float) -> _Series:
-    """A copy holding the samples that arrived at or after ``since`` and, as their baseline,
-    the last one before it (empty when nothing arrived since). Without that baseline a series
-    first seen after ``since`` (a version's first error: its zero is dated at the exporter's
-    start) would count nothing until its second report, and a canary could pass a step on
-    its successes alone."""
+    """A copy holding the samples that arrived at or after ``since`` (empty when none did):
+    the first of them is the baseline, so what was reported before ``since`` never counts.
+    Except a zero just before ``since``, which a series first seen after it starts from (a
+    version's first errors): without it they would count only from its second report, and a
+    canary could pass a step on its successes alone."""
     copy = _Series(series.kind, series.bounds, series.labels)
     samples = list(series.samples)
     first = next((i for i, sample in enumerate(samples) if sample[0] >= since), len(samples))
     if first < len(samples):
-        copy.samples.extend(samples[max(0, first - 1) :])
+        zero_before = first > 0 and not any(samples[first - 1][1])
+        copy.samples.extend(samples[first - 1 if zero_before else first :])
     return copy
 
 

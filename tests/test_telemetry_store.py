@@ -202,7 +202,8 @@ def test_version_stats_merge_every_endpoint() -> None:
     assert v2.p99_ms is not None and 75 <= v2.p99_ms.value <= 100  # the slow endpoint's tail
     assert stats["1"].p99_ms is not None and stats["1"].p99_ms.value <= 10
     assert store.version_stats("other", 103.0) == {}
-    since = store.version_stats("m", 103.0, since=101.0)  # what the reports after 101 added
+    # Only what arrived after 101: the counters were zero before it, so all of it.
+    since = store.version_stats("m", 103.0, since=101.0)
     assert since["2"].requests == pytest.approx(100)
     assert store.version_stats("m", 103.0, since=102.5) == {}  # nothing arrived since
 
@@ -215,9 +216,15 @@ def test_version_stats_since_count_a_series_first_seen_after_it() -> None:
     store.ingest(request([counter(110.0, 101.0, version="2")]), received_at=101.0)
     errors = counter(10.0, 102.0, "UNAVAILABLE", version="2")
     store.ingest(request([counter(120.0, 102.0, version="2"), errors]), received_at=102.0)
-    stats = store.version_stats("m", 102.5, since=101.5)["2"]
-    assert stats.requests == pytest.approx(20)  # 10 OK and 10 failed since 101.5
-    assert stats.error_rate is not None and stats.error_rate.value == pytest.approx(0.5)
+    store.ingest(request([counter(130.0, 103.0, version="2"), counter(20.0, 103.0, "UNAVAILABLE",
+                 version="2")]), received_at=103.0)  # fmt: skip
+    stats = store.version_stats("m", 103.5, since=101.5)["2"]
+    # OK: 120 -> 130 (its report at 102 is the baseline); errors: 0 -> 20 from their first
+    assert stats.requests == pytest.approx(30)
+    assert stats.error_rate is not None and stats.error_rate.value == pytest.approx(20 / 30)
+    # What a version reported before the canary started never counts, errors included.
+    later = store.version_stats("m", 103.5, since=102.5)["2"]
+    assert later.requests == 0
 
 
 def test_counter_reset_restarts_the_window() -> None:
