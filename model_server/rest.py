@@ -124,7 +124,11 @@ class RestServer:
 
     async def start(self, host: str, port: int) -> int:
         # access_log off: one log line per inference would drown the server's own log.
-        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=1.0)
+        # handler_cancellation: a client that goes away cancels its request (counted
+        # CANCELLED, its batch slot freed) instead of the server finishing it for nobody.
+        self._runner = web.AppRunner(
+            self.app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, reuse_address=True)
         await site.start()

@@ -7,6 +7,8 @@ import json
 import re
 import shutil
 import signal
+import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -22,7 +24,7 @@ from tritonclient.utils import InferenceServerException
 from model_server.cli import build_parser
 from model_server.demo_models import build_identity_model, write_model
 from model_server.server import ServerSettings
-from tests.support import ServerProcess, metric_value, start_server, wait_for
+from tests.support import ServerProcess, metric_value, post_faults, start_server, wait_for
 
 pytestmark = pytest.mark.integration
 HTTP_PORT = re.compile(r"model server listening: .* http=[\d.]+:(\d+) ")
@@ -329,6 +331,34 @@ def test_rest_requests_are_counted_like_grpc(server: ServerProcess, base: str) -
     # the same over gRPC moves the same series
     server.client().infer("classifier", [_grpc_input(images(1))], model_version="1")
     assert _counts(server, "OK") == ok + 2
+
+
+def test_a_client_that_disconnects_cancels_its_request(repo: Path, tmp_path: Path) -> None:
+    """As over gRPC: the request stops when its client goes, and is counted CANCELLED."""
+    server = start_server(repo, tmp_path, "--enable-fault-injection")
+    try:
+        post_faults(server, {"latency_ms": 5000})
+        cancelled = _counts(server, "CANCELLED")
+        body = _json(_tensor())
+        head = (
+            "POST /v2/models/classifier/versions/1/infer HTTP/1.1\r\nHost: test\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        with socket.create_connection(("127.0.0.1", http_port(server)), timeout=5) as sock:
+            sock.sendall(head.encode() + body)
+            wait_for(lambda: _in_flight(server) == 1, 5, "the request in the server")
+        gone = time.monotonic()
+        wait_for(lambda: _counts(server, "CANCELLED") == cancelled + 1, 4, "CANCELLED counted")
+        assert time.monotonic() - gone < 4  # well before the 5 s the request would have taken
+        assert _in_flight(server) == 0 and _counts(server, "OK") == 0
+    finally:
+        server.stop()
+
+
+def _in_flight(server: ServerProcess) -> float:
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return metric_value(response.read().decode(), "inference_in_flight_requests")
 
 
 def test_drain_turns_rest_readiness_off_then_stops(repo: Path, tmp_path: Path) -> None:
