@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from envoy.config.accesslog.v3 import accesslog_pb2
@@ -71,15 +71,20 @@ MAX_PORT = 65535
 
 
 def rest_assignments(
-    assignments: Iterable[EndpointAssignment], offset: int
+    assignments: Iterable[EndpointAssignment],
+    offset: int,
+    ports: Mapping[EndpointAddress, int] | None = None,
 ) -> tuple[EndpointAssignment, ...]:
-    """The REST twin of a cluster's endpoints: each port + ``offset``, weight, health and
-    priority the same; an endpoint whose REST port would fall outside 1..65535 is left out."""
+    """The REST twin of a cluster's endpoints: each port + ``offset`` (or the endpoint's own
+    REST port in ``ports``), weight, health and priority the same; an endpoint whose REST port
+    would fall outside 1..65535 is left out."""
+    ports = ports or {}
+    moved = [(a, ports.get(a.address, a.address.port + offset)) for a in assignments]
     return tuple(
-        dataclasses.replace(a, address=EndpointAddress(a.address.host, a.address.port + offset))
-        for a in assignments
-        if 1 <= a.address.port + offset <= MAX_PORT
-    )  # fmt: skip
+        dataclasses.replace(a, address=EndpointAddress(a.address.host, port))
+        for a, port in moved
+        if 1 <= port <= MAX_PORT
+    )
 
 
 # --- clusters -------------------------------------------------------------------------------
@@ -343,7 +348,8 @@ def parse_cors(c: Checker, value: object, path: str) -> CorsOptions | None:
 
 
 def check_rest_ports(c: Checker, rest: RestOptions, ports: Iterable[tuple[str, int]]) -> None:
-    """Static endpoints ((path, port)) whose REST port would not be a port are errors."""
+    """Static endpoints ((path, port), those without a rest_port of their own) whose REST port
+    would not be a port are errors."""
     if not rest.enabled:
         return
     for where, port in ports:

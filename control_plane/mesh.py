@@ -210,3 +210,6 @@ class MeshState:
     listener: ListenerOptions
     models: tuple[ModelRoute, ...]
     clusters: Mapping[str, tuple[EndpointAssignment, ...]] = field(default_factory=dict)
+    # Endpoints whose REST port is not their gRPC port + listener.rest.port_offset (a Triton
+    # member's HTTP port): (gRPC address, REST port), sorted.
+    rest_ports: tuple[tuple[EndpointAddress, int], ...] = ()

@@ -133,7 +133,12 @@ def build_mesh_state(
         )
 
     clusters = {name: fail_open(assigned(name)) for name in sorted(members)}
-    return MeshState(listener=topology.listener, models=topology.models, clusters=clusters)
+    return MeshState(
+        listener=topology.listener,
+        models=topology.models,
+        clusters=clusters,
+        rest_ports=topology.rest_ports(),
+    )
 
 
 def _apply_labels(

@@ -443,13 +443,16 @@ def build_resources(state: MeshState, made: Make = fresh) -> dict[str, dict[str,
         return made(CLUSTER_TYPE, name, ("aggregate", pair),
                     lambda: aggregate_cluster(name, list(pair)))  # fmt: skip
 
+    rest_ports = dict(state.rest_ports)
+
     def assignment(name: str) -> Message:
         # A REST twin shares the gRPC cluster's tuple (cheap to compare); ports shift here.
-        offset = state.listener.rest.port_offset if is_rest_cluster(name) else 0
-        key = (members[name], name in primaries, offset)
+        twin = is_rest_cluster(name)
+        offset = state.listener.rest.port_offset if twin else 0
+        key = (members[name], name in primaries, offset, state.rest_ports if twin else ())
         return made(ENDPOINT_TYPE, name, key, lambda: build_assignment(
-            name, edge.rest_assignments(members[name], offset) if offset else members[name],
-            name in primaries))  # fmt: skip
+            name, edge.rest_assignments(members[name], offset, rest_ports) if twin
+            else members[name], name in primaries))  # fmt: skip
 
     clusters = {name: cluster(name) for name in names}
     clusters.update({name: aggregate(name, pair) for name, pair in fallbacks.items()})

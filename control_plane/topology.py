@@ -62,6 +62,8 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
           min_requests: 20          # >= 1: canary requests in the window before judging
     endpoints:                      # optional, default none; each item has exactly one key
       - address: 127.0.0.1:8001     # a static IP:port ([::1]:8001 for IPv6); unique
+        labels: {zone: a}           # optional (address only), with kind: infermesh | triton,
+                                    # metrics_url (triton) and rest_port (see examples/)
       - dns: model-servers.local:8001   # a name re-resolved to all its A/AAAA records
       - kubernetes: {service: infermesh-model-server, namespace: infermesh, port: grpc}
                                     # a Service's ready pods, watched through its EndpointSlices
@@ -148,6 +150,7 @@ class StaticEndpoint:
     labels: Labels = ()  # over the labels the server reports
     kind: str = "infermesh"  # "triton": its Prometheus metrics are scraped (no OTLP)
     metrics_url: str = ""  # kind triton: where (default http://HOST:PORT+1/metrics)
+    rest_port: int = 0  # its KServe v2 REST port (0: PORT + listener.rest.port_offset)
 
     @property
     def key(self) -> str:
@@ -184,6 +187,13 @@ class Topology:
     def endpoint_labels(self) -> dict[str, Labels]:
         """The labels the topology gives endpoints, by endpoint key."""
         return {e.key: e.labels for e in self.endpoints if isinstance(e, StaticEndpoint)}
+
+    def rest_ports(self) -> tuple[tuple[EndpointAddress, int], ...]:
+        """(address, REST port) of the endpoints with a REST port of their own, sorted."""
+        return tuple(sorted(
+            (e.address, e.rest_port) for e in self.endpoints
+            if isinstance(e, StaticEndpoint) and e.rest_port
+        ))  # fmt: skip
 
     def scrape_targets(self) -> dict[str, str]:
         """Endpoint key -> metrics URL, for the endpoints whose signals are scraped."""
@@ -307,7 +317,7 @@ def _build(data: object, source: str, early_errors: list[str]) -> Topology:
     )
     endpoints = _endpoints(c, root.get("endpoints", []))
     static = [(f"endpoints[{i}].address", e.address.port) for i, e in enumerate(endpoints)
-              if isinstance(e, StaticEndpoint)]  # fmt: skip
+              if isinstance(e, StaticEndpoint) and not e.rest_port]  # fmt: skip
     edge.check_rest_ports(c, listener.rest, static)
     if c.errors:
         raise TopologyError(source, c.errors)
@@ -479,7 +489,7 @@ def _policy(
 
 
 _ENDPOINT_KINDS = ("address", "dns", "kubernetes")
-_ENDPOINT_EXTRAS = ("labels", "kind", "metrics_url")  # on an "address" only
+_ENDPOINT_EXTRAS = ("labels", "kind", "metrics_url", "rest_port")  # on an "address" only
 
 
 def _endpoints(c: Checker, value: object) -> tuple[EndpointSource, ...]:
@@ -530,7 +540,9 @@ def _static(c: Checker, m: dict[str, Any], path: str, address: EndpointAddress) 
         c.errors.append(f"{path}.metrics_url: only for kind triton (others push OTLP)")
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         c.fail(f"{path}.metrics_url", "must be an http:// or https:// URL", url)
-    return StaticEndpoint(address, labels, kind, url if kind == "triton" else "")
+    # Triton's own layout puts HTTP just below gRPC (8000 next to 8001).
+    rest_port = c.value(m, path, "rest_port", "port", address.port - 1 if kind == "triton" else 0)
+    return StaticEndpoint(address, labels, kind, url if kind == "triton" else "", rest_port)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,9 @@ def wait_for(
         time.sleep(interval)
 
 
+HTTP_PORT = re.compile(r"model server listening: .* http=[\d.]+:(\d+) ")
+
+
 @dataclass
 class ServerProcess:
     proc: subprocess.Popen[bytes]
@@ -58,6 +61,13 @@ class ServerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    @property
+    def http_port(self) -> int:
+        """The KServe v2 REST port, from the start-up line (``--http-port``, free with 0)."""
+        match = HTTP_PORT.search(self.log())
+        assert match, self.log()
+        return int(match.group(1))
 
     def client(self) -> grpcclient.InferenceServerClient:
         return grpcclient.InferenceServerClient(self.url)

@@ -310,3 +310,25 @@ def test_large_inputs_route_by_declared_size_or_content_length_over_grpc_and_res
 )
 def test_device_class_from_the_nvml_name(name: str, expected: str) -> None:
     assert device_class_name(name) == expected
+
+
+def test_an_endpoint_of_its_own_rest_port_keeps_it_in_every_rest_twin() -> None:
+    """A Triton member serves REST next to gRPC (8000 by 8001), not at the offset."""
+    t = parse_topology(
+        {
+            "models": [MODEL],
+            "endpoints": [
+                {"address": A.key},
+                {"address": "127.0.0.1:8011", "kind": "triton"},  # Triton's layout: 8010
+                {"address": C.key, "rest_port": 9999},
+            ],
+        }
+    )
+    triton = EndpointAddress("127.0.0.1", 8011)
+    state = build_mesh_state(t, ready(A, triton, C))
+    assert state.rest_ports == ((C, 9999), (triton, 8010))
+    twin = build_resources(state)[ENDPOINT_TYPE][rest_cluster(model_cluster("classifier"))]
+    assert isinstance(twin, endpoint_pb2.ClusterLoadAssignment)
+    ports = sorted(e.endpoint.address.socket_address.port_value for g in twin.endpoints
+                   for e in g.lb_endpoints)  # fmt: skip
+    assert ports == [8010, 9999, 10001]

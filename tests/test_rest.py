@@ -4,7 +4,6 @@ input, metrics and the drain, all compared with what the gRPC port answers."""
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import signal
 import socket
@@ -27,14 +26,11 @@ from model_server.server import ServerSettings
 from tests.support import ServerProcess, metric_value, post_faults, start_server, wait_for
 
 pytestmark = pytest.mark.integration
-HTTP_PORT = re.compile(r"model server listening: .* http=[\d.]+:(\d+) ")
 MAX_REQUEST_BYTES = 256 * 1024
 
 
 def http_port(server: ServerProcess) -> int:
-    match = HTTP_PORT.search(server.log())
-    assert match, server.log()
-    return int(match.group(1))
+    return server.http_port
 
 
 @pytest.fixture(scope="module")

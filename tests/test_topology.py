@@ -214,7 +214,7 @@ ERROR_CASES = [
     ("endpoints", [{"dns": "a.local:99999"}], 'endpoints[0].dns: must be host:port with a port in 1..65535, got "a.local:99999"'),  # noqa: E501
     ("endpoints", [{}], "endpoints[0]: needs exactly one of 'address', 'dns' or 'kubernetes'"),
     ("endpoints", [{"address": "1.2.3.4:1", "dns": "a:1"}], "endpoints[0]: needs exactly one of 'address', 'dns' or 'kubernetes'"),  # noqa: E501
-    ("endpoints", [{"adress": "1.2.3.4:1"}], "endpoints[0].adress: unknown key (expected one of: address, dns, kubernetes, labels, kind, metrics_url)"),  # noqa: E501
+    ("endpoints", [{"adress": "1.2.3.4:1"}], "endpoints[0].adress: unknown key (expected one of: address, dns, kubernetes, labels, kind, metrics_url, rest_port)"),  # noqa: E501
     ("endpoints", [{"address": "127.0.0.1:1"}, {"address": "127.0.0.1:1"}], 'endpoints[1].address: duplicate endpoint "127.0.0.1:1" (first at endpoints[0])'),  # noqa: E501
     ("endpoints", [{"dns": "a.local:1"}, {"dns": "A.local:1"}], 'endpoints[1].dns: duplicate endpoint "a.local:1" (first at endpoints[0])'),  # noqa: E501
 ]  # fmt: skip

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 
 from tests.envoy_support import Envoy, free_port
 from tests.mesh_support import ControlPlaneThread, start_plane_and_envoy, write_topology
@@ -42,6 +43,7 @@ class TritonMember:
 
     proc: subprocess.Popen[bytes]
     grpc_port: int
+    http_port: int
     metrics_port: int
     fault_port: int
     log_path: Path
@@ -79,7 +81,7 @@ def start_triton(repository: Path, log_dir: Path) -> TritonMember:
     ]  # fmt: skip
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT)
-    member = TritonMember(proc, ports[0], ports[2], ports[3], log_path)
+    member = TritonMember(proc, ports[0], ports[1], ports[2], ports[3], log_path)
 
     def ready() -> bool:
         if proc.poll() is not None:
@@ -112,8 +114,8 @@ def fleet(
         )  # fmt: skip
         stops.callback(ours.stop)
         endpoints = [
-            {"address": ours.url},
-            {"address": triton.url, "kind": "triton",
+            {"address": ours.url, "rest_port": ours.http_port},
+            {"address": triton.url, "kind": "triton", "rest_port": triton.http_port,
              "metrics_url": f"http://127.0.0.1:{triton.metrics_port}/metrics"},
         ]  # fmt: skip
         top = {"endpoints": endpoints, "telemetry": {"scrape_interval_s": 0.5}}
@@ -180,6 +182,23 @@ def test_triton_answers_through_envoy_like_our_server(
         return bool(endpoint.get("qps")) and scrape.get("failures", 1) == 0
 
     wait_for(scraped, 30, "Triton's scraped signals in the control plane's telemetry")
+
+
+def test_rest_through_envoy_reaches_both_at_their_own_rest_ports(
+    fleet: tuple[ServerProcess, TritonMember, ControlPlaneThread, Envoy, int],
+) -> None:
+    ours, triton, _, _, listener = fleet
+    images = np.random.default_rng(8).random((1, 3, 32, 32), dtype=np.float32)
+    expected = infer_classifier(ours.client(), images, version="1").as_numpy("probs")
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{listener}")
+    tensor = httpclient.InferInput("input", list(images.shape), "FP32")
+    tensor.set_data_from_numpy(images, binary_data=True)
+    before = served(ours, triton)
+    for _ in range(40):
+        answer = client.infer("classifier", [tensor], model_version="1")
+        np.testing.assert_allclose(answer.as_numpy("probs"), expected, rtol=1e-5, atol=1e-6)
+    after = served(ours, triton)
+    assert after[0] > before[0] and after[1] > before[1], (before, after)  # both served
 
 
 def test_slowness_in_either_server_moves_traffic_to_the_other(
