@@ -78,6 +78,7 @@ def build_frame(
                     "kv_blocks_used": _value(tele.get("kv_blocks_used")),
                     "kv_blocks_total": _value(tele.get("kv_blocks_total")),
                     "stale": bool(tele.get("stale", True)),
+                    "labels": (endpoints.get(key) or {}).get("labels") or {},
                 }
             )
         total_qps = sum(r["qps"] or 0.0 for r in rows)

@@ -131,6 +131,8 @@ class OperatorApi:
             for name, assignments in (state.clusters.items() if state else [])
         }  # fmt: skip
         endpoints = {}
+        # The labels routing uses: the topology's over the servers' own (control_plane.lanes)
+        labels = self.plane.router.labels or self.plane.topology.endpoint_labels()
         for address in self.plane.endpoints:
             report = self.plane.poller.reports.get(address)
             endpoints[address.key] = {
@@ -144,6 +146,7 @@ class OperatorApi:
                 "health_override": self.plane.health[address].value
                 if address in self.plane.health
                 else None,
+                "labels": dict(labels.get(address.key, ())),
             }
         return {
             "topology": {

@@ -54,7 +54,10 @@ def status_and_telemetry() -> tuple[dict[str, Any], dict[str, Any]]:
     status = {
         "snapshot": {"CDS": "v1"},
         "topology": {"error": None},
-        "endpoints": {"a:1": {"reachable": True}, "b:1": {"reachable": True}},
+        "endpoints": {
+            "a:1": {"reachable": True, "labels": {"device_class": "a100", "zone": "b"}},
+            "b:1": {"reachable": True},
+        },
         "routing": {
             "classifier": {
                 "fail_open": False,
@@ -105,6 +108,7 @@ def test_a_frame_shows_each_endpoint_with_its_share_and_why() -> None:
     assert a["memory_used_bytes"] == 100.0 and a["memory_total_bytes"] == 400.0
     assert len(frame["decisions"]) == 40 and frame["decisions"][-1]["decision"] == "d49"
     assert frame["nodes"][0]["node_id"] == "envoy-1"
+    assert a["labels"] == {"device_class": "a100", "zone": "b"} and b["labels"] == {}
 
 
 def test_nacks_join_the_timeline_in_time_order() -> None:

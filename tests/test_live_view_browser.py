@@ -55,6 +55,10 @@ ROWS = """return [...document.querySelectorAll('div[data-pool="classifier"] tr[d
              r.querySelector('[data-field="reason"]').textContent]);"""
 
 
+LABELS = """return [...document.querySelectorAll(
+  'div[data-pool="classifier"] tr[data-endpoint] [data-field="labels"]')].map(e => e.textContent)"""
+
+
 def rows(driver: webdriver.Chrome) -> dict[str, str]:
     """The classifier pool's rows: endpoint -> state, as drawn."""
     return {endpoint: state for endpoint, state, _ in driver.execute_script(ROWS)}
@@ -89,6 +93,9 @@ def test_the_live_view_follows_a_slowed_server_and_a_control_plane_restart(
             wait_for(lambda: set(rows(browser).values()) == {"serving"}, 30, "all serving")
             assert connection(browser) == "live"
             assert console_errors(browser) == []
+            # Each server found its own device class and reported it; the row shows it.
+            cpu = ["device_class=cpu"] * len(servers)
+            wait_for(lambda: browser.execute_script(LABELS) == cpu, 20, "each row's labels")
 
             slow = "model-server-3"
             address = f"127.0.0.1:{mesh.server_ports[slow]}"

@@ -152,7 +152,10 @@ function poolView(pool, windowS) {
   const rows = pool.endpoints.map((row) => {
     const points = lines[row.endpoint] || [];
     return el("tr", { "data-endpoint": row.endpoint, "data-state": row.state },
-      el("td", {}, el("code", {}, row.endpoint), row.stale ? el("div", { class: "reason" }, "telemetry stale") : null),
+      el("td", {}, el("code", {}, row.endpoint),
+        Object.keys(row.labels || {}).length ? el("div", { class: "labels", "data-field": "labels" },
+          Object.entries(row.labels).map(([k, v]) => `${k}=${v}`).join(" · ")) : null,
+        row.stale ? el("div", { class: "reason" }, "telemetry stale") : null),
       el("td", {}, stateBadge(row.state)),
       el("td", {}, bar((row.weight || 0) / 100, `${row.weight ?? "–"}`)),
       el("td", { class: "num", "data-field": "share" }, fmt.pct(row.share), spark(points, "share")),
