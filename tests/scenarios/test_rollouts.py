@@ -6,6 +6,7 @@ replicas compose.yaml runs."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -25,7 +26,7 @@ from tests.support import Traffic, metric_value, wait_for
 pytestmark = pytest.mark.integration
 # Fast canary steps, as in tests/test_canary_e2e.py. The P99 margin is wide because a P99 of a
 # few hundred requests on a busy shared host is noise; only the injected errors must roll back.
-FAST = ("--steps", "10,50,100", "--dwell-s", "1.5", "--min-requests", "5", "--p99-margin", "20")
+FAST = ("--steps", "10,50,100", "--dwell-s", "1.5", "--min-requests", "20", "--p99-margin", "20")
 FIRST_STEP = 0.10
 
 
@@ -75,6 +76,19 @@ def finished_canary(mesh: ComposeMesh) -> dict[str, Any] | None:
     return dict(run) if run.get("status", "running") != "running" else None
 
 
+def reported_since(mesh: ComposeMesh, moment: float) -> bool:
+    """Whether every control-plane replica has a report from every server after ``moment``
+    (time.monotonic(), the same clock as theirs on this host)."""
+    for admin in mesh.admins.values():
+        asked = time.monotonic()
+        with urllib.request.urlopen(f"http://{admin}/telemetry", timeout=10) as response:
+            seen = json.loads(response.read())["endpoints"]
+        servers = [seen.get(f"127.0.0.1:{port}") for port in mesh.server_ports.values()]
+        if any(e is None or asked - e["age_s"] <= moment for e in servers):
+            return False
+    return True
+
+
 def errors_between(traffic: Traffic, start: float, end: float) -> int:
     return sum(1 for at in list(traffic.failed_at) if start <= at < end)
 
@@ -120,6 +134,10 @@ def test_canary_rolls_a_bad_v2_back_by_itself_and_promotes_a_good_one_under_load
             # v2 fixed: the same canary now goes all the way.
             for server in mesh.server_ports:
                 mesh.post_faults(server, {"reset": True})
+            # v2's last errors reach the control planes with each server's next report; the
+            # fixed canary starts once every server has reported since (a canary started
+            # within one reporting interval of the last one's errors is charged with them).
+            wait_for(lambda: reported_since(mesh, back_on_v1), 10, "every server's next report")
             good_started = time.monotonic()
             mark = dict(traffic.versions)
             assert '"status": "running"' in mesh.cli("canary", "classifier", "2", *FAST)
