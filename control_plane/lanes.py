@@ -21,7 +21,6 @@ priority 0 takes the traffic while enough of it is healthy, priority 1 is the sp
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,12 +28,12 @@ from typing import Any
 from control_plane.mesh import LargeInputs, SlaClass
 from control_plane.schema import Checker, show
 from control_plane.scoring.types import LabelRule, Labels
+from infermesh.labels import LABEL_TEXT_RULE, is_label_text
 
 SLA_CLASS_HEADER = "x-sla-class"
 INPUT_BYTES_HEADER = "x-input-bytes"
 RESERVED_FOR = "reserved_for"  # the label that reserves an endpoint for one SLA class
 MAX_INT64 = 2**63 - 1
-_LABEL_TEXT = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
 
 
 def sla_cluster(model: str, sla_class: str) -> str:
@@ -111,10 +110,10 @@ def parse_labels(c: Checker, value: object, path: str) -> Labels:
     m = c.mapping(value, path) or {}
     labels = []
     for name, text in m.items():
-        if not _LABEL_TEXT.fullmatch(name):
-            c.fail(f"{path}.{name}", "label names must be letters, digits, '_', '.', '-'", name)
-        elif not isinstance(text, str) or not _LABEL_TEXT.fullmatch(text):
-            c.fail(f"{path}.{name}", "must be a label value (letters, digits, '_', '.', '-')", text)
+        if not is_label_text(name):
+            c.fail(f"{path}.{name}", f"label names must be {LABEL_TEXT_RULE}", name)
+        elif not is_label_text(text):
+            c.fail(f"{path}.{name}", f"must be a label value ({LABEL_TEXT_RULE})", text)
         else:
             labels.append((name, text))
     return tuple(sorted(labels))
@@ -126,9 +125,9 @@ def parse_label_rule(c: Checker, value: object, path: str) -> LabelRule:
     rule = []
     for name, accepted in m.items():
         values = accepted if isinstance(accepted, list) else [accepted]
-        good = [v for v in values if isinstance(v, str) and _LABEL_TEXT.fullmatch(v)]
-        if not _LABEL_TEXT.fullmatch(name):
-            c.fail(f"{path}.{name}", "label names must be letters, digits, '_', '.', '-'", name)
+        good = [v for v in values if is_label_text(v)]
+        if not is_label_text(name):
+            c.fail(f"{path}.{name}", f"label names must be {LABEL_TEXT_RULE}", name)
         elif not values or len(good) != len(values):
             c.fail(f"{path}.{name}", "must be a label value or a non-empty list of them", accepted)
         else:
@@ -148,8 +147,8 @@ def parse_sla_classes(
     classes = []
     for name, spec in m.items():
         where = f"{path}.{name}"
-        if not _LABEL_TEXT.fullmatch(name):
-            c.fail(where, "class names must be letters, digits, '_', '.', '-'", name)
+        if not is_label_text(name):
+            c.fail(where, f"class names must be {LABEL_TEXT_RULE}", name)
             continue
         fields = c.mapping(spec, where) or {}
         c.keys(fields, where, _SLA_CLASS)

@@ -6,10 +6,10 @@ import argparse
 import asyncio
 import logging
 import os
-import re
 import signal
 from pathlib import Path
 
+from infermesh.labels import LABEL_TEXT_RULE, is_label_text
 from infermesh.logs import add_log_level, configure_logging
 from model_server.memory import parse_bytes
 from model_server.server import ModelServer, ServerSettings
@@ -150,15 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_LABEL_TEXT = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
-
-
 def _label(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
-    if not sep or not _LABEL_TEXT.fullmatch(name) or not _LABEL_TEXT.fullmatch(value):
-        raise argparse.ArgumentTypeError(
-            f"expected NAME=VALUE (letters, digits, '_', '.', '-'), got {text!r}"
-        )
+    if not sep or not is_label_text(name) or not is_label_text(value):
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE ({LABEL_TEXT_RULE}), got {text!r}")
     return name, value
 
 
