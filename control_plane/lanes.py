@@ -52,6 +52,8 @@ def matches(labels: Labels, rule: LabelRule) -> bool:
 
 def merged_labels(topology: Labels, reported: Labels) -> Labels:
     """The server's reported labels with the topology's over them (an operator's word wins)."""
+    if not topology or not reported:  # the usual case: one side only, already sorted
+        return topology or reported
     return tuple(sorted({**dict(reported), **dict(topology)}.items()))
 
 

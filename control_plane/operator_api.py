@@ -131,8 +131,7 @@ class OperatorApi:
             for name, assignments in (state.clusters.items() if state else [])
         }  # fmt: skip
         endpoints = {}
-        # The labels routing uses: the topology's over the servers' own (control_plane.lanes)
-        labels = self.plane.router.labels or self.plane.topology.endpoint_labels()
+        labels = self.plane.endpoint_labels()
         for address in self.plane.endpoints:
             report = self.plane.poller.reports.get(address)
             endpoints[address.key] = {

@@ -137,7 +137,7 @@ def build_mesh_state(
         listener=topology.listener,
         models=topology.models,
         clusters=clusters,
-        rest_ports=topology.rest_ports(),
+        rest_ports=topology.rest_ports,
     )
 
 

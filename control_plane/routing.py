@@ -149,7 +149,7 @@ class Router:
         wall = time.time()
         members = ready_members(reports)
         reported = {key: t.labels for key, t in telemetry.items() if t.labels}
-        labels = fleet_labels(topology.endpoint_labels(), reported)
+        labels = fleet_labels(topology.endpoint_labels, reported)
         if labels != self.labels:
             self.labels = labels
             changed = True  # lanes and placement rules move endpoints between clusters

@@ -15,7 +15,7 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +40,7 @@ from control_plane.operator_api import OperatorApi
 from control_plane.otlp_receiver import start_decoders, start_receiver
 from control_plane.placement import PlacementPoller, build_mesh_state
 from control_plane.routing import Router
+from control_plane.scoring.types import Labels
 from control_plane.snapshot import InconsistentSnapshot, SnapshotCache
 from control_plane.telemetry import TelemetryStore, VersionTelemetry
 from control_plane.topology import (
@@ -172,7 +173,7 @@ class ControlPlane:
             envoy=self.envoy_stats,
             decoders=self.decoders,
         )
-        self.scraper.set_targets(t.scrape_targets())
+        self.scraper.set_targets(t.scrape_targets)
         await self.scraper.start()
         await self.poller.poll_once()  # the first snapshot already knows what is READY where
         self.rebuild("start")
@@ -225,7 +226,7 @@ class ControlPlane:
             self.health,
             pool_weights=self.router.pool_weights(),
             pool_health=self.router.pool_health(),
-            labels=self.router.labels or self.topology.endpoint_labels(),
+            labels=self.endpoint_labels(),
         )
         try:
             snapshot = self.builder.build(state)
@@ -332,7 +333,7 @@ class ControlPlane:
         self.poller.max_probes_per_s = topology.placement.max_probes_per_s
         self.poller.max_concurrent_probes = topology.placement.max_concurrent_probes
         self.scraper.interval_s = topology.telemetry.scrape_interval_s
-        self.scraper.set_targets(topology.scrape_targets())
+        self.scraper.set_targets(topology.scrape_targets)
         await self.slices.sync(topology.endpoints)
         self.endpoints = await self.resolver.resolve(topology.endpoints)
         await self.poller.poll_once()
@@ -383,6 +384,11 @@ class ControlPlane:
             await asyncio.sleep(LIVE_VIEW_INTERVAL_S)
 
     # -- admin --------------------------------------------------------------------------------
+    def endpoint_labels(self) -> Mapping[str, Labels]:
+        """The labels routing and the lanes use: the topology's over the servers' own
+        (``control_plane.lanes``); the topology's alone until routing has run."""
+        return self.router.labels or self.topology.endpoint_labels
+
     def effective_topology(self) -> Topology:
         """The topology with the operator's (and canaries') version splits in place of the
         file's, and the models whose circuit is open routed to their fallback."""

@@ -80,12 +80,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import logging
 import math
 import os
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,10 +185,16 @@ class Topology:
     policies: tuple[tuple[str, PoolPolicy], ...] = ()  # (model name, routing policy)
     canaries: tuple[tuple[str, CanaryPolicy], ...] = ()  # (model name, canary progression)
 
-    def endpoint_labels(self) -> dict[str, Labels]:
-        """The labels the topology gives endpoints, by endpoint key."""
-        return {e.key: e.labels for e in self.endpoints if isinstance(e, StaticEndpoint)}
+    # Derived once per topology (it is immutable): routing reads the labels every recompute and
+    # every snapshot build reads the REST ports, over every endpoint of a fleet.
+    @functools.cached_property
+    def endpoint_labels(self) -> Mapping[str, Labels]:
+        """The labels the topology gives endpoints, by endpoint key (labelled ones only)."""
+        return {
+            e.key: e.labels for e in self.endpoints if isinstance(e, StaticEndpoint) and e.labels
+        }
 
+    @functools.cached_property
     def rest_ports(self) -> tuple[tuple[EndpointAddress, int], ...]:
         """(address, REST port) of the endpoints with a REST port of their own, sorted."""
         return tuple(sorted(
@@ -195,7 +202,8 @@ class Topology:
             if isinstance(e, StaticEndpoint) and e.rest_port
         ))  # fmt: skip
 
-    def scrape_targets(self) -> dict[str, str]:
+    @functools.cached_property
+    def scrape_targets(self) -> Mapping[str, str]:
         """Endpoint key -> metrics URL, for the endpoints whose signals are scraped."""
         return {
             e.key: e.metrics_url

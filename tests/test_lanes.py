@@ -196,8 +196,8 @@ def test_the_topology_reads_rules_classes_and_endpoint_kinds() -> None:
         SlaClass("interactive", 1.0, None, 0.3),
         SlaClass("batch", 30.0, 0, None),
     )
-    assert t.endpoint_labels()["127.0.0.1:8001"] == (("device_class", "a100"),)
-    assert t.scrape_targets() == {"127.0.0.1:8011": "http://127.0.0.1:8012/metrics"}
+    assert t.endpoint_labels["127.0.0.1:8001"] == (("device_class", "a100"),)
+    assert t.scrape_targets == {"127.0.0.1:8011": "http://127.0.0.1:8012/metrics"}
 
 
 def test_a_required_label_keeps_an_endpoint_out_of_every_cluster_of_the_model() -> None:
