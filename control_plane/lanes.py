@@ -69,8 +69,8 @@ def fleet_labels(
 
 @dataclass(frozen=True)
 class LaneMembers:
-    """One model's endpoints split for its lanes: ``shared`` serve every route; ``reserved``
-    (class -> endpoints) only their class; ``lanes`` cluster -> (endpoint, priority) pairs."""
+    """One model's endpoints split for its lanes: ``shared`` serve every route (the reserved
+    ones serve only their class's lane); ``lanes``: cluster -> (endpoint, priority) pairs."""
 
     shared: frozenset[str]
     lanes: Mapping[str, tuple[tuple[str, int], ...]]

@@ -170,7 +170,7 @@ def _address_order(address: EndpointAddress) -> tuple[str, int]:
 def _assignment(
     address: EndpointAddress, weight: int, health: EndpointHealth, priority: int = 0
 ) -> EndpointAssignment:
-    """One shared object per (address, weight, health): an unchanged cluster's tuple of them
-    compares equal by identity, which keeps the incremental builder's comparison cheap at
-    fleet scale."""
+    """One shared object per (address, weight, health, priority): an unchanged cluster's tuple
+    of them compares equal by identity, which keeps the incremental builder's comparison cheap
+    at fleet scale."""
     return EndpointAssignment(address, weight, health, priority)

@@ -264,10 +264,6 @@ class TelemetryStore:
             if known and p.name in PLACEMENT_SIGNALS:
                 self._placement_hints.add(p.endpoint)
         samples = series.samples
-        # A series new at a known endpoint did not exist at its previous report (a version's
-        # first error): it was zero one reporting interval ago, not at the exporter's start,
-        # which would date its baseline out of the window and lose its first report.
-        first_report = not samples and endpoint.first_seen < now and series.last_start == 0
         if p.kind == "gauge":
             if p.name in PLACEMENT_SIGNALS and samples and samples[-1][1] != p.values:
                 self._placement_hints.add(p.endpoint)
@@ -275,7 +271,11 @@ class TelemetryStore:
             samples.append((now, p.values))
             return True
         duration = min(max(p.duration_s, 0.0), self.forget_after_s)
-        if first_report:
+        if not samples and endpoint.first_seen < now and series.last_start == 0:
+            # A series new at a known endpoint did not exist at its previous report (a
+            # version's first error): it was zero one reporting interval ago, not at the
+            # exporter's start, which would date its baseline out of the window and lose its
+            # first report.
             duration = min(duration, endpoint.interval_s)
         if p.delta:
             base = samples[-1][1] if samples else None

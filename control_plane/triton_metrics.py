@@ -235,9 +235,9 @@ class TritonMapper:
             # The first sight is the baseline: what Triton counted before is not ours to date.
             state = self._versions[mv] = _VersionState(now_ns, raw, buckets=self._zeros())
             return state
-        pairs = zip(raw, state.raw, strict=True)
+        pairs = list(zip(raw, state.raw, strict=True))
         reset = any(a is not None and b is not None and a < b for a, b in pairs)
-        n, failed, us = (_increase(a, b, reset) for a, b in zip(raw, state.raw, strict=True))
+        n, failed, us = (_increase(a, b, reset) for a, b in pairs)
         state.raw = raw
         state.ok += n or 0.0
         state.error += failed or 0.0

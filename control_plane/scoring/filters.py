@@ -66,7 +66,7 @@ class _RequiredLabelsFilter:
         misses = []
         for label, accepted in policy.require_labels:
             value = endpoint.label(label)
-            if value is not None and value in accepted:
+            if value in accepted:
                 continue
             has = "missing" if value is None else f"is {value}"
             misses.append(f"{label} {has}, needs one of {', '.join(accepted) or '(none)'}")

@@ -153,11 +153,7 @@ class LabelScorer:
         preferred = policy.prefer_labels
         if not preferred:
             return None
-        matched = 0
-        for label, accepted in preferred:
-            value = endpoint.label(label)
-            if value is not None and value in accepted:
-                matched += 1
+        matched = sum(endpoint.label(label) in accepted for label, accepted in preferred)
         return matched / len(preferred)
 
 
