@@ -6,6 +6,7 @@ import importlib
 import itertools
 import json
 import os
+import signal
 import socket
 import subprocess
 import urllib.request
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from control_plane.bootstrap import ENVOY_DEFAULT_ARGS
-from tests.support import wait_for
+from tests.support import stop_process, wait_for
 
 _BASE_IDS = itertools.count(os.getpid() * 16 % 1_000_000)
 
@@ -74,13 +75,7 @@ class Envoy:
         return int(text.split(":")[1]) if ":" in text else 0
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc, signal.SIGTERM, 10)
 
 
 def start_envoy(config: dict[str, Any], workdir: Path, admin_port: int, port: int) -> Envoy:

@@ -107,13 +107,20 @@ class ServerProcess:
     def stop(self) -> None:
         for channel in self._channels:
             channel.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc, signal.SIGINT, 15)
+
+
+def stop_process(
+    proc: subprocess.Popen[bytes], signum: int, grace_s: float, kill_wait_s: float = 10
+) -> None:
+    """Stops a process a test started: ``signum``, up to ``grace_s`` to exit, then SIGKILL."""
+    if proc.poll() is None:
+        proc.send_signal(signum)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=kill_wait_s)
 
 
 def start_server(

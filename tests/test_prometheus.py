@@ -6,6 +6,7 @@ import contextlib
 import functools
 import json
 import shutil
+import signal
 import subprocess
 import urllib.parse
 import urllib.request
@@ -18,7 +19,7 @@ import yaml
 from control_plane.mesh import model_cluster
 from tests.envoy_support import free_port
 from tests.mesh_support import ControlPlaneThread, start_ads_envoy, write_topology
-from tests.support import ROOT, start_server, wait_for
+from tests.support import ROOT, start_server, stop_process, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -89,9 +90,4 @@ def test_prometheus_scrapes_envoy_servers_and_control_plane(
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
+    stop_process(proc, signal.SIGTERM, 15)

@@ -29,6 +29,7 @@ from tests.support import (
     post_faults,
     post_json,
     start_server,
+    stop_process,
     wait_for,
 )
 
@@ -59,13 +60,7 @@ class TritonMember:
         post_json(f"http://127.0.0.1:{self.fault_port}/faults", body, timeout=5)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc, signal.SIGTERM, 20)
 
 
 def start_triton(repository: Path, log_dir: Path) -> TritonMember:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.support import ROOT, post_json, wait_for
+from tests.support import ROOT, post_json, stop_process, wait_for
 
 PORTS = ("8001", "8002", "8003")  # model servers, in compose.yaml and deploy/topology.yaml
 PLANES = ("control-plane-1", "control-plane-2")
@@ -185,13 +185,7 @@ class ComposeMesh:
     def stop(self) -> int | None:
         if self.launcher is None:
             return None
-        if self.launcher.poll() is None:
-            self.launcher.send_signal(signal.SIGTERM)
-            try:
-                return self.launcher.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.launcher.kill()
-                self.launcher.wait(timeout=30)
+        stop_process(self.launcher, signal.SIGTERM, 120, kill_wait_s=30)
         return self.launcher.returncode
 
     def __enter__(self) -> ComposeMesh:
