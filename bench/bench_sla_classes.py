@@ -57,6 +57,7 @@ import numpy as np
 from control_plane.lanes import sla_cluster
 from control_plane.mesh import EndpointAddress, model_cluster
 from model_server.demo_models import MODEL_NAME, build_demo_repository
+from tests import support
 from tests.envoy_support import Envoy, free_port
 from tests.mesh_support import ControlPlaneThread, start_plane_and_envoy, write_topology
 from tests.support import ServerProcess, Traffic, start_server, wait_for
@@ -102,8 +103,7 @@ def pct(values: np.ndarray, q: float) -> float:
 
 
 def successes(server: ServerProcess) -> int:
-    stats = server.client().get_inference_statistics(MODEL_NAME).model_stats
-    return sum(m.inference_stats.success.count for m in stats)
+    return support.successes(server.client(), MODEL_NAME)
 
 
 def wait_for_lanes(

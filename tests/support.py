@@ -173,6 +173,12 @@ def classifier_request(
     return request
 
 
+def successes(client: grpcclient.InferenceServerClient, model: str = "classifier") -> int:
+    """Requests for ``model`` the server answered OK, every version (its statistics API)."""
+    stats = client.get_inference_statistics(model).model_stats
+    return sum(m.inference_stats.success.count for m in stats)
+
+
 def infer_classifier(
     client: grpcclient.InferenceServerClient, images: np.ndarray, version: str = ""
 ) -> grpcclient.InferResult:

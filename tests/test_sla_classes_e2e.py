@@ -17,6 +17,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from control_plane.lanes import large_cluster, sla_cluster
 from control_plane.mesh import EndpointAddress, model_cluster
+from tests import support
 from tests.envoy_support import Envoy, free_port, free_port_pair
 from tests.mesh_support import ControlPlaneThread, start_plane_and_envoy, write_topology
 from tests.support import (
@@ -74,8 +75,7 @@ def mesh(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 def successes(server: ServerProcess) -> int:
-    stats = server.client().get_inference_statistics("classifier").model_stats
-    return sum(m.inference_stats.success.count for m in stats)
+    return support.successes(server.client())
 
 
 def p(latencies: list[tuple[float, float]], q: float) -> float:

@@ -30,6 +30,7 @@ from tests.support import (
     post_json,
     start_server,
     stop_process,
+    successes,
     wait_for,
 )
 
@@ -123,11 +124,7 @@ def fleet(
 
 
 def served(ours: ServerProcess, triton: TritonMember) -> tuple[int, int]:
-    counts = []
-    for client in (ours.client(), triton.client()):
-        stats = client.get_inference_statistics("classifier").model_stats
-        counts.append(sum(m.inference_stats.success.count for m in stats))
-    return counts[0], counts[1]
+    return successes(ours.client()), successes(triton.client())
 
 
 def triton_share(ours: ServerProcess, triton: TritonMember, at_least: int = 60) -> float:
