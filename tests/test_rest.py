@@ -29,10 +29,6 @@ pytestmark = pytest.mark.integration
 MAX_REQUEST_BYTES = 256 * 1024
 
 
-def http_port(server: ServerProcess) -> int:
-    return server.http_port
-
-
 @pytest.fixture(scope="module")
 def repo(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     repo = tmp_path_factory.mktemp("repo")
@@ -54,12 +50,12 @@ def server(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
 
 @pytest.fixture(scope="module")
 def base(server: ServerProcess) -> str:
-    return f"http://127.0.0.1:{http_port(server)}"
+    return f"http://127.0.0.1:{server.http_port}"
 
 
 @pytest.fixture
 def http(server: ServerProcess) -> Iterator[httpclient.InferenceServerClient]:
-    client = httpclient.InferenceServerClient(f"127.0.0.1:{http_port(server)}")
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
     yield client
     client.close()
 
@@ -340,7 +336,7 @@ def test_a_client_that_disconnects_cancels_its_request(repo: Path, tmp_path: Pat
             "POST /v2/models/classifier/versions/1/infer HTTP/1.1\r\nHost: test\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
         )
-        with socket.create_connection(("127.0.0.1", http_port(server)), timeout=5) as sock:
+        with socket.create_connection(("127.0.0.1", server.http_port), timeout=5) as sock:
             sock.sendall(head.encode() + body)
             wait_for(lambda: _in_flight(server) == 1, 5, "the request in the server")
         gone = time.monotonic()
@@ -360,7 +356,7 @@ def _in_flight(server: ServerProcess) -> float:
 def test_drain_turns_rest_readiness_off_then_stops(repo: Path, tmp_path: Path) -> None:
     proc = start_server(repo, tmp_path, "--models", "classifier", "--drain-delay", "3")
     try:
-        base = f"http://127.0.0.1:{http_port(proc)}"
+        base = f"http://127.0.0.1:{proc.http_port}"
         assert call(base + "/v2/health/ready")[0] == 200
         proc.signal(signal.SIGTERM)
         wait_for(lambda: call(base + "/v2/health/ready")[0] == 503, 10, "REST ready = 503")
