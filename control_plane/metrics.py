@@ -64,6 +64,18 @@ class ControlPlaneMetrics:
             buckets=FAST_BUCKETS_S,
             registry=r,
         )
+        self.routing_pools = Counter(
+            "routing_pools",
+            "Pools per routing tick: computed, or skipped at rest (no input moved)",
+            ["outcome"],
+            registry=r,
+        )
+        self.loop_failures = Counter(
+            "control_loop_failures",
+            "Iterations of a control-plane loop that raised (the loop is restarted)",
+            ["loop"],
+            registry=r,
+        )
         self.ejections = Counter(
             "routing_ejections",
             "Endpoints ejected by telemetry-driven routing, by cause",

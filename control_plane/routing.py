@@ -18,6 +18,7 @@ from typing import Any
 from control_plane.lanes import fleet_labels
 from control_plane.mesh import EndpointAddress, EndpointHealth
 from control_plane.placement import EndpointReport
+from control_plane.scoring.at_rest import at_rest, signals_moved
 from control_plane.scoring.ejection import EjectionState, decide_ejections
 from control_plane.scoring.pipeline import PoolDecision, PoolState, decide_pool
 from control_plane.scoring.slow_start import apply_slow_start
@@ -40,6 +41,9 @@ class PoolMemory:
     weights: dict[EndpointAddress, int] = field(default_factory=dict)
     health: dict[EndpointAddress, EndpointHealth] = field(default_factory=dict)
     explanation: dict[str, Any] = field(default_factory=dict)
+    # The signals and policy of the last recompute when it left the pool at rest (else None):
+    # while neither moves, the pool is not recomputed.
+    rest: tuple[list[EndpointSignals], PoolPolicy] | None = None
 
 
 def _value(signal: Any) -> float | None:
@@ -133,6 +137,8 @@ class Router:
         self.decisions: deque[dict[str, Any]] = deque(maxlen=MAX_DECISIONS)
         self.new_ejections: list[str] = []  # causes since the caller last took them
         self.labels: dict[str, Labels] = {}  # every endpoint's, as of the last recompute
+        self.pools_computed = 0  # pools recomputed, and skipped at rest, since the start
+        self.pools_skipped = 0
 
     def _log(self, pool: str, event: str, now_wall: float) -> None:
         self.decisions.append({"at": round(now_wall, 3), "pool": pool, "decision": event})
@@ -157,6 +163,13 @@ class Router:
             memory = self.pools.setdefault(model.name, PoolMemory())
             policy = topology.policy(model.name)
             signals = pool_signals(model.name, telemetry, reports, members, labels)
+            rest = memory.rest
+            tolerance = policy.recompute_tolerance
+            if rest and rest[1] == policy and not signals_moved(rest[0], signals, tolerance):
+                self.pools_skipped += 1
+                continue
+            self.pools_computed += 1
+            previous = (memory.state, memory.ejections)
             decision, memory.state = decide_pool(signals, policy, memory.state)
             ejection = decide_ejections(signals, policy, memory.ejections, now)
             for event in ejection.events:
@@ -201,6 +214,9 @@ class Router:
                 },
                 "fail_open": ejection.fail_open,
             }
+            outcome = (memory.state, memory.ejections)
+            still = at_rest(previous, outcome, memory.joined_at, on_probation, policy, now)
+            memory.rest = (signals, policy) if still else None
         return changed
 
     @staticmethod

@@ -15,7 +15,7 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +59,7 @@ DNS_REFRESH_INTERVAL_S = 5.0
 PLACEMENT_HINT_INTERVAL_S = 0.1  # how often telemetry's model-state changes become probes
 LIVE_VIEW_INTERVAL_S = 1.0  # a frame of the live view (GET /ui) every second while watched
 LIVE_VIEW_IDLE_INTERVAL_S = 10.0  # and this often while no page is open
+LOOP_RESTART_DELAY_S = 1.0  # a loop that raised starts again after this
 
 
 @dataclass(frozen=True)
@@ -180,15 +181,15 @@ class ControlPlane:
         await self.grpc_server.start()
         self.admin.start()
         await self.poller.start()
-        self._spawn(self._watch_topology())
+        self._spawn(self._watch_topology)
         if self.settings.routing:
-            self._spawn(self._route_by_telemetry())
-        self._spawn(self._refresh_dns())
-        self._spawn(self._publish_live_view())
-        self._spawn(self._follow_slices())
-        self._spawn(self._judge_canaries())
-        self._spawn(self._probe_on_hints())
-        self._spawn(self._watch_circuits())
+            self._spawn(self._route_by_telemetry)
+        self._spawn(self._refresh_dns)
+        self._spawn(self._publish_live_view)
+        self._spawn(self._follow_slices)
+        self._spawn(self._judge_canaries)
+        self._spawn(self._probe_on_hints)
+        self._spawn(self._watch_circuits)
         log.info(
             "control plane listening: xds=%s:%d admin=%s:%d otlp=%s:%d topology=%s endpoints=%d",
             t.xds.host, self.xds_port, t.admin.host, self.admin_port,
@@ -211,8 +212,21 @@ class ControlPlane:
         if self.decoders is not None:
             self.decoders.shutdown(wait=False, cancel_futures=True)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
+    def _spawn(self, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Runs one of the control plane's loops; one that fails is logged, counted and
+        started again, so a bug in one iteration never silently stops routing."""
+
+        async def supervised() -> None:
+            while True:
+                try:
+                    await run()
+                    return
+                except Exception:
+                    log.exception("%s failed; restarting it", run.__name__)
+                    self.metrics.loop_failures.labels(run.__name__.strip("_")).inc()
+                    await asyncio.sleep(LOOP_RESTART_DELAY_S)
+
+        task = asyncio.get_running_loop().create_task(supervised())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -260,8 +274,11 @@ class ControlPlane:
             now = time.monotonic()
             telemetry = await asyncio.to_thread(self.telemetry.snapshot, now)
             started = time.perf_counter()
+            computed, skipped = self.router.pools_computed, self.router.pools_skipped
             changed = self.router.recompute(self.topology, telemetry, self.poller.reports, now)
             self.metrics.routing_recompute.observe(time.perf_counter() - started)
+            self.metrics.routing_pools.labels("computed").inc(self.router.pools_computed - computed)
+            self.metrics.routing_pools.labels("skipped").inc(self.router.pools_skipped - skipped)
             for cause in self.router.new_ejections:
                 self.metrics.ejections.labels(cause).inc()
             self.router.new_ejections.clear()
@@ -315,6 +332,9 @@ class ControlPlane:
         )
 
     # -- topology and DNS ---------------------------------------------------------------------
+    async def reload_on_hangup(self) -> None:
+        await self.reload_topology("SIGHUP")
+
     async def reload_topology(self, reason: str) -> None:
         try:
             topology = await asyncio.to_thread(load_with_overrides, self.settings)
@@ -413,7 +433,7 @@ async def serve(settings: ControlPlaneSettings) -> int:
     # Handlers first: a SIGHUP that arrives while starting must not kill the process.
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: plane._spawn(plane.reload_topology("SIGHUP")))
+    loop.add_signal_handler(signal.SIGHUP, lambda: plane._spawn(plane.reload_on_hangup))
     await plane.start()
     await stop.wait()
     log.info("control plane stopping")

@@ -289,7 +289,7 @@ _ROUTING = {
     "error_rate_eject": "fraction", "max_ejected_share": "fraction",
     "backoff_base_s": "positive", "backoff_max_s": "positive", "slow_start_s": "nonnegative",
     "ewma_alpha": "fraction", "hysteresis": "fraction", "max_step": "fraction",
-    "over_sla_exponent": "nonnegative",
+    "over_sla_exponent": "nonnegative", "recompute_tolerance": "fraction",
 }  # fmt: skip
 # A generative pool is scored mostly on KV-cache headroom and waiting sequences: a server whose
 # cache is nearly full loses weight before it has to turn sequences away.

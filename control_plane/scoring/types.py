@@ -62,6 +62,9 @@ class PoolPolicy:
     ewma_alpha: float = 0.5  # smoothing of scores between recomputes (1: no smoothing)
     hysteresis: float = 0.1  # no push unless some weight moves by more than this share
     max_step: float = 0.5  # one recompute moves a weight by at most this share of max_weight
+    # A pool at rest is recomputed only when a signal moves by more than this share of its
+    # value (0: any change); see scoring.at_rest.
+    recompute_tolerance: float = 0.02
     # Ejection
     memory_watermark: float = 0.95
     latency_eject_factor: float = 2.0  # p99 > factor x SLA ...
