@@ -6,7 +6,8 @@ exports from bench_telemetry.sample_registry):
 - ingest: TelemetryStore.ingest of one export request per endpoint (one second's telemetry)
 - telemetry snapshot: every endpoint's windowed P99, rates and gauges (the routing loop's input),
   after every endpoint reported, and again with no new data (a routing tick between two reports)
-- routing recompute: scores, ejections and weights of every pool
+- routing recompute: scores, ejections and weights of every pool; then with every pool at
+  rest (``scoring.at_rest``: nothing moved), and with one endpoint's p99 moved (its pool alone)
 - mesh state: clusters and assignments from placement and the routed weights
 - snapshot, one pool changed: the incremental SnapshotBuilder beside a full build of the same
   state (identical versions are checked), side by side in one run
@@ -37,7 +38,7 @@ from control_plane.placement import EndpointReport, build_mesh_state
 from control_plane.resources import build_resources
 from control_plane.routing import Router
 from control_plane.snapshot import build_snapshot
-from control_plane.telemetry import TelemetryStore
+from control_plane.telemetry import EndpointTelemetry, Signal, TelemetryStore
 from control_plane.topology import parse_topology
 from model_server.telemetry import build_request
 
@@ -113,6 +114,33 @@ def run(n: int, repeat: int) -> list[tuple[str, float]]:
             timed(lambda: router.recompute(topology, telemetry, reports, clock[0]), repeat),
         )
     )
+    # Steady telemetry until every pool is at rest (slow start over, scores converged): then
+    # a tick costs the signals and a comparison per pool, and a change one pool's recompute.
+    later = clock[0]
+    for _ in range(60):
+        later += 0.5
+        router.recompute(topology, telemetry, reports, later)
+    skipped = router.pools_skipped
+    rows.append(
+        (
+            "routing recompute, every pool at rest",
+            timed(lambda: router.recompute(topology, telemetry, reports, later), repeat),
+        )
+    )
+    assert router.pools_skipped - skipped == MODELS * repeat, "the pools did not come to rest"
+    first = addresses[0].key
+    slower = [
+        {**telemetry, first: _with_p99(telemetry[first], 40.0 + k)} for k in range(repeat + 1)
+    ]
+    computed = router.pools_computed
+    ticks = iter(slower)
+    rows.append(
+        (
+            "routing recompute, one endpoint's p99 moved",
+            timed(lambda: router.recompute(topology, next(ticks), reports, later), repeat),
+        )
+    )
+    assert router.pools_computed - computed == repeat  # its pool alone
     weights = router.pool_weights()
     rows.append(
         (
@@ -138,6 +166,12 @@ def run(n: int, repeat: int) -> list[tuple[str, float]]:
     rows.append((f"snapshot, one pool changed: incremental (made {builder.made})", incremental))
     rows.append(("snapshot, one pool changed: full build", full))
     return rows
+
+
+def _with_p99(t: EndpointTelemetry, ms: float) -> EndpointTelemetry:
+    p99 = Signal(ms, 0.1)
+    models = tuple(dataclasses.replace(m, p99_ms=p99) for m in t.models)
+    return dataclasses.replace(t, p99_ms=p99, models=models)
 
 
 def _time_each(fn: Callable[[MeshState], object], items: list[MeshState]) -> list[float]:

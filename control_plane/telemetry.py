@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import math
 import operator
 import threading
@@ -491,6 +492,9 @@ def _labels(series: Labeled) -> tuple[tuple[str, str], ...]:
 def _gauge_sum(series: Labeled, now: float) -> Signal | None:
     if not series:
         return None
+    if len(series) == 1:  # the usual case, read without the generators below
+        at, values = series[0][1].samples[-1]
+        return Signal(values[0], now - at)
     newest = [s.samples[-1] for _, s in series]
     return Signal(sum(v[0] for _, v in newest), now - min(t for t, _ in newest))
 
@@ -554,33 +558,46 @@ def _percentiles_ms(
     deltas = [d for d in deltas if d[2] > 0 and sum(d[1]) > 0]
     if not deltas:
         return [None for _ in qs]
+    age = now - max(t for *_, t in deltas)
+    if len(deltas) == 1:  # the usual endpoint: one series, nothing to merge
+        bounds, counts = deltas[0][0], deltas[0][1]
+        return [Signal(v * 1000.0, age) for v in bucket_quantiles(bounds, counts, qs)]
     bounds = max(deltas, key=lambda d: sum(d[1]))[0]
-    counts = [0.0] * (len(bounds) + 1)
+    merged = [0.0] * (len(bounds) + 1)
     for own, delta, _, _ in deltas:
-        if own == bounds and len(delta) == len(counts):  # the usual case: nothing to re-bin
-            counts = list(map(operator.add, counts, delta))
+        if own == bounds and len(delta) == len(merged):  # the usual case: nothing to re-bin
+            merged = list(map(operator.add, merged, delta))
             continue
         for i, n in enumerate(delta):
             upper = own[i] if i < len(own) else math.inf
-            counts[bisect.bisect_left(bounds, upper)] += n
-    age = now - max(t for *_, t in deltas)
-    return [Signal(bucket_quantile(bounds, counts, q) * 1000.0, age) for q in qs]
+            merged[bisect.bisect_left(bounds, upper)] += n
+    return [Signal(v * 1000.0, age) for v in bucket_quantiles(bounds, merged, qs)]
 
 
 def bucket_quantile(bounds: Vec, counts: list[float] | Vec, q: float) -> float:
     """The q-quantile of an explicit-bounds histogram (``len(counts) == len(bounds) + 1``):
     linear inside a bucket, the first bucket starts at min(0, its bound), +Inf gives the last
     bound. NaN for an empty histogram."""
-    total = sum(counts)
+    return bucket_quantiles(bounds, counts, (q,))[0]
+
+
+def bucket_quantiles(bounds: Vec, counts: list[float] | Vec, qs: Sequence[float]) -> list[float]:
+    """``bucket_quantile`` of each of ``qs``: the running counts are summed once and each
+    quantile's bucket is a bisection (the routing tick reads p50 and p99 of every endpoint)."""
+    running = list(itertools.accumulate(counts))
+    total = running[-1] if running else 0.0
     if total <= 0 or not bounds:
-        return math.nan if total <= 0 else 0.0
-    rank = q * total
-    cumulative = 0.0
-    for i, n in enumerate(counts):
-        if n > 0 and cumulative + n >= rank:
-            if i == len(bounds):
-                return bounds[-1]
-            lower = bounds[i - 1] if i > 0 else min(0.0, bounds[0])
-            return lower + (bounds[i] - lower) * max(0.0, rank - cumulative) / n
-        cumulative += n
-    return bounds[-1]
+        return [math.nan if total <= 0 else 0.0 for _ in qs]
+    out = []
+    for q in qs:
+        rank = q * total
+        i = bisect.bisect_left(running, rank)
+        while i < len(counts) and counts[i] <= 0:  # rank 0: the first bucket with a count
+            i += 1
+        if i >= len(bounds):
+            out.append(float(bounds[-1]))
+            continue
+        below = running[i - 1] if i > 0 else 0.0
+        lower = bounds[i - 1] if i > 0 else min(0.0, bounds[0])
+        out.append(lower + (bounds[i] - lower) * max(0.0, rank - below) / counts[i])
+    return out
