@@ -5,7 +5,8 @@ exports from bench_telemetry.sample_registry):
 
 - ingest: TelemetryStore.ingest of one export request per endpoint (one second's telemetry)
 - telemetry snapshot: every endpoint's windowed P99, rates and gauges (the routing loop's input),
-  after every endpoint reported, and again with no new data (a routing tick between two reports)
+  after every endpoint reported, and again with no new data (a routing tick between two reports),
+  aged and as routing reads it (``ages=False``: unchanged endpoints as they were computed)
 - routing recompute: scores, ejections and weights of every pool; then with every pool at
   rest (``scoring.at_rest``: nothing moved), and with one endpoint's p99 moved (its pool alone)
 - mesh state: clusters and assignments from placement and the routed weights
@@ -96,6 +97,12 @@ def run(n: int, repeat: int) -> list[tuple[str, float]]:
         (
             "telemetry snapshot, no new data since the last read",
             timed(lambda: store.snapshot(clock[0] + 0.5), repeat),
+        )
+    )
+    rows.append(
+        (
+            "telemetry snapshot, no new data: routing's read (ages=False)",
+            timed(lambda: store.snapshot(clock[0] + 0.5, ages=False), repeat),
         )
     )
     # The sample registry reports model "classifier": give each endpoint its own pool's name.

@@ -67,41 +67,64 @@ def ready_members(
     return members
 
 
+# (model, endpoint) -> (the telemetry and labels its signals were made from, the signals)
+SignalsMade = dict[tuple[str, str], tuple[EndpointTelemetry | None, Labels, EndpointSignals]]
+
+
 def pool_signals(
     model: str,
     telemetry: Mapping[str, EndpointTelemetry],
     reports: Mapping[EndpointAddress, EndpointReport],
     members: Members | None = None,
     labels: Mapping[str, Labels] | None = None,
+    made: tuple[SignalsMade, SignalsMade] | None = None,
 ) -> list[EndpointSignals]:
     """The endpoints where ``model`` is READY, with their signals (None where missing).
     ``members``: ``ready_members(reports)``, computed once for every pool; ``labels``: each
-    endpoint's (``lanes.fleet_labels``; default: what telemetry reports)."""
+    endpoint's (``lanes.fleet_labels``; default: what telemetry reports); ``made``: (the last
+    recompute's signals, this one's): an endpoint whose telemetry is the same object as then
+    (``TelemetryStore.snapshot(now, ages=False)`` with no new data) keeps its signals."""
     signals = []
     for address in (members if members is not None else ready_members(reports)).get(model, []):
         seen = telemetry.get(address.key)
         known = labels.get(address.key, ()) if labels is not None else ()
-        if seen is None:
-            signals.append(EndpointSignals(address.key, stale=True, labels=known))
-            continue
-        per_model = next((m for m in seen.models if m.model == model), None)
-        signals.append(
-            EndpointSignals(
-                endpoint=address.key,
-                stale=seen.stale,
-                draining=bool(seen.draining and seen.draining.value),
-                qps=_value(per_model.qps if per_model else seen.qps),
-                p99_ms=_value(per_model.p99_ms if per_model else seen.p99_ms),
-                error_rate=_value(seen.error_rate),
-                memory_used_bytes=_value(seen.memory_used_bytes),
-                memory_total_bytes=_value(seen.memory_total_bytes),
-                kv_blocks_used=_value(seen.kv_blocks_used),
-                kv_blocks_total=_value(seen.kv_blocks_total),
-                queue_depth=_value(seen.queue_depth),
-                labels=known if labels is not None else seen.labels,
-            )
-        )
+        if made is not None:
+            before = made[0].get((model, address.key))
+            if before is not None and before[0] is seen and before[1] == known:
+                made[1][(model, address.key)] = before
+                signals.append(before[2])
+                continue
+        signal = _signals(model, address, seen, known, labels is not None)
+        if made is not None:
+            made[1][(model, address.key)] = (seen, known, signal)
+        signals.append(signal)
     return signals
+
+
+def _signals(
+    model: str,
+    address: EndpointAddress,
+    seen: EndpointTelemetry | None,
+    known: Labels,
+    labelled: bool,
+) -> EndpointSignals:
+    if seen is None:
+        return EndpointSignals(address.key, stale=True, labels=known)
+    per_model = next((m for m in seen.models if m.model == model), None)
+    return EndpointSignals(
+        endpoint=address.key,
+        stale=seen.stale,
+        draining=bool(seen.draining and seen.draining.value),
+        qps=_value(per_model.qps if per_model else seen.qps),
+        p99_ms=_value(per_model.p99_ms if per_model else seen.p99_ms),
+        error_rate=_value(seen.error_rate),
+        memory_used_bytes=_value(seen.memory_used_bytes),
+        memory_total_bytes=_value(seen.memory_total_bytes),
+        kv_blocks_used=_value(seen.kv_blocks_used),
+        kv_blocks_total=_value(seen.kv_blocks_total),
+        queue_depth=_value(seen.queue_depth),
+        labels=known if labelled else seen.labels,
+    )
 
 
 def _probation(
@@ -138,6 +161,7 @@ class Router:
         self.new_ejections: list[str] = []  # causes since the caller last took them
         self.labels: dict[str, Labels] = {}  # every endpoint's, as of the last recompute
         self.pools_computed = 0  # pools recomputed, and skipped at rest, since the start
+        self._made: SignalsMade = {}  # the last recompute's signals, by (model, endpoint)
         self.pools_skipped = 0
 
     def _log(self, pool: str, event: str, now_wall: float) -> None:
@@ -159,10 +183,11 @@ class Router:
         if labels != self.labels:
             self.labels = labels
             changed = True  # lanes and placement rules move endpoints between clusters
+        made: tuple[SignalsMade, SignalsMade] = (self._made, {})
         for model in topology.models:
             memory = self.pools.setdefault(model.name, PoolMemory())
             policy = topology.policy(model.name)
-            signals = pool_signals(model.name, telemetry, reports, members, labels)
+            signals = pool_signals(model.name, telemetry, reports, members, labels, made)
             rest = memory.rest
             tolerance = policy.recompute_tolerance
             if rest and rest[1] == policy and not signals_moved(rest[0], signals, tolerance):
@@ -217,6 +242,7 @@ class Router:
             outcome = (memory.state, memory.ejections)
             still = at_rest(previous, outcome, memory.joined_at, on_probation, policy, now)
             memory.rest = (signals, policy) if still else None
+        self._made = made[1]
         return changed
 
     @staticmethod

@@ -272,7 +272,7 @@ class ControlPlane:
         while True:
             await asyncio.sleep(ROUTING_INTERVAL_S)
             now = time.monotonic()
-            telemetry = await asyncio.to_thread(self.telemetry.snapshot, now)
+            telemetry = await asyncio.to_thread(self.telemetry.snapshot, now, False)
             started = time.perf_counter()
             computed, skipped = self.router.pools_computed, self.router.pools_skipped
             changed = self.router.recompute(self.topology, telemetry, self.poller.reports, now)

@@ -299,16 +299,27 @@ class TelemetryStore:
         return True
 
     # -- reading -------------------------------------------------------------------------------
-    def snapshot(self, now: float) -> dict[str, EndpointTelemetry]:
+    def snapshot(self, now: float, ages: bool = True) -> dict[str, EndpointTelemetry]:
+        """Every endpoint's telemetry at ``now``. ``ages=False`` (the routing loop, which reads
+        no age): an endpoint with no new data since it was last computed comes back as it was
+        computed, the same object, only its ``stale`` flag brought up to date; re-making every
+        signal of every endpoint to age it cost 30 us an endpoint at every tick."""
         with self._lock:
             self._forget(now, force=True)
-            return {key: self._computed(key, e, now) for key, e in self._endpoints.items()}
+            return {key: self._computed(key, e, now, ages) for key, e in self._endpoints.items()}
 
-    def _computed(self, key: str, e: _Endpoint, now: float) -> EndpointTelemetry:
+    def _computed(self, key: str, e: _Endpoint, now: float, ages: bool) -> EndpointTelemetry:
         """The endpoint's telemetry; unchanged data since the last read is only aged (routing
         reads every endpoint twice per reporting interval; at fleet scale this halves it)."""
         if e.computed is not None and e.computed[0] <= now:
-            return _aged(e.computed[1], now - e.computed[0], self.stale_after_intervals)
+            at, computed = e.computed
+            if ages:
+                return _aged(computed, now - at, self.stale_after_intervals)
+            stale = computed.age_s + now - at > self.stale_after_intervals * computed.interval_s
+            if stale != computed.stale:
+                computed = _aged(computed, now - at, self.stale_after_intervals)
+                e.computed = (now, computed)
+            return computed
         telemetry = self._telemetry(key, e, now)
         e.computed = (now, telemetry)
         return telemetry

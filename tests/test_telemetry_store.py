@@ -264,6 +264,25 @@ def test_staleness_after_n_observed_intervals() -> None:
     assert e.in_flight is not None and e.in_flight.age_s == pytest.approx(6.5)  # still shown
 
 
+def test_the_routing_read_keeps_unchanged_telemetry_and_flags_staleness() -> None:
+    """``snapshot(now, ages=False)``: no new data -> the same object (routing reads no age and
+    keeps the signals it made from it); staleness still comes at its time; new data -> new."""
+    store = TelemetryStore(stale_after_intervals=3)
+    for i in range(30):
+        store.ingest(request([gauge("inference_in_flight_requests", 1)]), received_at=2.0 * i)
+    first = store.snapshot(58.5, ages=False)[EP]
+    again = store.snapshot(60.0, ages=False)[EP]
+    assert again is first and not again.stale
+    stale = store.snapshot(64.5, ages=False)[EP]
+    assert stale.stale and stale.age_s == pytest.approx(6.5)
+    assert store.snapshot(65.0, ages=False)[EP] is stale  # stays stale, not re-made
+    aged = store.snapshot(65.0)[EP]  # the full read still ages every signal
+    assert aged.in_flight is not None and aged.in_flight.age_s == pytest.approx(7.0)
+    store.ingest(request([gauge("inference_in_flight_requests", 2)]), received_at=66.0)
+    fresh = store.snapshot(66.5, ages=False)[EP]
+    assert not fresh.stale and fresh.in_flight is not None and fresh.in_flight.value == 2
+
+
 def test_forgetting_and_endpoint_cap() -> None:
     store = TelemetryStore(forget_after_s=300, max_endpoints=2)
     store.ingest(request([gauge("server_draining", 0)], "10.0.0.1:1"), received_at=0.0)

@@ -48,7 +48,7 @@ def signals_moved(
     if len(before) != len(now):
         return True
     for old, new in zip(before, now, strict=True):
-        if old == new:
+        if old is new or old == new:
             continue
         if (old.endpoint, old.ready, old.stale, old.draining, old.labels) != (
             new.endpoint,
