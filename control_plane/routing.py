@@ -22,7 +22,7 @@ from control_plane.scoring.at_rest import at_rest, signals_moved
 from control_plane.scoring.ejection import EjectionState, decide_ejections
 from control_plane.scoring.pipeline import PoolDecision, PoolState, decide_pool
 from control_plane.scoring.slow_start import apply_slow_start
-from control_plane.scoring.types import EndpointSignals, Labels, PoolPolicy
+from control_plane.scoring.types import RECOMPUTE_PERIOD_S, EndpointSignals, Labels, PoolPolicy
 from control_plane.scoring.weights import needs_push
 from control_plane.telemetry import EndpointTelemetry
 from control_plane.topology import Topology
@@ -44,6 +44,7 @@ class PoolMemory:
     # The signals and policy of the last recompute when it left the pool at rest (else None):
     # while neither moves, the pool is not recomputed.
     rest: tuple[list[EndpointSignals], PoolPolicy] | None = None
+    computed_at: float | None = None  # the time of the last recompute
 
 
 def _value(signal: Any) -> float | None:
@@ -195,7 +196,9 @@ class Router:
                 continue
             self.pools_computed += 1
             previous = (memory.state, memory.ejections)
-            decision, memory.state = decide_pool(signals, policy, memory.state)
+            last, memory.computed_at = memory.computed_at, now
+            elapsed = RECOMPUTE_PERIOD_S if last is None else now - last
+            decision, memory.state = decide_pool(signals, policy, memory.state, elapsed)
             ejection = decide_ejections(signals, policy, memory.ejections, now)
             for event in ejection.events:
                 self._log(model.name, event, wall)

@@ -40,7 +40,7 @@ from control_plane.operator_api import OperatorApi
 from control_plane.otlp_receiver import start_decoders, start_receiver
 from control_plane.placement import PlacementPoller, build_mesh_state
 from control_plane.routing import Router
-from control_plane.scoring.types import Labels
+from control_plane.scoring.types import RECOMPUTE_PERIOD_S, Labels
 from control_plane.snapshot import InconsistentSnapshot, SnapshotCache
 from control_plane.telemetry import TelemetryStore, VersionTelemetry
 from control_plane.topology import (
@@ -53,7 +53,11 @@ from control_plane.topology import (
 
 log = logging.getLogger("control_plane")
 TOPOLOGY_CHECK_INTERVAL_S = 1.0
-ROUTING_INTERVAL_S = 0.5  # how often telemetry is turned into weights and ejections
+# Routing ticks when telemetry arrives, at least ROUTING_MIN_INTERVAL_S apart (and twice its
+# own duration, so a fleet's constant stream of exports cannot make it run back to back), and
+# every ROUTING_INTERVAL_S without new telemetry (staleness, back-offs and ramps move with time).
+ROUTING_INTERVAL_S = RECOMPUTE_PERIOD_S
+ROUTING_MIN_INTERVAL_S = 0.1
 JUDGE_INTERVAL_S = 0.5  # how often running canaries and open circuits are judged
 DNS_REFRESH_INTERVAL_S = 5.0
 PLACEMENT_HINT_INTERVAL_S = 0.1  # how often telemetry's model-state changes become probes
@@ -269,21 +273,38 @@ class ControlPlane:
         self.rebuild("placement changed")
 
     async def _route_by_telemetry(self) -> None:
+        seen, spent = -1, 0.0
         while True:
-            await asyncio.sleep(ROUTING_INTERVAL_S)
-            now = time.monotonic()
-            telemetry = await asyncio.to_thread(self.telemetry.snapshot, now, False)
-            started = time.perf_counter()
-            computed, skipped = self.router.pools_computed, self.router.pools_skipped
-            changed = self.router.recompute(self.topology, telemetry, self.poller.reports, now)
-            self.metrics.routing_recompute.observe(time.perf_counter() - started)
-            self.metrics.routing_pools.labels("computed").inc(self.router.pools_computed - computed)
-            self.metrics.routing_pools.labels("skipped").inc(self.router.pools_skipped - skipped)
-            for cause in self.router.new_ejections:
-                self.metrics.ejections.labels(cause).inc()
-            self.router.new_ejections.clear()
-            if changed:
-                self.rebuild("telemetry-driven weights or ejections")
+            seen = await self._next_routing_tick(seen, spent)
+            started = time.monotonic()
+            await self._route_once()
+            spent = time.monotonic() - started
+
+    async def _next_routing_tick(self, seen: int, spent: float) -> int:
+        """Waits until the store has stored telemetry since ``seen`` arrivals (or for
+        ROUTING_INTERVAL_S), no sooner than the pause a tick of ``spent`` seconds earns; the
+        store's arrivals at that point."""
+        waited = max(ROUTING_MIN_INTERVAL_S, 2 * spent)
+        await asyncio.sleep(waited)
+        while self.telemetry.arrivals == seen and waited < ROUTING_INTERVAL_S:
+            await asyncio.sleep(ROUTING_MIN_INTERVAL_S)
+            waited += ROUTING_MIN_INTERVAL_S
+        return self.telemetry.arrivals
+
+    async def _route_once(self) -> None:
+        now = time.monotonic()
+        telemetry = await asyncio.to_thread(self.telemetry.snapshot, now, False)
+        started = time.perf_counter()
+        computed, skipped = self.router.pools_computed, self.router.pools_skipped
+        changed = self.router.recompute(self.topology, telemetry, self.poller.reports, now)
+        self.metrics.routing_recompute.observe(time.perf_counter() - started)
+        self.metrics.routing_pools.labels("computed").inc(self.router.pools_computed - computed)
+        self.metrics.routing_pools.labels("skipped").inc(self.router.pools_skipped - skipped)
+        for cause in self.router.new_ejections:
+            self.metrics.ejections.labels(cause).inc()
+        self.router.new_ejections.clear()
+        if changed:
+            self.rebuild("telemetry-driven weights or ejections")
 
     async def _probe_on_hints(self) -> None:
         """An endpoint whose telemetry says a model version changed state (or the server

@@ -75,6 +75,13 @@ STATE = PoolState(scores={"a:1": 0.8}, weights={"a:1": 100})
         ((STATE, {}), (PoolState({"a:1": 0.80001}, STATE.weights), {}), {}, (), True),
         ((STATE, {}), (STATE, {"a:1": EjectionState(latency_strikes=1)}), {}, (), False),
         (
+            (STATE, {"a:1": EjectionState(latency_strikes=1, struck_at=99.9)}),
+            (STATE, {"a:1": EjectionState(latency_strikes=1, struck_at=99.9)}),
+            {},
+            (),
+            False,  # its next strike comes with time
+        ),
+        (
             (STATE, {"a:1": EjectionState(ejected=True, until=105.0)}),
             (STATE, {"a:1": EjectionState(ejected=True, until=105.0)}),
             {},

@@ -3,7 +3,8 @@
 A recompute is a pure function of the pool's signals, its policy, what the previous one left
 (smoothed scores, weights, ejection states, slow-start ramps) and the time. A pool is at rest
 when its last recompute changed nothing and nothing in it waits on the clock (an ejection's
-back-off, a slow-start ramp, probation): the same signals would give the same result again.
+back-off, latency strikes, a slow-start ramp, probation): the same signals would give the
+same result again.
 At fleet scale most pools are at rest most of the time, so a telemetry change costs the
 recompute of its own pool, not of all of them.
 
@@ -85,8 +86,8 @@ def at_rest(
     if dict(ejections) != dict(ejections_before) or any(on_probation):
         return False
     for e in ejections.values():
-        if e.ejected:
-            return False  # its back-off ends with time
+        if e.ejected or e.latency_strikes:
+            return False  # its back-off ends with time; its next strike comes with time
         returned = e.returned_at
         if e.times_ejected and returned is not None and now - returned < policy.backoff_max_s:
             return False  # its count of ejections is reset with time

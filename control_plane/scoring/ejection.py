@@ -9,12 +9,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from control_plane.scoring.types import EndpointSignals, PoolPolicy
+from control_plane.scoring.types import RECOMPUTE_PERIOD_S, EndpointSignals, PoolPolicy
 
 HEALTHY = "HEALTHY"
 UNHEALTHY = "UNHEALTHY"
 DRAINING = "DRAINING"
 FAIL_OPEN_REASON = "every endpoint looks bad: failing open to weights"
+STRIKE_SPACING_S = 0.9 * RECOMPUTE_PERIOD_S  # one latency strike a period (ticks are not exact)
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,8 @@ class EjectionState:
     ejected_at: float | None = None  # start of the current ejection
     until: float | None = None  # end of the current back-off
     times_ejected: int = 0  # ejections and extensions so far; sets the back-off length
-    latency_strikes: int = 0  # consecutive recomputes with p99 over factor x SLA
+    latency_strikes: int = 0  # p99 over factor x SLA this many periods in a row ...
+    struck_at: float | None = None  # ... the last of them counted then
     draining: bool = False
     returned_at: float | None = None  # last return to service (feeds slow start)
 
@@ -56,12 +58,14 @@ class _Verdict:
     causes: tuple[str, ...]  # why the signals say "eject", empty when they do not
     severity: tuple[float, float, float]  # memory, error, latency: larger is worse
     strikes: int
+    struck_at: float | None = None
 
 
 def _judge(
     sig: EndpointSignals,
     policy: PoolPolicy,
     prev: EjectionState,
+    now: float,
     others_p99: float | None = None,
 ) -> _Verdict:
     """Eject conditions from the current signals; stale or missing signals never eject.
@@ -83,19 +87,23 @@ def _judge(
     if sig.error_rate is not None and sig.error_rate >= policy.error_rate_eject:
         err = sig.error_rate
         causes.append(f"error rate {_pct(sig.error_rate)} >= {_pct(policy.error_rate_eject)}")
-    strikes = 0
+    strikes, struck_at = 0, None
     limit = policy.latency_eject_factor * policy.sla_p99_ms
     if others_p99 is not None and policy.latency_eject_vs_pool > 0:
         limit = max(limit, policy.latency_eject_vs_pool * others_p99)
     if sig.p99_ms is not None and sig.p99_ms > limit:
-        strikes = prev.latency_strikes + 1
+        strikes, struck_at = prev.latency_strikes, prev.struck_at
+        # One strike a period: recomputes that come faster (telemetry arriving) do not make
+        # three windows out of one slow report.
+        if struck_at is None or now - struck_at >= STRIKE_SPACING_S or not strikes:
+            strikes, struck_at = strikes + 1, now
         if strikes >= policy.latency_eject_windows:
             lat = sig.p99_ms / policy.sla_p99_ms if policy.sla_p99_ms > 0 else math.inf
             causes.append(
                 f"p99 {sig.p99_ms:.0f} ms > {policy.latency_eject_factor:g} x SLA "
                 f"{policy.sla_p99_ms:.0f} ms for {strikes} window{'s' if strikes != 1 else ''}"
             )
-    return _Verdict(tuple(causes), (mem, err, lat), strikes)
+    return _Verdict(tuple(causes), (mem, err, lat), strikes, struck_at)
 
 
 class _PoolP99:
@@ -143,7 +151,7 @@ def decide_ejections(
             continue
         # Draining is the server's own choice: no back-off, not counted as ejected.
         states[sig.endpoint] = replace(
-            prev, ejected=False, until=None, latency_strikes=0, draining=True
+            prev, ejected=False, until=None, latency_strikes=0, struck_at=None, draining=True
         )
         health[sig.endpoint] = DRAINING
         reasons[sig.endpoint] = "draining: server reports draining"
@@ -153,7 +161,7 @@ def decide_ejections(
     pool_p99 = _PoolP99(serving)
     verdicts = {
         s.endpoint: _judge(
-            s, policy, previous.get(s.endpoint, EjectionState()), pool_p99.without(s)
+            s, policy, previous.get(s.endpoint, EjectionState()), now, pool_p99.without(s)
         )
         for s in serving
     }
@@ -186,7 +194,9 @@ def decide_ejections(
         prev = previous.get(ep, EjectionState())
         verdict = verdicts[ep]
         why = "; ".join(verdict.causes)
-        base = replace(prev, latency_strikes=verdict.strikes, draining=False)
+        base = replace(
+            prev, latency_strikes=verdict.strikes, struck_at=verdict.struck_at, draining=False
+        )
         if prev.draining:
             base = replace(base, returned_at=now)  # back from draining: ramp up again
             events.append(f"{ep} stopped draining.")

@@ -1,8 +1,9 @@
 """Step 5: one pure decision for one model pool.
 
 filter -> score -> combine -> smooth (EWMA on the combined score) -> proportional integer
-weights -> limit_step vs the last pushed weights -> needs_push. When no push is needed the
-decision keeps the previously pushed weights, so small wobbles never reach Envoy.
+weights -> needs_push (the target vs the last pushed weights) -> limit_step toward it. When no
+push is needed the decision keeps the previously pushed weights, so small wobbles never reach
+Envoy.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 
 from control_plane.scoring.filters import filter_pool
 from control_plane.scoring.scorers import EndpointScore, combine
-from control_plane.scoring.types import EndpointSignals, PoolPolicy
+from control_plane.scoring.types import RECOMPUTE_PERIOD_S, EndpointSignals, PoolPolicy
 from control_plane.scoring.weights import limit_step, needs_push, proportional_weights, smooth
 
 NEUTRAL_WHEN_NONE_SCORED = 0.5
@@ -55,9 +56,15 @@ def _reason(
 
 
 def decide_pool(
-    signals: Sequence[EndpointSignals], policy: PoolPolicy, previous: PoolState | None
+    signals: Sequence[EndpointSignals],
+    policy: PoolPolicy,
+    previous: PoolState | None,
+    elapsed_s: float = RECOMPUTE_PERIOD_S,
 ) -> tuple[PoolDecision, PoolState]:
+    """``elapsed_s``: since the pool's previous decision; one sooner than RECOMPUTE_PERIOD_S
+    smooths and steps by its share of a period (a longer one counts as one period)."""
     prev = previous or PoolState()
+    share = min(max(elapsed_s, 0.0), RECOMPUTE_PERIOD_S) / RECOMPUTE_PERIOD_S
     result = filter_pool(signals, policy)
     scores = {s.endpoint: combine(s, result.scored, policy) for s in result.scored}
     for ep in result.neutral:
@@ -72,16 +79,22 @@ def decide_pool(
     )
     raw = {ep: sc.score for ep, sc in scores.items() if sc.score is not None}
     prev_scores = {ep: v for ep, v in prev.scores.items() if ep not in neutral_why}
-    smoothed = smooth(prev_scores, raw, policy.ewma_alpha)
+    alpha = policy.ewma_alpha
+    if share < 1.0 and alpha < 1.0:
+        alpha = 1.0 - (1.0 - alpha) ** share  # n short steps smooth as much as one period
+    smoothed = smooth(prev_scores, raw, alpha)
     # Neutral endpoints sit at the median of the scored ones: neither favoured nor starved.
     median = median_or_neutral(list(smoothed.values()))
     smoothed.update({ep: median for ep in neutral_why})
 
     target = proportional_weights(smoothed, policy.max_weight)
-    step = max(1, round(policy.max_step * policy.max_weight))
+    step = max(1, round(policy.max_step * policy.max_weight * share))
     stepped = limit_step(prev.weights, target, step)
+    # Hysteresis judges where the weights are going, not this recompute's step: a step
+    # smaller than the hysteresis (a short recompute, or a small max_step) would else never
+    # move anything.
     push = previous is None or needs_push(
-        prev.weights, stepped, policy.hysteresis, policy.max_weight
+        prev.weights, target, policy.hysteresis, policy.max_weight
     )
     weights = stepped if push else dict(prev.weights)
 

@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 Labels = tuple[tuple[str, str], ...]  # (name, value) pairs sorted by name
 LabelRule = tuple[tuple[str, tuple[str, ...]], ...]  # (name, accepted values) sorted by name
 DEVICE_CLASS = "device_class"  # the label that names an endpoint's accelerator (a10g, cpu...)
+# What ewma_alpha, max_step and a latency strike are per: the routing loop ticks at least this
+# often, sooner when telemetry arrives, and a recompute sooner than this moves scores, weights
+# and strikes only by its share of it, so the pace of a pool does not depend on how often
+# exports happen to arrive.
+RECOMPUTE_PERIOD_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -59,16 +64,16 @@ class PoolPolicy:
     over_sla_exponent: float = 2.0
     # Integer EDS weights: the best endpoint gets max_weight; nobody healthy gets 0.
     max_weight: int = 100
-    ewma_alpha: float = 0.5  # smoothing of scores between recomputes (1: no smoothing)
+    ewma_alpha: float = 0.5  # smoothing of scores per RECOMPUTE_PERIOD_S (1: no smoothing)
     hysteresis: float = 0.1  # no push unless some weight moves by more than this share
-    max_step: float = 0.5  # one recompute moves a weight by at most this share of max_weight
+    max_step: float = 0.5  # a weight moves by at most this share of max_weight per period
     # A pool at rest is recomputed only when a signal moves by more than this share of its
     # value (0: any change); see scoring.at_rest.
     recompute_tolerance: float = 0.02
     # Ejection
     memory_watermark: float = 0.95
     latency_eject_factor: float = 2.0  # p99 > factor x SLA ...
-    latency_eject_windows: int = 3  # ... for this many consecutive recomputes
+    latency_eject_windows: int = 3  # ... for this many strikes in a row, one a period at most
     latency_eject_vs_pool: float = 2.0  # ... and p99 > this x the others' median (0: off)
     error_rate_eject: float = 0.5
     max_ejected_share: float = 0.5
