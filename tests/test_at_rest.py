@@ -4,17 +4,20 @@ skipping never changes a decision (a router that skips ends where one that never
 from __future__ import annotations
 
 import dataclasses
+import random
+from array import array
 
 import pytest
 
 from control_plane.mesh import EndpointAddress
+from control_plane.otlp_receiver import PointTuple
 from control_plane.placement import EndpointReport
 from control_plane.routing import Router
 from control_plane.scoring.at_rest import at_rest, near, signals_moved
 from control_plane.scoring.ejection import EjectionState
 from control_plane.scoring.pipeline import PoolState
 from control_plane.scoring.types import EndpointSignals, PoolPolicy
-from control_plane.telemetry import EndpointTelemetry, ModelTelemetry, Signal
+from control_plane.telemetry import EndpointTelemetry, ModelTelemetry, Signal, TelemetryStore
 from control_plane.topology import Topology, parse_topology
 
 POLICY = PoolPolicy(capacity_qps=100, sla_p99_ms=50)
@@ -201,3 +204,65 @@ def test_a_pool_losing_an_endpoint_is_recomputed() -> None:
     gone = dataclasses.replace(REPORTS[ADDRESSES[0]], reachable=False)
     router.recompute(fleet(), telemetry({}), {**REPORTS, ADDRESSES[0]: gone}, now)
     assert ADDRESSES[0] not in router.pool_weights()["m0"]
+
+
+BOUNDS_S = (0.005, 0.01, 0.025, 0.05, 0.1)
+
+
+def export(store: TelemetryStore, key: str, at: float, exported_s: float, slow: bool) -> None:
+    """What a model server reports after ``exported_s + 1`` seconds of steady traffic (100
+    requests a second, p99 under the 50 ms SLA; or, ``slow``, 50 more past the last bound)."""
+    n = 100.0 * (exported_s + 1)
+    counts = array("d", [0.6 * n, 0.35 * n, 0.05 * n, 0.0, 0.0, 50.0 if slow else 0.0])
+    model = POOL_OF[next(a for a in ADDRESSES if a.key == key)]
+    attrs = (("model", model), ("version", "1"))
+    duration = "inference_request_duration_seconds"
+    requests = (("code", "OK"), *attrs)
+    points: list[PointTuple] = [
+        (key, duration, "histogram", attrs, counts, BOUNDS_S, False, 1, exported_s + 1.0),
+        (key, "inference_requests", "counter", requests, (sum(counts),), (), False, 1,
+         exported_s + 1.0),
+    ]  # fmt: skip
+    store.ingest_points(points, {}, [], at)
+
+
+def late_exports(tolerance: float) -> tuple[Router, TelemetryStore, int]:
+    """30 s of steady exports, each arriving up to 0.3 s late, routed every 0.2 s; the
+    router, the store, and how many pools it computed in the last 10 s (of 5 x 50)."""
+    rng = random.Random(7)
+    store, router = TelemetryStore(), Router()
+    topology = fleet(recompute_tolerance=tolerance)
+    arrivals = sorted(
+        (second + rng.uniform(0.0, 0.3), a.key, float(second))
+        for second in range(30)
+        for a in ADDRESSES
+    )
+    index, computed = 0, 0
+    for tick in range(150):
+        now = tick * 0.2
+        while index < len(arrivals) and arrivals[index][0] <= now:
+            at, key, exported_s = arrivals[index]
+            export(store, key, at, exported_s, slow=False)
+            index += 1
+        before = router.pools_computed
+        router.recompute(topology, store.snapshot(now, ages=False), REPORTS, now)
+        computed += router.pools_computed - before if tick >= 100 else 0
+    return router, store, computed
+
+
+def test_exports_arriving_late_do_not_wake_pools_at_rest() -> None:
+    """Rates are measured over arrival times: steady traffic whose exports arrive up to 0.3 s
+    late (a receiver's queues under load) leaves most pools at rest at the default
+    tolerance, where an exact comparison recomputes nearly every pool at every tick; and a
+    real change at one endpoint still reaches its pool."""
+    _, _, exact = late_exports(0.0)
+    router, store, default = late_exports(PoolPolicy.recompute_tolerance)
+    assert exact >= 0.9 * POOLS * 50
+    assert default <= 0.3 * POOLS * 50  # the rest: scores converging after a real move
+    slow = ADDRESSES[0]
+    export(store, slow.key, 30.0, 30.0, slow=True)
+    before = router.pools_computed
+    topology = fleet(recompute_tolerance=PoolPolicy.recompute_tolerance)
+    router.recompute(topology, store.snapshot(30.1, ages=False), REPORTS, 30.1)
+    assert router.pools_computed - before < POOLS  # its pool (and one still converging)
+    assert router.explain()[POOL_OF[slow]]["endpoints"][slow.key]["score"] < 0.5

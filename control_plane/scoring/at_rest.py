@@ -8,10 +8,11 @@ same result again.
 At fleet scale most pools are at rest most of the time, so a telemetry change costs the
 recompute of its own pool, not of all of them.
 
-"Moved" allows a tolerance (``PoolPolicy.recompute_tolerance``, relative): rates measured
-over arrival times wobble by a fraction of a percent every tick, which would otherwise make
-every pool look changed. The reference is the signals of the last recompute, not of the last
-tick, so a slow drift cannot creep past the tolerance unnoticed.
+"Moved" allows a tolerance (``PoolPolicy.recompute_tolerance``, relative, 5% by default):
+rates are measured over arrival times, which wobble with the receiver's queues; at 2%,
+exports arriving up to 0.3 s late made most pools look changed at every tick. The reference
+is the signals of the last recompute, not of the last tick, so a slow drift cannot creep past
+the tolerance unnoticed.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class PoolPolicy:
     max_step: float = 0.5  # a weight moves by at most this share of max_weight per period
     # A pool at rest is recomputed only when a signal moves by more than this share of its
     # value (0: any change); see scoring.at_rest.
-    recompute_tolerance: float = 0.02
+    recompute_tolerance: float = 0.05
     # Ejection
     memory_watermark: float = 0.95
     latency_eject_factor: float = 2.0  # p99 > factor x SLA ...
