@@ -173,7 +173,6 @@ class TelemetryStore:
         self._last_forget = -math.inf
         self._placement_hints: set[str] = set()
         self._interned: dict[Any, Any] = {}  # see _shared
-        self.arrivals = 0  # requests stored so far: the routing loop ticks when it moves
 
     def __len__(self) -> int:
         return len(self._endpoints)
@@ -202,7 +201,6 @@ class TelemetryStore:
         reasons = Counter(ignored)
         accepted = 0
         with self._lock:
-            self.arrivals += 1
             self._forget(received_at)
             seen: set[str] = set()
             for p in points:

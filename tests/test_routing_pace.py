@@ -1,16 +1,12 @@
-"""Routing ticks when telemetry arrives, but a pool moves at the pace of RECOMPUTE_PERIOD_S:
-recomputes that come sooner smooth, step and strike by their share of a period, so how often
-exports happen to arrive does not change how fast scores move or how soon a server is out."""
+"""A pool moves at the pace of RECOMPUTE_PERIOD_S, whatever the routing tick's cadence:
+recomputes that come sooner smooth, step and strike by their share of a period, so how often a
+pool happens to be recomputed does not change how fast scores move or how soon a server is
+out."""
 
 from __future__ import annotations
 
-import asyncio
-from types import SimpleNamespace
-from typing import Any
-
 import pytest
 
-from control_plane import server
 from control_plane.scoring.ejection import HEALTHY, UNHEALTHY, EjectionState, decide_ejections
 from control_plane.scoring.pipeline import PoolState, decide_pool
 from control_plane.scoring.types import RECOMPUTE_PERIOD_S, EndpointSignals, PoolPolicy
@@ -73,39 +69,3 @@ def test_a_good_window_resets_strikes_at_once() -> None:
     states = decide_ejections(pool(400.0), POLICY, {}, 0.0).states
     states = decide_ejections(pool(10.0), POLICY, states, FAST).states
     assert states["c:1"].latency_strikes == 0 and states["c:1"].struck_at is None
-
-
-# -- the tick ---------------------------------------------------------------------------------
-def wait_for_tick(arrivals_during_wait: int, spent: float) -> tuple[int, float]:
-    """Runs ControlPlane._next_routing_tick against a store whose arrivals count moves after
-    the first pause when ``arrivals_during_wait``; (what it returned, the seconds it slept)."""
-    store = SimpleNamespace(arrivals=7)
-    slept: list[float] = []
-
-    async def sleep(seconds: float, *_: Any) -> None:
-        slept.append(seconds)
-        store.arrivals += arrivals_during_wait if len(slept) == 1 else 0
-
-    plane = SimpleNamespace(telemetry=store)
-    original = asyncio.sleep
-    asyncio.sleep = sleep  # type: ignore[assignment]
-    try:
-        seen = asyncio.run(server.ControlPlane._next_routing_tick(plane, 7, spent))  # type: ignore[arg-type]
-    finally:
-        asyncio.sleep = original
-    return seen, sum(slept)
-
-
-def test_a_tick_follows_arriving_telemetry() -> None:
-    seen, slept = wait_for_tick(arrivals_during_wait=1, spent=0.01)
-    assert seen == 8 and slept == pytest.approx(server.ROUTING_MIN_INTERVAL_S)
-
-
-def test_without_telemetry_a_tick_still_comes_every_interval() -> None:
-    seen, slept = wait_for_tick(arrivals_during_wait=0, spent=0.01)
-    assert seen == 7 and slept == pytest.approx(server.ROUTING_INTERVAL_S)
-
-
-def test_a_slow_tick_earns_a_longer_pause() -> None:
-    _, slept = wait_for_tick(arrivals_during_wait=1, spent=0.2)
-    assert slept == pytest.approx(0.4)  # twice its duration: routing takes at most a third
