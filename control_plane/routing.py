@@ -162,8 +162,8 @@ class Router:
         self.new_ejections: list[str] = []  # causes since the caller last took them
         self.labels: dict[str, Labels] = {}  # every endpoint's, as of the last recompute
         self.pools_computed = 0  # pools recomputed, and skipped at rest, since the start
-        self._made: SignalsMade = {}  # the last recompute's signals, by (model, endpoint)
         self.pools_skipped = 0
+        self._made: SignalsMade = {}  # the last recompute's signals, by (model, endpoint)
 
     def _log(self, pool: str, event: str, now_wall: float) -> None:
         self.decisions.append({"at": round(now_wall, 3), "pool": pool, "decision": event})
