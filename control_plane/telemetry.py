@@ -319,7 +319,8 @@ class TelemetryStore:
             at, computed = e.computed
             if ages:
                 return _aged(computed, now - at, self.stale_after_intervals)
-            stale = computed.age_s + now - at > self.stale_after_intervals * computed.interval_s
+            age = computed.age_s + now - at
+            stale = is_stale(age, computed.interval_s, self.stale_after_intervals)
             if stale != computed.stale:
                 computed = _aged(computed, now - at, self.stale_after_intervals)
                 e.computed = (now, computed)
@@ -394,7 +395,7 @@ class TelemetryStore:
             endpoint=key,
             age_s=age,
             interval_s=e.interval_s,
-            stale=age > self.stale_after_intervals * e.interval_s,
+            stale=is_stale(age, e.interval_s, self.stale_after_intervals),
             p50_ms=p50,
             p99_ms=p99,
             qps=qps,
@@ -454,6 +455,11 @@ def _like(values: Vec, items: Iterable[float]) -> Vec:
     return array("d", items) if isinstance(values, array) else tuple(items)
 
 
+def is_stale(age_s: float, interval_s: float, stale_after_intervals: float) -> bool:
+    """An endpoint is stale once its last report is older than that many of its intervals."""
+    return age_s > stale_after_intervals * interval_s
+
+
 def _aged(t: EndpointTelemetry, dt: float, stale_after_intervals: float) -> EndpointTelemetry:
     """``t`` read ``dt`` seconds later with no new data: every age grows by ``dt``."""
     if dt == 0:
@@ -466,7 +472,7 @@ def _aged(t: EndpointTelemetry, dt: float, stale_after_intervals: float) -> Endp
     return dataclasses.replace(
         t,
         age_s=age,
-        stale=age > stale_after_intervals * t.interval_s,
+        stale=is_stale(age, t.interval_s, stale_after_intervals),
         p50_ms=older(t.p50_ms),
         p99_ms=older(t.p99_ms),
         qps=older(t.qps),
