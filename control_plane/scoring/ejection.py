@@ -93,8 +93,8 @@ def _judge(
         limit = max(limit, policy.latency_eject_vs_pool * others_p99)
     if sig.p99_ms is not None and sig.p99_ms > limit:
         strikes, struck_at = prev.latency_strikes, prev.struck_at
-        # One strike a period: recomputes that come faster (telemetry arriving) do not make
-        # three windows out of one slow report.
+        # One strike a period: recomputes that come faster than that do not make three
+        # windows out of one slow report.
         if struck_at is None or now - struck_at >= STRIKE_SPACING_S or not strikes:
             strikes, struck_at = strikes + 1, now
         if strikes >= policy.latency_eject_windows:

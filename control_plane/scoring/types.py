@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 Labels = tuple[tuple[str, str], ...]  # (name, value) pairs sorted by name
 LabelRule = tuple[tuple[str, tuple[str, ...]], ...]  # (name, accepted values) sorted by name
 DEVICE_CLASS = "device_class"  # the label that names an endpoint's accelerator (a10g, cpu...)
-# What ewma_alpha, max_step and a latency strike are per: the routing loop ticks at least this
-# often, sooner when telemetry arrives, and a recompute sooner than this moves scores, weights
-# and strikes only by its share of it, so the pace of a pool does not depend on how often
-# exports happen to arrive.
+# What ewma_alpha, max_step and a latency strike are per (the routing loop's tick): a
+# recompute sooner than this moves scores, weights and strikes only by its share of it, so the
+# pace of a pool does not depend on how often it happens to be recomputed.
 RECOMPUTE_PERIOD_S = 0.5
 
 
