@@ -137,7 +137,7 @@ def run(n: int, repeat: int) -> list[tuple[str, float]]:
     assert router.pools_skipped - skipped == MODELS * repeat, "the pools did not come to rest"
     first = addresses[0].key
     slower = [
-        {**telemetry, first: _with_p99(telemetry[first], 40.0 + k)} for k in range(repeat + 1)
+        {**telemetry, first: _with_p99(telemetry[first], 40.0 * 1.5**k)} for k in range(repeat + 1)
     ]
     computed = router.pools_computed
     ticks = iter(slower)
