@@ -206,7 +206,8 @@ class AdminServer:
 
     def stop(self) -> None:
         self.stopping.set()
-        self.httpd.shutdown()
+        if self._thread.is_alive():  # shutdown() waits for serve_forever, which never started
+            self.httpd.shutdown()
         self.httpd.server_close()
 
 

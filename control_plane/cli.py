@@ -74,3 +74,6 @@ def main(argv: list[str] | None = None) -> int:
     except TopologyError as exc:
         print(f"infermesh-control-plane: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a port taken, a shard that cannot start
+        print(f"infermesh-control-plane: cannot start: {exc}", file=sys.stderr)
+        return 1

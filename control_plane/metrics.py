@@ -55,6 +55,11 @@ class ControlPlaneMetrics:
             buckets=FAST_BUCKETS_S,
             registry=r,
         )
+        self.telemetry_shard_restarts = Counter(
+            "telemetry_shard_restarts",
+            "Telemetry shard processes that ended unasked and were started again",
+            registry=r,
+        )
         self.telemetry_endpoints = Gauge(
             "telemetry_endpoints", "Endpoints the telemetry store currently tracks", registry=r
         )

@@ -25,7 +25,7 @@ from array import array
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -38,7 +38,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
-from control_plane.envoy_stats import EnvoyStats, is_envoy
+from control_plane.envoy_stats import is_envoy
 
 if TYPE_CHECKING:
     from control_plane.metrics import ControlPlaneMetrics
@@ -285,6 +285,16 @@ def start_decoders(processes: int) -> ProcessPoolExecutor:
 
 
 # -- the gRPC service ------------------------------------------------------------------------
+class EnvoySink(Protocol):
+    """Where Envoy's own resources go (``EnvoyStats``; a telemetry shard forwards them)."""
+
+    def ingest(self, resources: Iterable[metrics_pb2.ResourceMetrics], now: float) -> int: ...
+
+
+# (the result, or None for an undecodable request; ignored points by reason; seconds taken)
+Tally = Callable[["IngestResult | None", dict[str, int], float], None]
+
+
 class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
     """OTLP MetricsService.Export on grpc.aio; times are ``clock()`` (monotonic by default):
     read the store with the same clock (``store.as_json(time.monotonic())``)."""
@@ -294,10 +304,12 @@ class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
         store: TelemetryStore,
         metrics: ControlPlaneMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
-        envoy: EnvoyStats | None = None,
+        envoy: EnvoySink | None = None,
         decoders: Executor | None = None,
+        tally: Tally | None = None,
     ) -> None:
         self.store = store
+        self.tally = tally  # instead of ``metrics``: a shard counts for the control plane
         self.envoy = envoy
         self.decoders = decoders  # decode in these processes; None: in a worker thread
         self.metrics = metrics
@@ -359,6 +371,8 @@ class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
         return result
 
     def _count(self, result: IngestResult | None, ignored: dict[str, int], started: float) -> None:
+        if self.tally is not None:
+            self.tally(result, ignored, time.perf_counter() - started)
         m = self.metrics
         if m is None:
             return
@@ -387,19 +401,23 @@ async def start_receiver(
     host: str,
     port: int,
     clock: Callable[[], float] = time.monotonic,
-    envoy: EnvoyStats | None = None,
+    envoy: EnvoySink | None = None,
     decoders: Executor | None = None,
+    tally: Tally | None = None,
+    reuse_port: bool = False,
 ) -> tuple[grpc.aio.Server, int]:
     """A started grpc.aio server with the receiver on HOST:PORT (0: a free port), and the
     bound port. Stop it with ``await server.stop(grace)``. ``decoders`` (``start_decoders``)
-    decode the requests in other processes; the caller shuts them down."""
+    decode the requests in other processes; the caller shuts them down. ``reuse_port``: the
+    port is shared with the other telemetry shards (SO_REUSEPORT); off, a second control
+    plane on the same port fails to start instead of silently taking half the exports."""
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", int(reuse_port)),
         ]
     )
-    add_receiver(MetricsReceiver(store, metrics, clock, envoy, decoders), server)
+    add_receiver(MetricsReceiver(store, metrics, clock, envoy, decoders, tally), server)
     bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     await server.start()
     return server, bound

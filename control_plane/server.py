@@ -43,6 +43,8 @@ from control_plane.routing import Router
 from control_plane.scoring.types import RECOMPUTE_PERIOD_S, Labels
 from control_plane.snapshot import InconsistentSnapshot, SnapshotCache
 from control_plane.telemetry import TelemetryStore, VersionTelemetry
+from control_plane.telemetry_readings import TelemetryReadings
+from control_plane.telemetry_shards import TelemetryShards
 from control_plane.topology import (
     EndpointResolver,
     Topology,
@@ -97,12 +99,16 @@ class ControlPlane:
         self.slices = EndpointSlices(self.slices_changed.set)
         self.resolver = EndpointResolver(watched=self.slices.addresses)
         options = self.topology.telemetry
-        self.telemetry = TelemetryStore(
+        # What the in-process receiver and the scraper store; routing, placement hints, canaries
+        # and GET /telemetry read it merged with the telemetry shards' (telemetry.shards).
+        self.store = TelemetryStore(
             options.window_s, options.stale_after_intervals, options.forget_after_s
         )
+        self.telemetry = TelemetryReadings(self.store)
+        self.shards: TelemetryShards | None = None
         self.envoy_stats = EnvoyStats(options.window_s)
         # Endpoints that do not push OTLP (Triton): their Prometheus metrics, scraped
-        self.scraper = MetricsScraper(self.telemetry, interval_s=options.scrape_interval_s)
+        self.scraper = MetricsScraper(self.store, interval_s=options.scrape_interval_s)
         self.router = Router()
         self.splits: dict[str, tuple[tuple[str, int], ...]] = {}  # operator and canary splits
         self.canaries = CanaryRuns(self.router.decisions, self.metrics)
@@ -167,16 +173,14 @@ class ControlPlane:
         )
         self.admin_port = self.admin.port
         otlp_port = t.telemetry.port if self.settings.otlp_port is None else self.settings.otlp_port
-        if t.telemetry.decoder_processes:
-            self.decoders = start_decoders(t.telemetry.decoder_processes)
-        self.otlp_server, self.otlp_port = await start_receiver(
-            self.telemetry,
-            self.metrics,
-            t.telemetry.host,
-            otlp_port,
-            envoy=self.envoy_stats,
-            decoders=self.decoders,
-        )
+        if t.telemetry.shards:
+            self.shards = TelemetryShards(
+                t.telemetry.shards, t.telemetry, self.envoy_stats, self.metrics
+            )
+            self.telemetry.shards = self.shards
+            self.otlp_port = await asyncio.to_thread(self.shards.start, otlp_port)
+        else:
+            await self._start_receiver(otlp_port)
         self.scraper.set_targets(t.scrape_targets)
         await self.scraper.start()
         await self.poller.poll_once()  # the first snapshot already knows what is READY where
@@ -200,6 +204,20 @@ class ControlPlane:
             self.settings.topology, len(self.endpoints),
         )  # fmt: skip
 
+    async def _start_receiver(self, port: int) -> None:
+        """The OTLP receiver in this process, on the in-process store."""
+        t = self.topology.telemetry
+        if t.decoder_processes:
+            self.decoders = start_decoders(t.decoder_processes)
+        self.otlp_server, self.otlp_port = await start_receiver(
+            self.store,
+            self.metrics,
+            t.host,
+            port,
+            envoy=self.envoy_stats,
+            decoders=self.decoders,
+        )
+
     async def stop(self) -> None:
         await self.poller.stop()
         await self.scraper.stop()
@@ -214,6 +232,8 @@ class ControlPlane:
             await self.otlp_server.stop(grace=0.5)
         if self.decoders is not None:
             self.decoders.shutdown(wait=False, cancel_futures=True)
+        if self.shards is not None:
+            await asyncio.to_thread(self.shards.stop)
 
     def _spawn(self, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Runs one of the control plane's loops; one that fails is logged, counted and
@@ -440,7 +460,12 @@ async def serve(settings: ControlPlaneSettings) -> int:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: plane._spawn(plane.reload_on_hangup))
-    await plane.start()
+    try:
+        await plane.start()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await plane.stop()  # what started before the failure (telemetry shards)
+        raise
     await stop.wait()
     log.info("control plane stopping")
     with contextlib.suppress(Exception):

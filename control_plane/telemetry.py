@@ -160,6 +160,7 @@ class TelemetryStore:
         max_endpoints: int = 10_000,
         max_points_per_request: int = 20_000,
         default_interval_s: float = 1.0,
+        track_changes: bool = False,
     ) -> None:
         self.window_s = window_s
         self.stale_after_intervals = stale_after_intervals
@@ -173,6 +174,11 @@ class TelemetryStore:
         self._last_forget = -math.inf
         self._placement_hints: set[str] = set()
         self._interned: dict[Any, Any] = {}  # see _shared
+        # For ``changed`` (a telemetry shard): endpoints with data, and forgotten, since the
+        # last call. Off by default: nothing would take them.
+        self._track = track_changes
+        self._dirty: set[str] = set()
+        self._forgotten: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._endpoints)
@@ -223,12 +229,15 @@ class TelemetryStore:
                 if len(self._endpoints) >= self.max_endpoints:
                     return None
             endpoint = self._endpoints[key] = _Endpoint(now, self.default_interval_s)
+            self._forgotten.discard(key)
         elif first_in_request:
             gap = now - endpoint.last_seen
             if gap >= 0.05:  # several requests of one export round are one arrival
                 endpoint.interval_s = 0.7 * endpoint.interval_s + 0.3 * gap
             endpoint.last_seen = max(endpoint.last_seen, now)
         endpoint.computed = None
+        if self._track:
+            self._dirty.add(key)
         return endpoint
 
     def _forget(self, now: float, force: bool = False) -> None:
@@ -239,6 +248,9 @@ class TelemetryStore:
             k for k, e in self._endpoints.items() if now - e.last_seen > self.forget_after_s
         ]:
             del self._endpoints[key]
+            if self._track:
+                self._forgotten.add(key)
+                self._dirty.discard(key)
 
     def _shared(self, key: Any, value: Any) -> Any:
         """One object for what thousands of endpoints repeat (histogram bounds, label sets),
@@ -312,60 +324,68 @@ class TelemetryStore:
             self._forget(now, force=True)
             return {key: self._computed(key, e, now, ages) for key, e in self._endpoints.items()}
 
+    def changed(self, now: float) -> tuple[dict[str, EndpointTelemetry], set[str]]:
+        """(the telemetry at ``now`` of every endpoint that reported since the last call, the
+        endpoints forgotten since): what a telemetry shard sends the control plane. Needs
+        ``track_changes``."""
+        with self._lock:
+            self._forget(now)
+            dirty, self._dirty = self._dirty, set()
+            forgotten, self._forgotten = self._forgotten, set()
+            endpoints = self._endpoints
+            return {k: self._computed(k, endpoints[k], now, False) for k in dirty}, forgotten
+
     def _computed(self, key: str, e: _Endpoint, now: float, ages: bool) -> EndpointTelemetry:
         """The endpoint's telemetry; unchanged data since the last read is only aged (routing
         reads every endpoint twice per reporting interval; at fleet scale this halves it)."""
         if e.computed is not None and e.computed[0] <= now:
-            at, computed = e.computed
-            if ages:
-                return _aged(computed, now - at, self.stale_after_intervals)
-            age = computed.age_s + now - at
-            stale = is_stale(age, computed.interval_s, self.stale_after_intervals)
-            if stale != computed.stale:
-                computed = _aged(computed, now - at, self.stale_after_intervals)
-                e.computed = (now, computed)
-            return computed
+            e.computed, telemetry = read_computed(e.computed, now, ages, self.stale_after_intervals)
+            return telemetry
         telemetry = self._telemetry(key, e, now)
         e.computed = (now, telemetry)
         return telemetry
 
     def as_json(self, now: float, ages: bool = True) -> dict[str, Any]:
         """What the admin's GET /telemetry serves (``ages``: see ``snapshot``)."""
-        snapshot = self.snapshot(now, ages)
-        return {
-            "window_s": self.window_s,
-            "stale_after_intervals": self.stale_after_intervals,
-            "endpoints": {k: telemetry_json(snapshot[k]) for k in sorted(snapshot)},
-        }
+        return telemetry_document(
+            self.snapshot(now, ages), self.window_s, self.stale_after_intervals
+        )
 
     def version_stats(
         self, model: str, now: float, since: float | None = None
     ) -> dict[str, VersionTelemetry]:
         """Per version of ``model`` across every endpoint: requests, p99 and error rate over the
         window (only what arrived after ``since``, when given), histograms merged first."""
-        durations: dict[str, Labeled] = {}
-        requests: dict[str, Labeled] = {}
         with self._lock:
-            for e in self._endpoints.values():
-                for (name, _), s in e.series.items():
-                    labels = s.labels
-                    if labels.get("model") != model or not s.samples:
-                        continue
-                    if s.samples[-1][0] < e.last_seen - self.window_s:
-                        continue  # an unloaded version
-                    into = durations if name == DURATION else requests if name == REQUESTS else None
-                    if into is not None:
-                        series = s if since is None else _after(s, since)
-                        if series.samples:  # else nothing arrived since
-                            into.setdefault(labels.get("version", ""), []).append((labels, series))
-            return {
-                version: VersionTelemetry(
-                    _count(requests.get(version, []), self.window_s),
-                    _percentiles_ms(durations.get(version, []), (0.99,), now, self.window_s)[0],
-                    _error_rate(requests.get(version, []), now, self.window_s),
-                )
-                for version in sorted(durations.keys() | requests.keys())
-            }
+            parts = self._version_series(model, since, copy=False)
+            return version_telemetry([p for _, p in parts.values()], now, self.window_s)
+
+    def version_series(self, model: str, since: float | None = None) -> VersionSeries:
+        """What ``version_stats`` is computed from, per endpoint: (its last report, per version
+        (duration series, request series)), copied: a telemetry shard sends it to the control
+        plane, which merges the shards' (``version_telemetry``)."""
+        with self._lock:
+            return self._version_series(model, since, copy=True)
+
+    def _version_series(self, model: str, since: float | None, copy: bool) -> VersionSeries:
+        out: VersionSeries = {}
+        for key, e in self._endpoints.items():
+            for (name, _), s in e.series.items():
+                labels = s.labels
+                if labels.get("model") != model or not s.samples:
+                    continue
+                if s.samples[-1][0] < e.last_seen - self.window_s:
+                    continue  # an unloaded version
+                index = 0 if name == DURATION else 1 if name == REQUESTS else None
+                if index is None:
+                    continue
+                if since is not None or copy:
+                    s = _after(s, -math.inf if since is None else since)
+                if s.samples:  # else nothing arrived since
+                    versions = out.setdefault(key, (e.last_seen, {}))[1]
+                    pair = versions.setdefault(labels.get("version", ""), ([], []))
+                    pair[index].append((labels, s))
+        return out
 
     def _telemetry(self, key: str, e: _Endpoint, now: float) -> EndpointTelemetry:
         live: dict[str, Labeled] = {}  # metric name -> its series still reporting
@@ -422,6 +442,17 @@ class TelemetryStore:
             dropped_series=e.dropped_series,
             labels=_labels(of("server_label")),
         )
+
+
+def telemetry_document(
+    snapshot: Mapping[str, EndpointTelemetry], window_s: float, stale_after_intervals: float
+) -> dict[str, Any]:
+    """GET /telemetry's body."""
+    return {
+        "window_s": window_s,
+        "stale_after_intervals": stale_after_intervals,
+        "endpoints": {k: telemetry_json(snapshot[k]) for k in sorted(snapshot)},
+    }
 
 
 def telemetry_json(t: EndpointTelemetry) -> dict[str, Any]:
@@ -489,6 +520,45 @@ def _aged(t: EndpointTelemetry, dt: float, stale_after_intervals: float) -> Endp
 
 
 Labeled = list[tuple[dict[str, str], _Series]]
+# endpoint -> (its last report, version -> (duration series, request series))
+VersionSeries = dict[str, tuple[float, dict[str, tuple[Labeled, Labeled]]]]
+
+
+def version_telemetry(
+    parts: Iterable[Mapping[str, tuple[Labeled, Labeled]]], now: float, window_s: float
+) -> dict[str, VersionTelemetry]:
+    """Per version: requests, p99 (histograms merged first) and error rate over the window,
+    from the series of each endpoint (``version_series``)."""
+    durations: dict[str, Labeled] = {}
+    requests: dict[str, Labeled] = {}
+    for versions in parts:
+        for version, (d, r) in versions.items():
+            durations.setdefault(version, []).extend(d)
+            requests.setdefault(version, []).extend(r)
+    return {
+        version: VersionTelemetry(
+            _count(requests.get(version, []), window_s),
+            _percentiles_ms(durations.get(version, []), (0.99,), now, window_s)[0],
+            _error_rate(requests.get(version, []), now, window_s),
+        )
+        for version in sorted(durations.keys() | requests.keys())
+    }
+
+
+def read_computed(
+    cached: tuple[float, EndpointTelemetry], now: float, ages: bool, stale_after_intervals: float
+) -> tuple[tuple[float, EndpointTelemetry], EndpointTelemetry]:
+    """(the entry to keep, the telemetry to return) for telemetry computed at ``cached[0]``
+    and read at ``now`` with no new data. ``ages``: every age brought to ``now``. Else the
+    same object, unless its stale flag flips: then it is aged once and kept aged."""
+    at, computed = cached
+    if ages:
+        return cached, _aged(computed, now - at, stale_after_intervals)
+    age = computed.age_s + now - at
+    if is_stale(age, computed.interval_s, stale_after_intervals) == computed.stale:
+        return cached, computed
+    computed = _aged(computed, now - at, stale_after_intervals)
+    return (now, computed), computed
 
 
 def _only(series: Labeled, model: str) -> Labeled:

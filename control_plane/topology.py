@@ -40,6 +40,8 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
       stale_after_intervals: 3      # > 0: stale after this many missed reporting intervals
       forget_after_s: 300           # > 0: forget an endpoint unseen this long
       decoder_processes: 0          # integer >= 0: OTLP decoding in processes (0: a thread)
+      shards: 0                     # integer >= 0: receiver and store in N processes sharing
+                                    # the port (0: in the control plane; see telemetry_shards)
       scrape_interval_s: 2.0        # > 0: scrapes of kind-triton endpoints' /metrics
     models:                         # required, at least one
       - name: classifier            # letters, digits, '_', '.', '-'; unique
@@ -139,6 +141,7 @@ class TelemetryOptions:
     stale_after_intervals: float = 3.0  # stale after this many observed reporting intervals
     forget_after_s: float = 300.0  # an endpoint unseen this long is forgotten
     decoder_processes: int = 0  # OTLP decoding in this many processes (0: a worker thread)
+    shards: int = 0  # receiver and store in this many processes sharing the port (0: none)
     scrape_interval_s: float = 2.0  # Prometheus scrapes of kind-triton endpoints
 
 
@@ -268,7 +271,7 @@ _PLACEMENT = {
 _TELEMETRY = {
     "host": "host", "port": "port", "window_s": "positive",
     "stale_after_intervals": "positive", "forget_after_s": "positive", "decoder_processes": "count",
-    "scrape_interval_s": "positive",
+    "shards": "count", "scrape_interval_s": "positive",
 }  # fmt: skip
 _MODEL = {
     "name": "name", "sla_p99_ms": "positive", "capacity_qps": "positive",
@@ -320,6 +323,12 @@ def _build(data: object, source: str, early_errors: list[str]) -> Topology:
     if placement.max_concurrent_probes == 0:
         c.errors.append("placement.max_concurrent_probes: must be >= 1, got 0")
     telemetry = TelemetryOptions(**c.section(root, "telemetry", _TELEMETRY, d.telemetry))
+    if telemetry.shards and telemetry.decoder_processes:
+        c.errors.append(
+            "telemetry: set shards or decoder_processes, not both (shards decode in their "
+            f"own processes), got shards={telemetry.shards}, "
+            f"decoder_processes={telemetry.decoder_processes}"
+        )
     models, capacity, policies, canaries = (
         _models(c, root["models"]) if "models" in root else ((), (), (), ())
     )
