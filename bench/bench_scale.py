@@ -37,6 +37,8 @@ from scale.harness import (
     Proc,
     cp_metrics,
     cpu_seconds,
+    family_cpu_seconds,
+    family_rss,
     fleet_counts,
     free_port,
     memory,
@@ -64,7 +66,7 @@ def write_topology(path: Path, args: argparse.Namespace, endpoints: list[str]) -
             "health_check_interval_s": args.hc_interval,
         },
         "placement": {"poll_interval_s": args.poll_interval, "timeout_s": args.poll_timeout},
-        "telemetry": {"decoder_processes": args.decoder_processes},
+        "telemetry": {"decoder_processes": args.decoder_processes, "shards": args.shards},
         "models": [
             {"name": f"m{i}", "sla_p99_ms": args.sla_ms, "capacity_qps": 1000}
             for i in range(args.models)
@@ -138,7 +140,7 @@ def one_trial(k: int, ctx: dict[str, Any], args: argparse.Namespace) -> dict[str
             "update_bytes": [],
         }
     weight = baseline[0]
-    cpu0, rss0 = cpu_seconds(cp.pid), memory(cp.pid)[0]
+    cpu0, rss0, all0 = cpu_seconds(cp.pid), memory(cp.pid)[0], family_cpu_seconds(cp.pid)
     t0 = gen.ask(f"slow {key}")["sent_at"]
     nodes = args.nodes_now
 
@@ -162,7 +164,7 @@ def one_trial(k: int, ctx: dict[str, Any], args: argparse.Namespace) -> dict[str
         wait_until(all_changed, args.trial_timeout, "every node to get the new weight", 0.05)
     except TimeoutError as exc:
         result["timeout"] = str(exc)
-    cpu1, t1 = cpu_seconds(cp.pid), time.time()
+    cpu1, t1, all1 = cpu_seconds(cp.pid), time.time(), family_cpu_seconds(cp.pid)
     r = ctx["last_report"]
     firsts = {n: first_change(v["changes"], None, weight) for n, v in r.items()}
     times = [c[0] - t0 for c in firsts.values() if c is not None]
@@ -176,6 +178,7 @@ def one_trial(k: int, ctx: dict[str, Any], args: argparse.Namespace) -> dict[str
         "eds_bytes": [v["bytes"].get("EDS", 0) for v in r.values()],
         "eds_responses": [v["responses"].get("EDS", 0) for v in r.values()],
         "cp_cpu_s": cpu1 - cpu0,
+        "cp_cpu_all_s": all1 - all0,
         "window_s": t1 - t0,
         "cp_rss": max(rss0, memory(cp.pid)[0]),
         "envoy_s": [(c[0] - t0) if (c := first_change(w.changes, None, weight, True)) else math.nan
@@ -277,7 +280,7 @@ def run_config(endpoints_n: int, nodes: int, mode: str, args: argparse.Namespace
         xds, admin, otlp = (int(g) for g in match[0].groups())
         gen = Proc("otlp-gen", [PYTHON, str(SCALE / "otlp_gen.py"), "--otlp", f"{HOST}:{otlp}",
                    "--endpoints", str(workdir / "endpoints.json"), "--interval",
-                   str(args.otlp_interval), "--slow-ms",
+                   str(args.otlp_interval), "--channels", str(args.otlp_channels), "--slow-ms",
                    str(args.sla_ms * 6)], workdir / "otlp-gen.log", pipes=True)  # fmt: skip
         procs.append(gen)
         clients = Proc("xds-clients", [PYTHON, str(SCALE / "xds_clients.py"), "--xds",
@@ -297,14 +300,18 @@ def run_config(endpoints_n: int, nodes: int, mode: str, args: argparse.Namespace
         tag = f"{endpoints_n}-{nodes}-{mode}"
         spy = profiler(cp.pid, args, f"idle-{tag}", args.idle, workdir)
         counts0, cpu0, t0 = fleet_counts(workdir, len(fleets)), cpu_seconds(cp.pid), time.time()
+        tree0 = family_cpu_seconds(cp.pid)
         time.sleep(args.idle)
         if spy is not None:
             spy.proc.wait(args.idle + 30)
         counts1, cpu1, t1 = fleet_counts(workdir, len(fleets)), cpu_seconds(cp.pid), time.time()
+        tree1 = family_cpu_seconds(cp.pid)
         ready_rate = (counts1["ServerReady"] - counts0["ServerReady"]) / (t1 - t0)
         out.update({
             "idle_cpu_cores": (cpu1 - cpu0) / (t1 - t0),
+            "idle_cpu_cores_all": (tree1 - tree0) / (t1 - t0),  # with shards or decoders
             "idle_rss": memory(cp.pid)[0],
+            "idle_rss_all": family_rss(cp.pid),
             "poll_server_ready_per_s": ready_rate,
             "poll_period_s": endpoints_n / ready_rate if ready_rate else math.nan,
             "gen_stats": gen.ask("stats"),
@@ -354,7 +361,10 @@ def main() -> int:
     p.add_argument(
         "--decoder-processes", type=int, default=0, help="telemetry.decoder_processes (OTLP)"
     )
+    p.add_argument("--shards", type=int, default=0, help="telemetry.shards (OTLP processes)")
     p.add_argument("--otlp-interval", type=float, default=1.0, help="each endpoint's export")
+    p.add_argument("--otlp-channels", type=int, default=8,
+                   help="connections the generator spreads its batches over")  # fmt: skip
     p.add_argument("--hc-interval", type=float, default=60.0,
                    help="Envoy active health checks of the fleet (listener option)")  # fmt: skip
     p.add_argument("--quiet", type=float, default=3.0, help="no EDS for this long: in sync")

@@ -46,6 +46,32 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
+def family(pid: int) -> list[int]:
+    """The process and its children (a control plane's telemetry shards or decoders, and the
+    resource tracker their spawning starts)."""
+    found = [pid]
+    with suppress(FileNotFoundError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            found += [int(p) for p in (task / "children").read_text().split()]
+    return found
+
+
+def family_cpu_seconds(pid: int) -> float:
+    total = 0.0
+    for p in family(pid):
+        with suppress(FileNotFoundError, ProcessLookupError):
+            total += cpu_seconds(p)
+    return total
+
+
+def family_rss(pid: int) -> int:
+    total = 0
+    for p in family(pid):
+        with suppress(FileNotFoundError, ProcessLookupError):
+            total += memory(p)[0]
+    return total
+
+
 def memory(pid: int) -> tuple[int, int]:
     """(VmRSS, VmHWM: the peak RSS) in bytes."""
     values = {}

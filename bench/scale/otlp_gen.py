@@ -10,7 +10,9 @@ CUMULATIVE explicit-bounds Histogram; labels as string attributes; resource
 ``inference_in_flight_requests``, ``accelerator_memory_used_bytes`` and ``_total_bytes``
 {device, source}, ``inference_batch_size`` {model}, ``kv_cache_blocks_used`` and ``_total``
 {model}, ``server_draining``. Endpoints are batched as a collector would: ``--batch``
-ResourceMetrics per Export request, requests of one round sent concurrently on one channel.
+ResourceMetrics per Export request, requests of one round sent concurrently, each batch always
+on the same one of ``--channels`` connections (as that many collectors, or servers, would:
+the control plane's telemetry shards share out connections, not requests).
 
 Every endpoint of a model reports the same numbers (``--qps`` requests per second at a few
 milliseconds, under the SLA), so each model's scope is serialized once per round and spliced
@@ -153,22 +155,31 @@ class Generator:
         self.shared = {model: Profile(model) for model in sorted({m for _, m in endpoints})}
         self.own: dict[str, Profile] = {}  # endpoints that were made slow at some point
         self.index = {key: i for i, (key, _) in enumerate(endpoints)}
-        self.channel = grpc.aio.insecure_channel(
-            args.otlp, options=[("grpc.max_send_message_length", 64 * 1024 * 1024)]
-        )
+        # A local subchannel pool each: channels to one target would otherwise share one
+        # connection.
+        options = [("grpc.max_send_message_length", 64 * 1024 * 1024),
+                   ("grpc.use_local_subchannel_pool", 1)]  # fmt: skip
+        self.channels = [
+            grpc.aio.insecure_channel(args.otlp, options=options) for _ in range(args.channels)
+        ]
         decode = ExportMetricsServiceResponse.FromString
-        self.export = self.channel.unary_unary(
-            EXPORT, request_serializer=None, response_deserializer=decode
-        )
+        self.exports = [
+            c.unary_unary(EXPORT, request_serializer=None, response_deserializer=decode)
+            for c in self.channels
+        ]
         self.stats: dict[str, float] = {"rounds": 0, "requests": 0, "failures": 0, "rejected": 0,
                                         "late_rounds": 0, "last_round_s": 0.0}  # fmt: skip
 
     def _advance(self, profile: Profile) -> None:
         profile.advance(self.args.qps, self.args.slow_qps, self.args.slow_ms / 1000)
 
-    async def _send(self, body: bytes) -> None:
+    def channel_of(self, index: int) -> int:
+        """The connection an endpoint's exports take: its batch's, always the same."""
+        return (index // self.args.batch) % len(self.exports)
+
+    async def _send(self, body: bytes, channel: int = 0) -> None:
         try:
-            response = await self.export(body, timeout=10)
+            response = await self.exports[channel](body, timeout=10)
             self.stats["rejected"] += response.partial_success.rejected_data_points
         except grpc.aio.AioRpcError:
             self.stats["failures"] += 1
@@ -188,14 +199,14 @@ class Generator:
                 key, model = self.endpoints[i]
                 scope = own.get(key) or scopes[model]
                 parts.append(length_delimited(1, self.resources[i] + scope))
-            bodies.append(b"".join(parts))
+            bodies.append((b"".join(parts), self.channel_of(start)))
         limit = asyncio.Semaphore(self.args.concurrency)
 
-        async def send(body: bytes) -> None:
+        async def send(body: bytes, channel: int) -> None:
             async with limit:
-                await self._send(body)
+                await self._send(body, channel)
 
-        await asyncio.gather(*(send(b) for b in bodies))
+        await asyncio.gather(*(send(b, c) for b, c in bodies))
         self.stats["rounds"] += 1
 
     async def change(self, key: str, slow: bool) -> dict[str, Any]:
@@ -214,7 +225,7 @@ class Generator:
             1, self.resources[self.index[key]] + profile.scope_field(time.time_ns())
         )
         sent_at = time.time()
-        await self._send(body)
+        await self._send(body, self.channel_of(self.index[key]))
         return {"endpoint": key, "slow": slow, "sent_at": sent_at, "acked_at": time.time()}
 
     async def run_rounds(self) -> None:
@@ -253,7 +264,8 @@ async def main_async(args: argparse.Namespace) -> None:
         await gen.commands()  # until stdin closes
     finally:
         rounds.cancel()
-        await gen.channel.close()
+        for channel in gen.channels:
+            await channel.close()
 
 
 def main() -> None:
@@ -264,6 +276,7 @@ def main() -> None:
     p.add_argument("--interval", type=float, default=1.0, help="seconds between rounds")
     p.add_argument("--batch", type=int, default=100, help="endpoints per Export request")
     p.add_argument("--concurrency", type=int, default=8, help="Export requests in flight")
+    p.add_argument("--channels", type=int, default=1, help="connections, batches spread over")
     p.add_argument("--qps", type=int, default=20, help="requests per second each reports")
     p.add_argument("--slow-qps", type=int, default=100, help="extra slow requests per second")
     p.add_argument("--slow-ms", type=float, default=300.0, help="latency of the slow requests")
