@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Any
 
 from opentelemetry.proto.metrics.v1 import metrics_pb2 as m
 
-from control_plane.telemetry import TelemetryStore, telemetry_json
+from control_plane.telemetry import Flag, Signal, TelemetryStore, telemetry_json
 from tests.test_telemetry_store import BOUNDS, counter, gauge, histogram, request
 
 EP2 = "127.0.0.1:8002"
@@ -101,14 +102,25 @@ def test_model_state_changes_become_placement_hints() -> None:
     assert store.take_placement_hints() == {EP2}  # draining counts; a queue depth does not
 
 
-def test_telemetry_json_is_asdict() -> None:
+def as_plain(value: Any) -> Any:
+    """The reference: every dataclass and signal as a mapping of its fields, recursively."""
+    if isinstance(value, Signal | Flag):
+        return {"value": value.value, "age_s": value.age_s}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: as_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple):
+        return tuple(as_plain(v) for v in value)
+    return value
+
+
+def test_telemetry_json_is_every_field_as_a_mapping() -> None:
     store = TelemetryStore(window_s=4.0)
     traffic(store, 6, 3)
     store.ingest(request([state(1), gauge("accelerator_memory_used_bytes", 5e8, source="nvml")]), 6)
     for later in (6.0, 7.5, 40.0):
         for t in store.snapshot(later).values():
-            # Labels become a mapping in JSON ({"device_class": "cpu"}); the rest is asdict.
-            assert telemetry_json(t) == {**dataclasses.asdict(t), "labels": dict(t.labels)}
+            # Labels become a mapping in JSON ({"device_class": "cpu"}).
+            assert telemetry_json(t) == {**as_plain(t), "labels": dict(t.labels)}
     assert store.as_json(7.5)["endpoints"]["127.0.0.1:8001"]["draining"] == {
         "value": False,
         "age_s": 1.5,

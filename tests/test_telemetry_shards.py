@@ -20,16 +20,23 @@ import pytest
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceResponse,
 )
+from opentelemetry.proto.metrics.v1 import metrics_pb2 as m
 
 from control_plane.otlp_receiver import EXPORT_METHOD
-from control_plane.telemetry import EndpointTelemetry, TelemetryStore, version_telemetry
+from control_plane.telemetry import (
+    EndpointTelemetry,
+    Flag,
+    Signal,
+    TelemetryStore,
+    version_telemetry,
+)
 from control_plane.telemetry_shards import Push, TelemetryShards
 from control_plane.topology import TelemetryOptions
 from tests.envoy_support import free_port
 from tests.mesh_support import write_topology
 from tests.support import ROOT, wait_for
 from tests.test_control_plane_process import alive, children, start_control_plane
-from tests.test_telemetry_store import counter, gauge, histogram, request
+from tests.test_telemetry_store import attrs, counter, gauge, histogram, request
 
 
 # -- the store's side: what changed since the last push --------------------------------------
@@ -83,6 +90,33 @@ def test_version_series_of_several_stores_merge_like_one_store() -> None:
         )
         assert merged == one.version_stats("m", 103.0, since)
     assert one.version_stats("m", 103.0)["2"].requests == pytest.approx(100)
+
+
+def label_gauge(name: str, value: str) -> m.Metric:
+    attributes = attrs(**{"name": name, "value": value})
+    point = m.NumberDataPoint(attributes=attributes, as_double=1.0)
+    return m.Metric(name="server_label", gauge=m.Gauge(data_points=[point]))
+
+
+def test_telemetry_crosses_processes_unchanged() -> None:
+    """A push pickles each endpoint's telemetry as plain values: it comes back equal, with
+    its signals, flag and models of their own types."""
+    store = TelemetryStore()
+    for t, n in ((100.0, 0), (101.0, 1)):
+        body = [
+            histogram([0.004] * 10 * n, t),
+            counter(10.0 * n, t),
+            gauge("server_draining", 1.0),
+            gauge("inference_queue_depth", 2.0, model="m"),
+            label_gauge("device_class", "a100"),
+        ]
+        store.ingest(request(body, "a:1"), received_at=t)
+    before = store.snapshot(101.5)["a:1"]
+    after = pickle.loads(pickle.dumps(before))
+    assert after == before and after is not before
+    assert type(after.p99_ms) is Signal and type(after.draining) is Flag and after.draining.value
+    assert after.models and type(after.models[0].qps) is Signal
+    assert after.labels == (("device_class", "a100"),)
 
 
 # -- the control plane's side: what the shards pushed ----------------------------------------
