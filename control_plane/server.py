@@ -127,6 +127,7 @@ class ControlPlane:
             self._on_placement_change,
             max_probes_per_s=self.topology.placement.max_probes_per_s,
             max_concurrent_probes=self.topology.placement.max_concurrent_probes,
+            unreachable_after=self.topology.placement.unreachable_after,
         )
         self.last_rebuild: dict[str, Any] = {}
         self.mesh_state: MeshState | None = None  # what the current snapshot was built from
@@ -378,6 +379,7 @@ class ControlPlane:
         self.poller.interval_s = topology.placement.poll_interval_s
         self.poller.max_probes_per_s = topology.placement.max_probes_per_s
         self.poller.max_concurrent_probes = topology.placement.max_concurrent_probes
+        self.poller.unreachable_after = topology.placement.unreachable_after
         self.scraper.interval_s = topology.telemetry.scrape_interval_s
         self.scraper.set_targets(topology.scrape_targets)
         await self.slices.sync(topology.endpoints)

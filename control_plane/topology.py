@@ -33,6 +33,8 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
       timeout_s: 1.0                # > 0: deadline of each probe RPC
       max_probes_per_s: 100         # > 0: probe budget; more endpoints stretch the interval
       max_concurrent_probes: 200    # integer >= 1: probes in flight at most
+      unreachable_after: 2          # integer >= 1: failed probes in a row before a reachable
+                                    # endpoint leaves its clusters
     telemetry:                      # the OTLP/gRPC metrics receiver (control_plane.telemetry)
       host: 127.0.0.1               # a host name or IP to bind
       port: 14317                   # 1..65535
@@ -131,6 +133,7 @@ class PlacementOptions:
     timeout_s: float = 1.0  # deadline of each probe RPC
     max_probes_per_s: float = 100.0  # probe budget: above it the interval stretches
     max_concurrent_probes: int = 200  # probes in flight at most
+    unreachable_after: int = 2  # failed probes in a row before a reachable endpoint is not
 
 
 @dataclass(frozen=True)
@@ -266,7 +269,7 @@ _LISTENER = {
 _BIND = {"host": "host", "port": "port"}
 _PLACEMENT = {
     "poll_interval_s": "positive", "timeout_s": "positive", "max_probes_per_s": "positive",
-    "max_concurrent_probes": "count",
+    "max_concurrent_probes": "count", "unreachable_after": "count",
 }  # fmt: skip
 _TELEMETRY = {
     "host": "host", "port": "port", "window_s": "positive",
@@ -320,8 +323,9 @@ def _build(data: object, source: str, early_errors: list[str]) -> Topology:
     xds = EndpointAddress(**c.section(root, "xds", _BIND, d.xds))
     admin = EndpointAddress(**c.section(root, "admin", _BIND, d.admin))
     placement = PlacementOptions(**c.section(root, "placement", _PLACEMENT, d.placement))
-    if placement.max_concurrent_probes == 0:
-        c.errors.append("placement.max_concurrent_probes: must be >= 1, got 0")
+    for name in ("max_concurrent_probes", "unreachable_after"):
+        if getattr(placement, name) == 0:
+            c.errors.append(f"placement.{name}: must be >= 1, got 0")
     telemetry = TelemetryOptions(**c.section(root, "telemetry", _TELEMETRY, d.telemetry))
     if telemetry.shards and telemetry.decoder_processes:
         c.errors.append(

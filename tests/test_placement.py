@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import socket
 from collections.abc import Iterator, Mapping
@@ -208,6 +209,49 @@ def test_failed_delivery_is_retried_and_left_endpoints_are_dropped(
             await poller.stop()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("unreachable_after", "answers", "seen"),
+    [
+        # (the probe's answers in turn, whether the endpoint reads reachable after each)
+        (2, [True, False, True, False, False, False], [True, True, True, True, False, False]),
+        (3, [True, False, False, True, False, False, False], [True] * 6 + [False]),
+        (1, [True, False, True], [True, False, True]),
+        (2, [False, False, True], [False, False, True]),  # never reached: at once
+    ],
+)
+def test_a_reachable_endpoint_leaves_after_failed_probes_in_a_row(
+    monkeypatch: pytest.MonkeyPatch, unreachable_after: int, answers: list[bool], seen: list[bool]
+) -> None:
+    """On a loaded fleet one probe may time out: a reachable endpoint is taken out only after
+    ``unreachable_after`` failures in a row, so a lone timeout costs no rebuild. (The probe
+    is scripted: real probes are tested against real servers below.)"""
+    script = iter(answers)
+
+    async def probe(address: EndpointAddress, *_: object) -> EndpointReport:
+        reachable = next(script)
+        models = BOTH if reachable else frozenset()
+        return EndpointReport(address, reachable, models, reachable, "" if reachable else "down")
+
+    monkeypatch.setattr("control_plane.placement_poller.probe_endpoint", probe)
+    deliveries: list[bool] = []
+
+    async def scenario() -> list[bool]:
+        poller = PlacementPoller(
+            lambda: [A],
+            on_change=lambda r: deliveries.append(r[A].reachable),
+            unreachable_after=unreachable_after,
+        )
+        found = []
+        for _ in answers:
+            found.append((await poller.poll_once())[A].reachable)
+        return found
+
+    assert asyncio.run(scenario()) == seen
+    # Delivered once at first, then only when what it reads changed.
+    changes = [seen[0]] + [b for a, b in itertools.pairwise(seen) if a != b]
+    assert deliveries == changes
 
 
 @pytest.mark.integration
