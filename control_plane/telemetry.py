@@ -4,8 +4,11 @@
 each resource is one endpoint, keyed by its ``service.instance.id`` (the EDS address
 "HOST:PORT"). Counters and histograms (CUMULATIVE, or DELTA accumulated into cumulative) keep
 the samples of the last ``window_s`` plus one older baseline; gauges keep their last value.
-Times are the receiver's clock at arrival (exporter clocks may be skewed); only the
-exporter's ``time - start_time`` is trusted, to date the zero a series starts from.
+Times are the receiver's clock at arrival (exporter clocks may be skewed): ages, staleness
+and windows use them. The exporter's own timestamps are used only as differences within one
+series (skew cancels out): ``time - start_time`` dates the zero a series starts from, and a
+rate's span is the exporter's time between two samples, so a receiver's queueing delays do
+not move rates (arrival times when the exporter sends no start time).
 
 Signals (each ``Signal(value, age_s)``, ``None`` without data) are computed per endpoint over
 the window ending at each series' newest sample: p50/p99 latency from histogram deltas
@@ -46,7 +49,7 @@ MAX_SAMPLES = 256  # per series; a faster exporter shortens the window rather th
 
 Attrs = tuple[tuple[str, str], ...]
 Vec = Sequence[float]  # a tuple, or an array of doubles for histogram buckets
-Sample = tuple[float, Vec]  # (arrival time, values)
+Sample = tuple[float, Vec, float]  # (arrival time, values, the exporter's time or 0: unknown)
 MAX_INTERNED = 10_000
 
 
@@ -290,7 +293,7 @@ class TelemetryStore:
             if name in PLACEMENT_SIGNALS and samples and samples[-1][1] != point_values:
                 self._placement_hints.add(endpoint_key)
             samples.clear()
-            samples.append((now, point_values))
+            samples.append((now, point_values, 0.0))
             return True
         duration = min(max(duration_s, 0.0), self.forget_after_s)
         if not samples and endpoint.first_seen < now and series.last_start == 0:
@@ -312,11 +315,14 @@ class TelemetryStore:
             if samples and (restarted or any(map(float.__lt__, values, samples[-1][1]))):
                 samples.clear()  # the counter went back: a restart starts a new window
             series.last_start = max(series.last_start, start_ns)
+        # The exporter's time of this point, known when it sends a start time.
+        exported = start_ns / 1e9 + duration_s if start_ns else 0.0
         if not samples and duration > 0:
-            samples.append((now - duration, _like(values, (0.0 for _ in values))))
+            zero_at = exported - duration if exported else 0.0
+            samples.append((now - duration, _like(values, (0.0 for _ in values)), zero_at))
         elif samples and samples[-1][0] >= now:  # one arrival (or reordered): the newer value
             now = samples.pop()[0]
-        samples.append((now, values))
+        samples.append((now, values, exported))
         while samples[0][0] < now - self.window_s:
             samples.popleft()
         return True
@@ -635,18 +641,24 @@ def _gauge_sum(series: Labeled, now: float) -> Signal | None:
     if not series:
         return None
     if len(series) == 1:  # the usual case, read without the generators below
-        at, values = series[0][1].samples[-1]
+        at, values, _ = series[0][1].samples[-1]
         return Signal(values[0], now - at)
     newest = [s.samples[-1] for _, s in series]
-    return Signal(sum(v[0] for _, v in newest), now - min(t for t, _ in newest))
+    return Signal(sum(v[1][0] for v in newest), now - min(v[0] for v in newest))
 
 
-def window_delta(samples: deque[tuple[float, Vec]], window_s: float) -> tuple[Vec, float, float]:
-    """(newest - baseline, the span in seconds, the newest time); the baseline is the oldest
-    sample at most ``window_s`` before the newest one (span 0: no rate yet)."""
-    t_new, new = samples[-1]
-    t_base, base = next((t, v) for t, v in samples if t >= t_new - window_s)
-    return _like(new, map(operator.sub, new, base)), t_new - t_base, t_new
+def window_delta(samples: deque[Sample], window_s: float) -> tuple[Vec, float, float]:
+    """(newest - baseline, the span in seconds, the newest arrival); the baseline is the oldest
+    sample that arrived at most ``window_s`` before the newest one (span 0: no rate yet). The
+    span is the exporter's time between them when both carry it (arrival jitter at a busy
+    receiver moved rates by several percent), else their arrival times'."""
+    t_new, new, exported_new = samples[-1]
+    t_base, base, exported_base = next(s for s in samples if s[0] >= t_new - window_s)
+    span = t_new - t_base
+    exported_span = exported_new - exported_base
+    if exported_new > 0 and exported_base > 0 and 0.5 * span <= exported_span <= 2 * span:
+        span = exported_span  # (a span far from the arrivals' is a clock step: not used)
+    return _like(new, map(operator.sub, new, base)), span, t_new
 
 
 def _rate(series: Labeled, now: float, window_s: float) -> Signal | None:

@@ -227,6 +227,26 @@ def test_version_stats_since_count_a_series_first_seen_after_it() -> None:
     assert later.requests == 0
 
 
+def test_rates_use_the_exporters_timestamps_not_arrivals() -> None:
+    """An exporter whose clock is 1,000 s off reports 100 requests a second; its exports
+    arrive 0-0.5 s late. The rate is measured over its own timestamps (differences within one
+    series: the skew cancels), so the receiver's queueing does not move it; a clock step
+    (a span far from the arrivals') falls back to arrival times."""
+    store = TelemetryStore(window_s=10)
+    for i, late in enumerate([0.0, 0.5, 0.1, 0.4, 0.0, 0.3]):
+        body = [counter(100.0 * (i + 1), 1000.0 + i, start_s=999.0)]
+        store.ingest(request(body), received_at=10.0 + i + late)
+    qps = store.snapshot(16.0)[EP].qps
+    assert qps is not None and qps.value == pytest.approx(100.0)
+    # By arrival times it would have been 600 requests over 6.3 s.
+    stepped = TelemetryStore(window_s=10)
+    for i, exported in enumerate([1000.0, 1001.0, 1002.0, 4600.0]):  # NTP stepped the clock
+        body = [counter(100.0 * (i + 1), exported, start_s=999.0)]
+        stepped.ingest(request(body), received_at=10.0 + i)
+    qps = stepped.snapshot(14.0)[EP].qps
+    assert qps is not None and qps.value == pytest.approx(400.0 / 4.0)  # zero at 9 -> 13
+
+
 def test_counter_reset_restarts_the_window() -> None:
     store = TelemetryStore(window_s=10)
     for t, value in ((0.0, 100.0), (1.0, 200.0), (2.0, 300.0)):

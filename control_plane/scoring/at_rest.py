@@ -9,8 +9,9 @@ At fleet scale most pools are at rest most of the time, so a telemetry change co
 recompute of its own pool, not of all of them.
 
 "Moved" allows a tolerance (``PoolPolicy.recompute_tolerance``, relative, 5% by default):
-rates are measured over arrival times, which wobble with the receiver's queues; at 2%,
-exports arriving up to 0.3 s late made most pools look changed at every tick. The reference
+percentiles move with every report's rounding, and rates of an exporter that sends no start
+time are measured over arrival times, which wobble with the receiver's queues (at 2%, exports
+arriving up to 0.3 s late made most pools look changed at every tick). The reference
 is the signals of the last recompute, not of the last tick, so a slow drift cannot creep past
 the tolerance unnoticed.
 """
