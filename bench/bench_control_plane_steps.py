@@ -7,6 +7,8 @@ exports from bench_telemetry.sample_registry):
 - telemetry snapshot: every endpoint's windowed P99, rates and gauges (the routing loop's input),
   after every endpoint reported, and again with no new data (a routing tick between two reports),
   aged and as routing reads it (``ages=False``: unchanged endpoints as they were computed)
+- telemetry shards: a push of every endpoint's telemetry, pickled by a shard, and unpickled
+  and kept by the control plane (``telemetry.shards``)
 - routing recompute: scores, ejections and weights of every pool; then with every pool at
   rest (``scoring.at_rest``: nothing moved), and with one endpoint's p99 moved (its pool alone)
 - mesh state: clusters and assignments from placement and the routed weights
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import pickle
 import statistics
 import sys
 import time
@@ -40,7 +43,8 @@ from control_plane.resources import build_resources
 from control_plane.routing import Router
 from control_plane.snapshot import build_snapshot
 from control_plane.telemetry import EndpointTelemetry, Signal, TelemetryStore
-from control_plane.topology import parse_topology
+from control_plane.telemetry_shards import Push, TelemetryShards
+from control_plane.topology import TelemetryOptions, parse_topology
 from model_server.telemetry import build_request
 
 MODELS = 100
@@ -93,6 +97,24 @@ def run(n: int, repeat: int) -> list[tuple[str, float]]:
         fresh.append((time.perf_counter() - started) * 1000)
     rows.append(("telemetry snapshot, new data from every endpoint", statistics.median(fresh)))
     raw = store.snapshot(clock[0] + 0.5)
+    # With telemetry.shards the control plane receives the windowed telemetry instead: a
+    # shard pickles a push, the control plane unpickles it and keeps it (TelemetryShards).
+    push = Push(clock[0], raw, frozenset(), frozenset(), (), 0, {}, ())
+    sent = pickle.dumps(("push", push), protocol=pickle.HIGHEST_PROTOCOL)
+    shards = TelemetryShards(1, TelemetryOptions())
+    rows.append(
+        (
+            "telemetry shards: a push of every endpoint, sent (the shard's side)",
+            timed(lambda: pickle.dumps(("push", push), protocol=pickle.HIGHEST_PROTOCOL), repeat),
+        )
+    )
+    rows.append(
+        (
+            "telemetry shards: the same push received and kept (the control plane's side)",
+            timed(lambda: shards._receive(0, pickle.loads(sent)), repeat),
+        )
+    )
+    assert len(shards) == n
     rows.append(
         (
             "telemetry snapshot, no new data since the last read",
