@@ -98,12 +98,21 @@ class Profile:
     requests: float = 0.0
     batch: list[int] = field(default_factory=lambda: [0] * (len(BATCH_BUCKETS) + 1))
     slow: bool = False
+    at: float = field(default_factory=time.monotonic)  # counted up to here
+    owed: dict[float, float] = field(default_factory=dict)  # latency -> requests not yet counted
 
-    def advance(self, qps: int, slow_qps: int, slow_s: float) -> None:
-        observations = [(lat, round(qps * share)) for lat, share in NORMAL_MS]
+    def advance(self, now: float, qps: int, slow_qps: int, slow_s: float) -> None:
+        """Counts the requests served up to ``now`` at steady rates. By time, not per export:
+        a real server counts real requests, so an export that is late (a busy host) carries
+        more of them, and its rate over the exporter's timestamps stays steady."""
+        elapsed, self.at = max(0.0, now - self.at), max(self.at, now)
+        rates = [(lat, qps * share) for lat, share in NORMAL_MS]
         if self.slow:
-            observations.append((slow_s, slow_qps))
-        for latency, n in observations:
+            rates.append((slow_s, float(slow_qps)))
+        for latency, rate in rates:
+            owed = self.owed.get(latency, 0.0) + rate * elapsed
+            n = int(owed)
+            self.owed[latency] = owed - n
             self.latency[bisect.bisect_left(LATENCY_BUCKETS_S, latency)] += n
             self.latency_sum += latency * n
             self.requests += n
@@ -171,7 +180,8 @@ class Generator:
                                         "late_rounds": 0, "last_round_s": 0.0}  # fmt: skip
 
     def _advance(self, profile: Profile) -> None:
-        profile.advance(self.args.qps, self.args.slow_qps, self.args.slow_ms / 1000)
+        args = self.args
+        profile.advance(time.monotonic(), args.qps, args.slow_qps, args.slow_ms / 1000)
 
     def channel_of(self, index: int) -> int:
         """The connection an endpoint's exports take: its batch's, always the same."""
@@ -217,7 +227,7 @@ class Generator:
             shared = self.shared[self.endpoints[self.index[key]][1]]
             profile = self.own[key] = Profile(
                 shared.model, list(shared.latency), shared.latency_sum, shared.requests,
-                list(shared.batch),
+                list(shared.batch), at=shared.at, owed=dict(shared.owed),
             )  # fmt: skip
         profile.slow = slow
         self._advance(profile)
