@@ -51,6 +51,8 @@ from scale.harness import (
 )
 from scale.report import plot, print_table
 
+from control_plane.bootstrap import raise_open_file_limit
+
 CP_RE = re.compile(
     r"control plane listening: xds=[\d.]+:(\d+) admin=[\d.]+:(\d+) otlp=[\d.]+:(\d+)"
 )
@@ -333,6 +335,10 @@ def run_config(endpoints_n: int, nodes: int, mode: str, args: argparse.Namespace
         out["cp_errors"] = len(re.findall(r" ERROR |Traceback", log))
         out["gen_stats_end"] = gen.ask("stats")
         out["cp_metrics_end"], out["cp_metrics_end_at"] = cp_metrics(admin), time.time()
+        # An Envoy that died (it did at 10,000 hosts with 20,000 descriptors) reads n/a above.
+        out["envoy_exit_codes"] = [p.proc.poll() for p in procs if p.name.startswith("envoy-")]
+        if any(code is not None for code in out["envoy_exit_codes"]):
+            note(f"real Envoys exited: {out['envoy_exit_codes']} (see envoy-*.log)")
     except (RuntimeError, TimeoutError, OSError, KeyError, ValueError) as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
         note(f"configuration failed: {out['error'][:2000]}")
@@ -385,6 +391,8 @@ def main() -> int:
         "--plot", type=Path, default=Path(__file__).parent / "plots" / "scale_results.png"
     )
     args = p.parse_args()
+    # Inherited by the fleets and Envoys: each Envoy holds a health-check connection per host.
+    note(f"open-file limit: {raise_open_file_limit()}")
     results = []
     for n_endpoints in args.endpoints:
         for nodes in args.nodes:
