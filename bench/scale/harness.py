@@ -50,9 +50,10 @@ def family(pid: int) -> list[int]:
     """The process and its children (a control plane's telemetry shards or decoders, and the
     resource tracker their spawning starts)."""
     found = [pid]
-    with suppress(FileNotFoundError):
+    with suppress(FileNotFoundError):  # the process, or one of its threads, ended
         for task in Path(f"/proc/{pid}/task").iterdir():
-            found += [int(p) for p in (task / "children").read_text().split()]
+            with suppress(FileNotFoundError):
+                found += [int(p) for p in (task / "children").read_text().split()]
     return found
 
 
