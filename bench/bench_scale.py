@@ -66,6 +66,7 @@ def write_topology(path: Path, args: argparse.Namespace, endpoints: list[str]) -
             "host": HOST,
             "port": free_port(),
             "health_check_interval_s": args.hc_interval,
+            "health_checks": args.health_checks,
         },
         "placement": {"poll_interval_s": args.poll_interval, "timeout_s": args.poll_timeout},
         "telemetry": {"decoder_processes": args.decoder_processes, "shards": args.shards},
@@ -373,6 +374,8 @@ def main() -> int:
                    help="connections the generator spreads its batches over")  # fmt: skip
     p.add_argument("--hc-interval", type=float, default=60.0,
                    help="Envoy active health checks of the fleet (listener option)")  # fmt: skip
+    p.add_argument("--health-checks", choices=("all", "model"), default="all",
+                   help="listener.health_checks: which clusters Envoy health-checks")  # fmt: skip
     p.add_argument("--quiet", type=float, default=3.0, help="no EDS for this long: in sync")
     p.add_argument("--sync-timeout", type=float, default=600.0)
     p.add_argument("--idle", type=float, default=5.0, help="seconds of idle CPU measurement")

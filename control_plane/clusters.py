@@ -24,6 +24,7 @@ from control_plane.mesh import (
     EndpointAssignment,
     EndpointHealth,
     MeshState,
+    checks_health,
     cluster_model,
     is_rest_cluster,
 )
@@ -106,7 +107,9 @@ def build_cluster(state: MeshState, name: str) -> cluster_pb2.Cluster:
             # pool is out; the control plane caps ejections, and a fallback takes over at zero.
             healthy_panic_threshold=percent_pb2.Percent(value=0),
         ),
-        health_checks=[health_check(options.health_check_interval_s)],
+        health_checks=[health_check(options.health_check_interval_s)]
+        if checks_health(options, name)
+        else [],
         outlier_detection=outlier_detection(),
         circuit_breakers=circuit_breakers(
             options.retry_budget_percent, model.circuit_breaker if model else None

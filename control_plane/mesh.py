@@ -21,6 +21,9 @@ SERVERS_CLUSTER = "servers"
 LISTENER_NAME = "infermesh"
 # Envoy load-balancing policies a topology may choose for the model clusters.
 LB_POLICIES = ("least_request", "round_robin")
+# Which clusters health-check their members (listener.health_checks): Envoy checks per
+# cluster, and a server is in several (servers, its model's, its versions', REST twins).
+HEALTH_CHECK_SCOPES = ("all", "model")
 ROUTE_CONFIG_NAME = "infermesh-routes"
 
 
@@ -56,6 +59,16 @@ def base_cluster(cluster: str) -> str:
 
 def is_rest_cluster(cluster: str) -> bool:
     return base_cluster(cluster) != cluster
+
+
+def checks_health(options: ListenerOptions, cluster: str) -> bool:
+    """Whether Envoy health-checks the members of ``cluster``: every cluster, or (scope
+    "model") only each model's own gRPC cluster, so that an Envoy holds one check connection
+    per server and model rather than one per cluster the server is in."""
+    if options.health_checks == "all":
+        return True
+    model = cluster_model(cluster)
+    return model is not None and cluster == model_cluster(model)
 
 
 @dataclass(frozen=True, order=True)
@@ -197,6 +210,7 @@ class ListenerOptions:
     rest: RestOptions = RestOptions()  # KServe v2 REST routes and clusters
     grpc_web: bool = True  # Envoy's gRPC-Web filter (browsers' framing, to plain gRPC)
     cors: CorsOptions | None = None  # None: no CORS
+    health_checks: str = "all"  # one of HEALTH_CHECK_SCOPES: "model" checks once per model
 
 
 @dataclass(frozen=True)

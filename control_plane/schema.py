@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from control_plane.mesh import LB_POLICIES
+from control_plane.mesh import HEALTH_CHECK_SCOPES, LB_POLICIES
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
@@ -83,6 +83,11 @@ _RULES: dict[str, tuple[Any, str, str]] = {
     "host": (lambda v: _is_ip(v) or _HOST_NAME.fullmatch(v), _STR, "a host name or IP"),
     "name": (_MODEL_NAME.fullmatch, _STR, "a model name (letters, digits, '_', '.', '-')"),
     "lb_policy": (lambda v: v in LB_POLICIES, _STR, f"one of {', '.join(LB_POLICIES)}"),
+    "health_checks": (
+        lambda v: v in HEALTH_CHECK_SCOPES,
+        _STR,
+        f"one of {', '.join(HEALTH_CHECK_SCOPES)}",
+    ),
     "path": (lambda v: v == "" or v.startswith("/"), _STR, 'an absolute path (or "")'),
     # A nested section, returned as it is for its own parser (e.g. listener.rest).
     "mapping": (lambda v: isinstance(v, dict), "", "a mapping"),

@@ -10,6 +10,8 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
       host: 127.0.0.1               # an IP address (Envoy binds it)
       port: 8080                    # 1..65535
       health_check_interval_s: 1.0  # > 0
+      health_checks: all            # or model: only each model's gRPC cluster checks its
+                                    # servers (one connection per server and model per Envoy)
       connect_timeout_s: 1.0        # > 0
       max_retries: 3                # integer >= 0
       retry_budget_percent: 25      # 0..100
@@ -262,7 +264,8 @@ def parse_topology(data: object, source: str = "<topology>") -> Topology:
 
 _LISTENER = {
     "host": "ip", "port": "port", "health_check_interval_s": "positive",
-    "connect_timeout_s": "positive", "max_retries": "count", "retry_budget_percent": "percent",
+    "health_checks": "health_checks", "connect_timeout_s": "positive", "max_retries": "count",
+    "retry_budget_percent": "percent",
     "body_routing": "bool", "lb_policy": "lb_policy", "access_log": "path", "rest": "mapping",
     "grpc_web": "bool", "cors": "mapping",
 }  # fmt: skip

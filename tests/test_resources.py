@@ -251,6 +251,35 @@ def test_round_robin_when_the_topology_asks() -> None:
     assert policies == {cluster_pb2.Cluster.ROUND_ROBIN}
 
 
+@pytest.mark.parametrize(
+    ("scope", "checked"),
+    [
+        ("all", "every cluster, REST twins too"),
+        ("model", "model:classifier model:detector"),
+    ],
+)
+def test_health_checks_in_every_cluster_or_once_per_model(scope: str, checked: str) -> None:
+    """A server is in several clusters and Envoy checks it in each: scope "model" leaves the
+    checks to each model's own gRPC cluster (versions, servers and REST twins rely on the
+    control plane's EDS health and outlier detection), one connection per server and model."""
+    state = mesh_state()
+    listener = dataclasses.replace(state.listener, rest=RestOptions(), health_checks=scope)
+    resources: Resources = build_resources(dataclasses.replace(state, listener=listener))
+    clusters = resources[CLUSTER_TYPE]
+    assert any(name.startswith("rest:") for name in clusters)  # the twins are there
+    with_checks = {name for name, c in clusters.items() if c.health_checks}
+    if scope == "all":
+        assert with_checks == set(clusters), checked
+    else:
+        assert with_checks == set(checked.split())
+    for name in with_checks:  # the same check wherever there is one
+        (check,) = clusters[name].health_checks
+        assert check.interval == duration(0.5)
+        assert check.HasField(
+            "http_health_check" if name.startswith("rest:") else "grpc_health_check"
+        )
+
+
 def test_cluster_settings(resources: Resources) -> None:
     for cluster in resources[CLUSTER_TYPE].values():
         assert cluster.lb_policy == cluster_pb2.Cluster.LEAST_REQUEST

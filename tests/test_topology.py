@@ -119,14 +119,16 @@ def test_every_option_is_read() -> None:
         "listener": {
             "host": "0.0.0.0", "port": 9090, "health_check_interval_s": 2,
             "connect_timeout_s": 0.5, "max_retries": 0, "retry_budget_percent": 100,
-            "body_routing": False,
+            "body_routing": False, "health_checks": "model",
         },
         "xds": {"host": "control-plane", "port": 18001},
         "admin": {"port": 19001},
         "placement": {"poll_interval_s": 0.2, "timeout_s": 3},
     }  # fmt: skip
     topology = parse_topology(data)
-    assert topology.listener == ListenerOptions("0.0.0.0", 9090, 2.0, 0.5, 0, 100.0, False)
+    assert topology.listener == ListenerOptions(
+        "0.0.0.0", 9090, 2.0, 0.5, 0, 100.0, False, health_checks="model"
+    )
     assert topology.xds == EndpointAddress("control-plane", 18001)
     assert topology.admin == EndpointAddress("127.0.0.1", 19001)
     assert topology.placement == PlacementOptions(0.2, 3.0)
@@ -195,8 +197,9 @@ ERROR_CASES = [
     ("listener.access_log", "logs/a.log", 'listener.access_log: must be an absolute path (or ""), got "logs/a.log"'),  # noqa: E501
     ("listener.lb_policy", "random", 'listener.lb_policy: must be one of least_request, round_robin, got "random"'),  # noqa: E501
     ("listener.health_check_interval_s", 0, "listener.health_check_interval_s: must be > 0, got 0"),
+    ("listener.health_checks", "some", 'listener.health_checks: must be one of all, model, got "some"'),  # noqa: E501
     ("listener.connect_timeout_s", -0.1, "listener.connect_timeout_s: must be > 0, got -0.1"),
-    ("listener.prot", 1, "listener.prot: unknown key (expected one of: host, port, health_check_interval_s, connect_timeout_s, max_retries, retry_budget_percent, body_routing, lb_policy, access_log, rest, grpc_web, cors)"),  # noqa: E501
+    ("listener.prot", 1, "listener.prot: unknown key (expected one of: host, port, health_check_interval_s, health_checks, connect_timeout_s, max_retries, retry_budget_percent, body_routing, lb_policy, access_log, rest, grpc_web, cors)"),  # noqa: E501
     ("listener", [], "listener: must be a mapping with string keys, got []"),
     ("xds.port", 70000, "xds.port: must be a port in 1..65535, got 70000"),
     ("xds.host", "a b", 'xds.host: must be a host name or IP, got "a b"'),
@@ -267,8 +270,8 @@ def test_many_errors_are_reported_at_once(tmp_path: Path) -> None:
     assert info.value.errors == (
         'line 3: duplicate key "xds" (first at line 2)',
         "listener.prot: unknown key (expected one of: host, port, health_check_interval_s, "
-        "connect_timeout_s, max_retries, retry_budget_percent, body_routing, lb_policy, "
-        "access_log, rest, grpc_web, cors)",
+        "health_checks, connect_timeout_s, max_retries, retry_budget_percent, body_routing, "
+        "lb_policy, access_log, rest, grpc_web, cors)",
         "listener.port: must be a port in 1..65535, got 0",
         'listener.body_routing: must be true or false, got "maybe"',
         "placement.poll_interval_s: must be > 0, got -1",
