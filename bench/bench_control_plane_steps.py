@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import pickle
 import statistics
 import sys
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_telemetry import sample_registry
 
+from control_plane.gc_tuning import tune_gc
 from control_plane.incremental import SnapshotBuilder
 from control_plane.mesh import EndpointAddress, MeshState
 from control_plane.otlp_receiver import decode_request
@@ -114,6 +116,15 @@ def run(n: int, repeat: int) -> list[tuple[str, float]]:
             timed(lambda: shards._receive(0, pickle.loads(sent)), repeat),
         )
     )
+    before = tune_gc()  # as the control plane's processes run (control_plane/gc_tuning.py)
+    rows.append(
+        (
+            "telemetry shards: the same push received, with the processes' GC settings",
+            timed(lambda: shards._receive(0, pickle.loads(sent)), repeat),
+        )
+    )
+    gc.unfreeze()  # the other rows with CPython's defaults
+    gc.set_threshold(*before)
     assert len(shards) == n
     rows.append(
         (

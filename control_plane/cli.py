@@ -7,6 +7,7 @@ import asyncio
 import sys
 from pathlib import Path
 
+from control_plane.gc_tuning import tune_gc
 from control_plane.server import ControlPlaneSettings, serve
 from control_plane.topology import TopologyError
 from infermesh.logs import add_log_level, configure_logging
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         routing=not args.no_routing,
         admin_token=token,
     )
+    tune_gc()
     try:
         return asyncio.run(serve(settings))
     except TopologyError as exc:

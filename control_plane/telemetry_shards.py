@@ -42,6 +42,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
+from control_plane.gc_tuning import tune_gc
 from control_plane.otlp_receiver import start_receiver
 from control_plane.telemetry import (
     EndpointTelemetry,
@@ -85,6 +86,7 @@ def run_shard(options: TelemetryOptions, host: str, port: int, conn: Connection)
     its end of ``conn`` closes (the control plane is gone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the parent stops us
     logging.basicConfig(level=logging.INFO, format="%(asctime)s shard %(message)s")
+    tune_gc()
     asyncio.run(_Shard(options, conn).serve(host, port))
 
 
