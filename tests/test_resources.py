@@ -7,6 +7,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -672,6 +673,34 @@ def test_envoy_runs_without_hot_restart_unless_asked() -> None:
     assert plain[-2:] == ["--concurrency", "1"]
     asked = bootstrap.envoy_command(Path("b.yaml"), ["--base-id", "7"])
     assert "--disable-hot-restart" not in asked
+
+
+def test_run_hands_envoy_the_bootstrap_inline_and_leaves_no_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Every start of `--run` (each `infermesh up`, each restart by a supervisor) used to leave
+    a temporary bootstrap file behind: exec'd Envoy cannot remove it."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    monkeypatch.setattr(bootstrap, "raise_open_file_limit", lambda: 0)
+    ran: list[list[str]] = []
+
+    def execv(path: str, command: list[str]) -> None:
+        ran.append(command)
+
+    monkeypatch.setattr(bootstrap.os, "execv", execv)
+    bootstrap.main(["--run", "--admin-port", "9911", "--delta", "--", "--concurrency", "1"])
+    command = ran[0]
+    inline = json.loads(command[command.index("--config-yaml") + 1])
+    assert inline == bootstrap.render_bootstrap(**{**DEFAULT_BOOTSTRAP, "admin_port": 9911},
+                                                delta=True, otlp_port=None)  # fmt: skip
+    assert "-c" not in command and command[-2:] == ["--concurrency", "1"]
+    assert list(tmp_path.iterdir()) == []
+    out = tmp_path / "b.yaml"  # asked for a file: Envoy runs on it
+    bootstrap.main(["--run", "--out", str(out)])
+    assert ran[1][1:3] == ["-c", str(out)] and out.exists()
+    with pytest.raises(SystemExit):  # theirs would clash with ours: they are told to use --out
+        bootstrap.main(["--run", "--", "--config-yaml", "{}"])
 
 
 def test_stats_go_to_replicas_on_hosts_of_their_own() -> None:
