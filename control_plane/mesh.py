@@ -63,12 +63,14 @@ def is_rest_cluster(cluster: str) -> bool:
 
 def checks_health(options: ListenerOptions, cluster: str) -> bool:
     """Whether Envoy health-checks the members of ``cluster``: every cluster, or (scope
-    "model") only each model's own gRPC cluster, so that an Envoy holds one check connection
-    per server and model rather than one per cluster the server is in."""
+    "model") only each model's own gRPC cluster and its SLA lanes (an endpoint reserved for a
+    class is in no other cluster of the model), so that an Envoy holds about one check
+    connection per server and model rather than one per cluster the server is in."""
     if options.health_checks == "all":
         return True
     model = cluster_model(cluster)
-    return model is not None and cluster == model_cluster(model)
+    own = model_cluster(model) if model is not None else None
+    return own is not None and (cluster == own or cluster.startswith(f"{own}:sla:"))
 
 
 @dataclass(frozen=True, order=True)

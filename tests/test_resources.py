@@ -31,6 +31,7 @@ from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
 from control_plane import bootstrap
+from control_plane.lanes import sla_cluster
 from control_plane.mesh import (
     LISTENER_NAME,
     MODEL_HEADER,
@@ -256,14 +257,17 @@ def test_round_robin_when_the_topology_asks() -> None:
     ("scope", "checked"),
     [
         ("all", "every cluster, REST twins too"),
-        ("model", "model:classifier model:detector"),
+        ("model", "model:classifier model:classifier:sla:gold model:detector"),
     ],
 )
 def test_health_checks_in_every_cluster_or_once_per_model(scope: str, checked: str) -> None:
     """A server is in several clusters and Envoy checks it in each: scope "model" leaves the
     checks to each model's own gRPC cluster (versions, servers and REST twins rely on the
-    control plane's EDS health and outlier detection), one connection per server and model."""
+    control plane's EDS health and outlier detection), one connection per server and model.
+    An SLA lane is checked too: an endpoint reserved for a class is in no other cluster."""
     state = mesh_state()
+    gold = sla_cluster("classifier", "gold")
+    state = dataclasses.replace(state, clusters={**state.clusters, gold: state.clusters[V2]})
     listener = dataclasses.replace(state.listener, rest=RestOptions(), health_checks=scope)
     resources: Resources = build_resources(dataclasses.replace(state, listener=listener))
     clusters = resources[CLUSTER_TYPE]
