@@ -37,6 +37,7 @@ from scale.harness import (
     Proc,
     cp_metrics,
     cpu_seconds,
+    decisions_since,
     family_cpu_seconds,
     family_rss,
     fleet_counts,
@@ -320,6 +321,7 @@ def run_config(endpoints_n: int, nodes: int, mode: str, args: argparse.Namespace
             "gen_stats": gen.ask("stats"),
             "cp_metrics_idle": cp_metrics(admin),
             "cp_metrics_idle_at": time.time(),
+            "decisions_idle": decisions_since(admin, t0),
         })  # fmt: skip
         args.nodes_now = nodes
         ctx = {"endpoints": endpoints, "clients": clients, "gen": gen, "cp": cp,
