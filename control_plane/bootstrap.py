@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from control_plane.envoy_stats import ENVOY_NODE_TAG
+
 XDS_CLUSTER = "xds_cluster"
 OTLP_CLUSTER = "otlp_cluster"
 LATENCY_BUCKETS_MS = (0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 25, 50, 100, 250, 500,
@@ -162,7 +164,7 @@ def render_bootstrap(
                  for i in range(len(targets))]  # fmt: skip
         for name, (host, port) in zip(names, targets, strict=True):
             config["static_resources"]["clusters"].append(xds_cluster(host, [port], name))
-        config.update(stats_sink(names))
+        config.update(stats_sink(names, node_id))
     return config
 
 
@@ -223,9 +225,10 @@ def heap_action(name: str, threshold: float) -> dict[str, Any]:
     return {"name": name, "triggers": [{"name": HEAP_MONITOR, "threshold": {"value": threshold}}]}
 
 
-def stats_sink(clusters: Sequence[str] = (OTLP_CLUSTER,)) -> dict[str, Any]:
+def stats_sink(clusters: Sequence[str] = (OTLP_CLUSTER,), node_id: str = "") -> dict[str, Any]:
     """Envoy's stats over OTLP every second (to each of ``clusters``), cluster tags as
-    attributes, fine latency buckets."""
+    attributes, fine latency buckets, and the node id as a tag on every stat: the control
+    plane keeps each Envoy's series apart (``envoy_stats.ENVOY_NODE_TAG``)."""
     return {
         "stats_flush_interval": duration(1),
         "stats_sinks": [
@@ -243,9 +246,10 @@ def stats_sink(clusters: Sequence[str] = (OTLP_CLUSTER,)) -> dict[str, Any]:
         ],
         # Envoy's default buckets (0.5, 1, 5, 10 ... ms) are too coarse for sub-millisecond gRPC.
         "stats_config": {
+            "stats_tags": [{"tag_name": ENVOY_NODE_TAG, "fixed_value": node_id}],
             "histogram_bucket_settings": [
                 {"match": {"prefix": "cluster."}, "buckets": list(LATENCY_BUCKETS_MS)}
-            ]
+            ],
         },
     }
 

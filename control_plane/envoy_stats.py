@@ -5,6 +5,16 @@ service.instance.id; per-endpoint stats (``track_cluster_stats.per_endpoint_stat
 ``envoy.cluster_name`` and ``envoy.endpoint_address``. They tell what Envoy sent each endpoint
 and how much failed, which the servers cannot see (a refused connection never reaches them).
 Envoy has no per-endpoint latency histogram: per-endpoint P99 comes from the servers.
+
+Several Envoys report: each tags its stats with its node id (``ENVOY_NODE_TAG``, a fixed tag
+in the bootstrap), and every series is kept per Envoy. Interleaved in one series, two Envoys'
+counters would read as restarts at every report. Stats without the tag (an Envoy with another
+bootstrap) count as one unnamed Envoy.
+
+``checked_down`` is what Envoy's own active health checks found: the endpoints every Envoy
+that recently reported them in a cluster calls unhealthy there. With
+``listener.health_checks: model`` only a model's own clusters are checked, and the control
+plane carries this into the model's other clusters (see ``placement.build_mesh_state``).
 """
 
 from __future__ import annotations
@@ -29,8 +39,10 @@ CLUSTER_STATS = {
     "cluster.upstream_rq_pending_overflow": "overflow",
     "cluster.upstream_rq_active_overflow": "overflow",
 }
+ENVOY_NODE_TAG = "infermesh.envoy_node"  # a fixed stats tag: the reporting Envoy's node id
 MAX_ENDPOINTS = 10_000
 MAX_CLUSTERS = 10_000
+CHECKED_DOWN_MAX_AGE_S = 3.0  # Envoy flushes stats every second: three missed reports
 
 
 def is_envoy(resource_metrics: metrics_pb2.ResourceMetrics) -> bool:
@@ -40,35 +52,57 @@ def is_envoy(resource_metrics: metrics_pb2.ResourceMetrics) -> bool:
     )
 
 
+def _node_of(resource: metrics_pb2.ResourceMetrics) -> str:
+    """The reporting Envoy's node id: the fixed tag on its stats ("" without it)."""
+    for scope in resource.scope_metrics:
+        for metric in scope.metrics:
+            kind = metric.WhichOneof("data")
+            for point in getattr(metric, kind).data_points if kind else ():
+                for attribute in point.attributes:
+                    if attribute.key == ENVOY_NODE_TAG:
+                        return attribute.value.string_value
+                break  # the tag is on every stat or on none
+    return ""
+
+
 class EnvoyStats:
     """Per endpoint and cluster: counter samples over a window, and the last gauges."""
 
     def __init__(self, window_s: float = 10.0) -> None:
         self.window_s = window_s
         self.last_report: float | None = None
-        self._counters: dict[tuple[str, str, str], deque[tuple[float, float]]] = {}
-        self._gauges: dict[tuple[str, str, str], tuple[float, float]] = {}
-        # (stat, cluster) -> the last two (arrival, value) samples
-        self._cluster_counters: dict[tuple[str, str], deque[tuple[float, float]]] = {}
-        self._previous_report: float | None = None
+        # (address, cluster, signal, Envoy node) -> samples, or the last gauge
+        self._counters: dict[tuple[str, str, str, str], deque[tuple[float, float]]] = {}
+        self._gauges: dict[tuple[str, str, str, str], tuple[float, float]] = {}
+        # (stat, cluster, Envoy node) -> the last two (arrival, value) samples
+        self._cluster_counters: dict[tuple[str, str, str], deque[tuple[float, float]]] = {}
+        self._previous_report: dict[str, float] = {}  # Envoy node -> its previous report
+        # (address, cluster) some Envoy called unhealthy: checked_down reads only these, not
+        # every gauge (at 10,000 endpoints Envoy reports tens of thousands a second)
+        self._maybe_down: set[tuple[str, str]] = set()
+        self._nodes: set[str] = set()
         self._lock = threading.Lock()
 
     def ingest(self, resources: Iterable[metrics_pb2.ResourceMetrics], now: float) -> int:
         used = 0
         with self._lock:
-            self._previous_report = self.last_report
             self.last_report = now
             for resource in resources:
+                node = _node_of(resource)  # one Envoy's report
                 for scope in resource.scope_metrics:
                     for metric in scope.metrics:
                         known = ENDPOINT_STATS.get(metric.name)
                         if known is not None:
-                            used += self._metric(metric, known[0], known[1], now)
+                            used += self._metric(metric, known[0], known[1], now, node)
                         elif metric.name in CLUSTER_STATS:
-                            used += self._cluster_metric(metric, now)
+                            used += self._cluster_metric(metric, now, node)
+                self._previous_report[node] = now
+                self._nodes.add(node)
         return used
 
-    def _metric(self, metric: metrics_pb2.Metric, name: str, counter: bool, now: float) -> int:
+    def _metric(
+        self, metric: metrics_pb2.Metric, name: str, counter: bool, now: float, node: str
+    ) -> int:
         data = metric.sum.data_points if counter else metric.gauge.data_points
         used = 0
         for point in data:
@@ -76,7 +110,7 @@ class EnvoyStats:
             address = attrs.get("envoy.endpoint_address", "")
             if not address:
                 continue
-            key = (address, attrs.get("envoy.cluster_name", ""), name)
+            key = (address, attrs.get("envoy.cluster_name", ""), name, node)
             value = float(point.as_int if point.HasField("as_int") else point.as_double)
             if counter:
                 samples = self._counters.get(key)
@@ -91,24 +125,27 @@ class EnvoyStats:
                     samples.popleft()
             elif key in self._gauges or len(self._gauges) < MAX_ENDPOINTS * 8:
                 self._gauges[key] = (now, value)
+                if name == "healthy" and value <= 0:
+                    self._maybe_down.add(key[:2])
             used += 1
         return used
 
-    def _cluster_metric(self, metric: metrics_pb2.Metric, now: float) -> int:
+    def _cluster_metric(self, metric: metrics_pb2.Metric, now: float, node: str) -> int:
         used = 0
         for point in metric.sum.data_points:
             attrs = {a.key: a.value.string_value for a in point.attributes}
             if "envoy.endpoint_address" in attrs or not attrs.get("envoy.cluster_name"):
                 continue
-            key = (metric.name, attrs["envoy.cluster_name"])
+            key = (metric.name, attrs["envoy.cluster_name"], node)
             samples = self._cluster_counters.get(key)
             if samples is None:
                 if len(self._cluster_counters) >= MAX_CLUSTERS:
                     continue
                 samples = self._cluster_counters[key] = deque(maxlen=2)
-                if self._previous_report is not None:
+                previous = self._previous_report.get(node)
+                if previous is not None:
                     # Envoy exports a counter once it is first used: it was 0 at the last report.
-                    samples.append((self._previous_report, 0.0))
+                    samples.append((previous, 0.0))
             value = float(point.as_int if point.HasField("as_int") else point.as_double)
             if samples and value < samples[-1][1]:
                 samples.clear()  # Envoy restarted
@@ -122,7 +159,7 @@ class EnvoyStats:
         wanted = {c.replace(":", "_") for c in clusters}
         total = 0.0
         with self._lock:
-            for (_stat, cluster), samples in self._cluster_counters.items():
+            for (_stat, cluster, _node), samples in self._cluster_counters.items():
                 if cluster in wanted and len(samples) == 2 and now - samples[-1][0] <= max_age_s:
                     total += samples[-1][1] - samples[0][1]
         return total
@@ -130,17 +167,41 @@ class EnvoyStats:
     def as_json(self, now: float) -> dict[str, Any]:
         with self._lock:
             endpoints: dict[str, dict[str, Any]] = {}
-            for (address, _cluster, name), samples in self._counters.items():
+            for (address, _cluster, name, _node), samples in self._counters.items():
                 entry = endpoints.setdefault(address, {})
                 first, last = samples[0], samples[-1]
                 rate = (last[1] - first[1]) / (last[0] - first[0]) if last[0] > first[0] else 0.0
                 entry[f"{name}_per_s"] = round(entry.get(f"{name}_per_s", 0.0) + rate, 3)
                 entry["age_s"] = round(min(entry.get("age_s", 1e9), now - last[0]), 3)
-            for (address, _cluster, name), (_at, value) in self._gauges.items():
+            for (address, _cluster, name, _node), (_at, value) in self._gauges.items():
                 entry = endpoints.setdefault(address, {})
                 if name == "healthy":  # healthy in every cluster it is in
                     entry[name] = bool(entry.get(name, True) and value > 0)
                 else:
                     entry[name] = entry.get(name, 0.0) + value
             age = None if self.last_report is None else round(now - self.last_report, 3)
-            return {"last_report_age_s": age, "endpoints": dict(sorted(endpoints.items()))}
+            return {
+                "last_report_age_s": age,
+                "nodes": sorted(self._nodes),  # the reporting Envoys ("": without the tag)
+                "endpoints": dict(sorted(endpoints.items())),
+            }
+
+    def checked_down(
+        self, now: float, max_age_s: float = CHECKED_DOWN_MAX_AGE_S
+    ) -> dict[str, frozenset[str]]:
+        """Per cluster (as Envoy names it in stats: ':' becomes '_'), the endpoints that every
+        Envoy reporting them there within ``max_age_s`` calls unhealthy. One Envoy that
+        cannot reach a server (its own network) does not take it away from the others."""
+        out: dict[str, set[str]] = {}
+        with self._lock:
+            for address, cluster in list(self._maybe_down):
+                said = []  # what each Envoy that reported it recently says
+                for node in self._nodes:
+                    sample = self._gauges.get((address, cluster, "healthy", node))
+                    if sample is not None and now - sample[0] <= max_age_s:
+                        said.append(sample[1])
+                if said and all(value <= 0 for value in said):
+                    out.setdefault(cluster, set()).add(address)
+                elif not any(value <= 0 for value in said):  # up again, or no word: forget
+                    self._maybe_down.discard((address, cluster))
+        return {cluster: frozenset(addresses) for cluster, addresses in out.items()}

@@ -63,11 +63,18 @@ def is_rest_cluster(cluster: str) -> bool:
 
 def checks_health(options: ListenerOptions, cluster: str) -> bool:
     """Whether Envoy health-checks the members of ``cluster``: every cluster, or (scope
-    "model") only each model's own gRPC cluster and its SLA lanes (an endpoint reserved for a
-    class is in no other cluster of the model), so that an Envoy holds about one check
-    connection per server and model rather than one per cluster the server is in."""
+    "model") only each model's own cluster and its SLA lanes (an endpoint reserved for a class
+    is in no other cluster of the model), and their REST twins. An Envoy then holds one check
+    connection per server and model (two with REST) rather than one per cluster the server
+    is in; the model's other clusters follow what these checks find (``checked_down`` in
+    ``placement.build_mesh_state``)."""
     if options.health_checks == "all":
         return True
+    return is_checked_in_model_scope(base_cluster(cluster))
+
+
+def is_checked_in_model_scope(cluster: str) -> bool:
+    """A model's own gRPC cluster or one of its SLA lanes (``lanes.sla_cluster``)."""
     model = cluster_model(cluster)
     own = model_cluster(model) if model is not None else None
     return own is not None and (cluster == own or cluster.startswith(f"{own}:sla:"))

@@ -161,6 +161,11 @@ class OperatorApi:
             "routing": self.plane.router.explain(),
             "canaries": self.plane.canaries.as_json(time.monotonic()),
             "circuits": self.plane.fallbacks.as_json(time.monotonic()),
+            # listener.health_checks: model: endpoints Envoy's checks find down, per model
+            "envoy_checked_down": {
+                model: sorted(a.key for a in down)
+                for model, down in self.plane.checked_down.items()
+            },
             "version_splits": {
                 m.name: dict(m.version_split) for m in self.plane.effective_topology().models
             },

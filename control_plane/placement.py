@@ -24,6 +24,7 @@ from control_plane.mesh import (
     EndpointHealth,
     MeshState,
     cluster_model,
+    is_checked_in_model_scope,
     model_cluster,
 )
 from control_plane.placement_poller import (
@@ -66,6 +67,7 @@ def build_mesh_state(
     pool_weights: Mapping[str, Mapping[EndpointAddress, int]] | None = None,
     pool_health: Mapping[str, Mapping[EndpointAddress, EndpointHealth]] | None = None,
     labels: Mapping[str, Labels] | None = None,
+    checked_down: Mapping[str, frozenset[EndpointAddress]] | None = None,
 ) -> MeshState:
     """The mesh for a topology and the latest placement (pure; equal inputs, equal output).
 
@@ -83,6 +85,15 @@ def build_mesh_state(
     endpoint without the required labels is in none of the model's clusters) and its lanes
     (``control_plane.lanes``: SLA-class and large-input clusters with priorities; endpoints
     reserved for a class leave the model's other clusters).
+
+    ``checked_down`` (model name -> endpoints Envoy's own health checks of the model's cluster
+    find down; with ``listener.health_checks: model`` only that cluster and the model's SLA
+    lanes are checked) makes those endpoints UNHEALTHY in the model's unchecked clusters
+    (versions, large inputs; REST twins share them), and in ``SERVERS_CLUSTER`` when down in
+    every model whose checked clusters hold them. Never in a checked cluster: Envoy counts EDS
+    health in what it reports, so a server marked there could never be seen back up. An
+    endpoint that routing or an operator already made unhealthy in the model is not Envoy's
+    finding; an operator's health wins, and fail-open does not undo what Envoy found.
     """
     weights = weights or {}
     health = health or {}
@@ -133,6 +144,8 @@ def build_mesh_state(
         )
 
     clusters = {name: fail_open(assigned(name)) for name in sorted(members)}
+    if checked_down:
+        clusters = _follow_checks(clusters, checked_down, health)
     return MeshState(
         listener=topology.listener,
         models=topology.models,
@@ -160,6 +173,44 @@ def _apply_labels(
             members[lane] = {by_key[k] for k, _ in pairs}
             priorities[lane] = {by_key[k]: p for k, p in pairs}
     return priorities
+
+
+def _follow_checks(
+    clusters: dict[str, tuple[EndpointAssignment, ...]],
+    checked_down: Mapping[str, frozenset[EndpointAddress]],
+    overrides: Mapping[EndpointAddress, EndpointHealth],
+) -> dict[str, tuple[EndpointAssignment, ...]]:
+    """``build_mesh_state``'s ``checked_down``, applied (see there)."""
+    checked_in: dict[EndpointAddress, set[str]] = {}  # endpoint -> models that check it
+    down: dict[str, set[EndpointAddress]] = {}  # model -> found down where we said HEALTHY
+    for name, assigned in clusters.items():
+        model = cluster_model(name)
+        if model is None or not is_checked_in_model_scope(name):
+            continue
+        found = checked_down.get(model, frozenset())
+        for a in assigned:
+            checked_in.setdefault(a.address, set()).add(model)
+            if a.address in found and a.health is EndpointHealth.HEALTHY:
+                down.setdefault(model, set()).add(a.address)
+    server_down = {
+        a for a, models in checked_in.items() if all(a in down.get(m, ()) for m in models)
+    }
+    out = {}
+    for name, assigned in clusters.items():
+        model = cluster_model(name)
+        if model is None:
+            gone: set[EndpointAddress] = server_down if name == SERVERS_CLUSTER else set()
+        else:
+            gone = set() if is_checked_in_model_scope(name) else down.get(model, set())
+        if any(a.address in gone for a in assigned):
+            assigned = tuple(
+                _assignment(a.address, a.weight, EndpointHealth.UNHEALTHY, a.priority)
+                if a.address in gone and a.address not in overrides
+                and a.health is EndpointHealth.HEALTHY else a
+                for a in assigned
+            )  # fmt: skip
+        out[name] = assigned
+    return out
 
 
 def _address_order(address: EndpointAddress) -> tuple[str, int]:

@@ -28,6 +28,7 @@ from control_plane.admin import AdminServer
 from control_plane.ads import AdsServicer
 from control_plane.canary_runs import CanaryRuns
 from control_plane.endpointslices import EndpointSlices
+from control_plane.envoy_checks import changes, checked_down_by_model
 from control_plane.envoy_stats import EnvoyStats
 from control_plane.fallback import Fallbacks
 from control_plane.incremental import SnapshotBuilder
@@ -121,6 +122,8 @@ class ControlPlane:
         self.endpoints: tuple[EndpointAddress, ...] = ()
         self.weights: dict[EndpointAddress, int] = {}
         self.health: dict[EndpointAddress, EndpointHealth] = {}
+        # listener.health_checks: model: what Envoy's checks find (see control_plane.envoy_checks)
+        self.checked_down: dict[str, frozenset[EndpointAddress]] = {}
         self.poller = PlacementPoller(
             lambda: self.endpoints,
             self.topology.placement.poll_interval_s,
@@ -266,6 +269,7 @@ class ControlPlane:
             pool_weights=self.router.pool_weights(),
             pool_health=self.router.pool_health(),
             labels=self.endpoint_labels(),
+            checked_down=self.checked_down,
         )
         try:
             snapshot = self.builder.build(state)
@@ -310,8 +314,27 @@ class ControlPlane:
         for cause in self.router.new_ejections:
             self.metrics.ejections.labels(cause).inc()
         self.router.new_ejections.clear()
-        if changed:
-            self.rebuild("telemetry-driven weights or ejections")
+        checks = self._follow_envoy_checks(now)
+        if changed or checks:
+            self.rebuild("telemetry-driven weights or ejections" if changed else "Envoy's checks")
+
+    def _follow_envoy_checks(self, now: float) -> bool:
+        """With ``listener.health_checks: model``: what Envoy's checks of each model's own
+        cluster find, for its other clusters. True when that changed (logged as decisions)."""
+        found: dict[str, frozenset[EndpointAddress]] = {}
+        if self.topology.listener.health_checks == "model" and self.mesh_state is not None:
+            unhealthy = self.envoy_stats.checked_down(now)
+            if unhealthy or self.checked_down:
+                found = checked_down_by_model(unhealthy, self.mesh_state.clusters)
+        if found == self.checked_down:
+            return False
+        for model, words in changes(self.checked_down, found):
+            self.router.decisions.append(
+                {"at": round(time.time(), 3), "pool": model, "decision": words}
+            )
+            log.info("%s: %s", model, words)
+        self.checked_down = found
+        return True
 
     async def _probe_on_hints(self) -> None:
         """An endpoint whose telemetry says a model version changed state (or the server

@@ -16,6 +16,7 @@ from control_plane.mesh import (
     EndpointAddress,
     EndpointAssignment,
     EndpointHealth,
+    MeshState,
     model_cluster,
 )
 from control_plane.placement import (
@@ -127,6 +128,69 @@ def test_routing_never_ejects_every_endpoint_of_a_cluster() -> None:
     assert [e.health for e in state.clusters[model_cluster("classifier", "2")]] == [
         EndpointHealth.UNHEALTHY
     ]
+
+
+def health_table(state: MeshState) -> dict[str, str]:
+    """Cluster -> "A- B+": each member, + healthy, - unhealthy, ~ other."""
+    mark = {EndpointHealth.HEALTHY: "+", EndpointHealth.UNHEALTHY: "-"}
+    names = {A: "A", B: "B", C: "C"}
+    return {
+        name: " ".join(f"{names[e.address]}{mark.get(e.health, '~')}" for e in members)
+        for name, members in state.clusters.items()
+        if members
+    }
+
+
+@pytest.mark.parametrize(
+    ("down", "pool_health", "operator", "want"),
+    [
+        # Envoy's checks of model:classifier find A down: A leaves the classifier's version
+        # clusters, not the checked cluster itself; A still serves the detector, so it stays
+        # in `servers`.
+        ({"classifier": {A}}, {}, {},
+         {"model:classifier": "A+ B+ C+", "model:classifier:v1": "A- B+",
+          "model:classifier:v2": "A- C+", "model:detector": "A+", "model:detector:v1": "A+",
+          SERVERS_CLUSTER: "A+ B+ C+"}),
+        # Down in both models that check it: out of `servers` too.
+        ({"classifier": {A}, "detector": {A}}, {}, {},
+         {"model:classifier": "A+ B+ C+", "model:classifier:v1": "A- B+",
+          "model:classifier:v2": "A- C+", "model:detector": "A+", "model:detector:v1": "A-",
+          SERVERS_CLUSTER: "A- B+ C+"}),
+        # Every member of v2 down: Envoy's finding is not failed open (routing's would be).
+        ({"classifier": {A, C}}, {}, {},
+         {"model:classifier": "A+ B+ C+", "model:classifier:v1": "A- B+",
+          "model:classifier:v2": "A- C-", "model:detector": "A+", "model:detector:v1": "A+",
+          SERVERS_CLUSTER: "A+ B+ C-"}),
+        # Routing ejected C itself: Envoy reporting it unhealthy is our own EDS health, not a
+        # failed check; it stays out of the versions by routing, and in `servers`.
+        ({"classifier": {C}}, {"classifier": {C: EndpointHealth.UNHEALTHY}}, {},
+         {"model:classifier": "A+ B+ C-", "model:classifier:v1": "A+ B+",
+          "model:classifier:v2": "A+ C-", "model:detector": "A+", "model:detector:v1": "A+",
+          SERVERS_CLUSTER: "A+ B+ C+"}),
+        # An operator's word wins over Envoy's.
+        ({"classifier": {B}}, {}, {B: EndpointHealth.HEALTHY},
+         {"model:classifier": "A+ B+ C+", "model:classifier:v1": "A+ B+",
+          "model:classifier:v2": "A+ C+", "model:detector": "A+", "model:detector:v1": "A+",
+          SERVERS_CLUSTER: "A+ B+ C+"}),
+    ],
+)  # fmt: skip
+def test_unchecked_clusters_follow_envoys_checks(
+    down: dict[str, set[EndpointAddress]],
+    pool_health: dict[str, dict[EndpointAddress, EndpointHealth]],
+    operator: dict[EndpointAddress, EndpointHealth],
+    want: dict[str, str],
+) -> None:
+    """listener.health_checks: model: Envoy checks a server only in its model's own cluster."""
+    reports = {
+        A: report(A, {("classifier", "1"), ("classifier", "2"), ("detector", "1")}),
+        B: report(B, {("classifier", "1")}),
+        C: report(C, {("classifier", "2")}),
+    }
+    found = {model: frozenset(addresses) for model, addresses in down.items()}
+    state = build_mesh_state(
+        topology(), reports, health=operator, pool_health=pool_health, checked_down=found
+    )
+    assert health_table(state) == want
 
 
 def test_identical_inputs_give_identical_state() -> None:

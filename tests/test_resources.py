@@ -257,14 +257,19 @@ def test_round_robin_when_the_topology_asks() -> None:
     ("scope", "checked"),
     [
         ("all", "every cluster, REST twins too"),
-        ("model", "model:classifier model:classifier:sla:gold model:detector"),
+        (
+            "model",
+            "model:classifier model:classifier:sla:gold model:detector "
+            "rest:model:classifier rest:model:classifier:sla:gold rest:model:detector",
+        ),
     ],
 )
 def test_health_checks_in_every_cluster_or_once_per_model(scope: str, checked: str) -> None:
     """A server is in several clusters and Envoy checks it in each: scope "model" leaves the
     checks to each model's own gRPC cluster (versions, servers and REST twins rely on the
-    control plane's EDS health and outlier detection), one connection per server and model.
-    An SLA lane is checked too: an endpoint reserved for a class is in no other cluster."""
+    control plane's EDS health and outlier detection), one connection per server and model
+    (and one for REST). An SLA lane is checked too: an endpoint reserved for a class is in no
+    other cluster."""
     state = mesh_state()
     gold = sla_cluster("classifier", "gold")
     state = dataclasses.replace(state, clusters={**state.clusters, gold: state.clusters[V2]})

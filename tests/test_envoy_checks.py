@@ -1,0 +1,178 @@
+"""listener.health_checks: model: what Envoy's own checks find reaches the unchecked clusters."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry.proto.metrics.v1 import metrics_pb2
+
+from control_plane.envoy_checks import changes, checked_down_by_model, stat_name
+from control_plane.envoy_stats import ENVOY_NODE_TAG, EnvoyStats
+from control_plane.lanes import sla_cluster
+from control_plane.mesh import (
+    SERVERS_CLUSTER,
+    EndpointAddress,
+    EndpointAssignment,
+    model_cluster,
+    rest_cluster,
+)
+from tests.envoy_support import free_port
+from tests.mesh_support import start_plane_and_envoy, write_topology
+from tests.support import start_server, wait_for
+
+A = EndpointAddress("127.0.0.1", 9001)
+B = EndpointAddress("127.0.0.1", 9002)
+
+
+def envoy_report(
+    node: str | None, cluster: str, healthy: dict[str, int], requests: dict[str, int] | None = None
+) -> metrics_pb2.ResourceMetrics:
+    """One Envoy's stat-sink report: per-endpoint ``healthy`` gauges (and request counters)
+    in ``cluster``, tagged with its node id (``None``: an Envoy without the tag)."""
+    resource = metrics_pb2.ResourceMetrics()
+    resource.resource.attributes.add(key="telemetry.sdk.name").value.string_value = "envoy"
+    scope = resource.scope_metrics.add()
+    gauge = scope.metrics.add(name="cluster.endpoint.healthy").gauge
+    counter = scope.metrics.add(name="cluster.endpoint.rq_total").sum
+    for points, values in ((gauge.data_points, healthy), (counter.data_points, requests or {})):
+        for address, value in values.items():
+            point = points.add(as_int=value)
+            tags = {"envoy.cluster_name": stat_name(cluster), "envoy.endpoint_address": address}
+            if node is not None:
+                tags[ENVOY_NODE_TAG] = node
+            for key, text in tags.items():
+                point.attributes.add(key=key).value.string_value = text
+    return resource
+
+
+MODEL = model_cluster("classifier")
+
+
+@pytest.mark.parametrize(
+    ("reports", "now", "down"),
+    [
+        ([("e1", {A.key: 0, B.key: 1})], 1.5, {A.key}),
+        # Every Envoy that reports it must call it unhealthy: one Envoy's own network
+        # trouble does not take a server away from the others.
+        ([("e1", {A.key: 0}), ("e2", {A.key: 1})], 1.5, set()),
+        ([("e1", {A.key: 0}), ("e2", {A.key: 0})], 1.5, {A.key}),
+        # Reports older than three stats flushes are not evidence any more.
+        ([("e1", {A.key: 0})], 4.5, set()),
+        # Envoys without the node tag read as one Envoy: the newest report wins.
+        ([(None, {A.key: 1}), (None, {A.key: 0})], 1.5, {A.key}),
+    ],
+)
+def test_envoy_stats_checked_down(
+    reports: list[tuple[str | None, dict[str, int]]], now: float, down: set[str]
+) -> None:
+    stats = EnvoyStats()
+    for node, healthy in reports:
+        stats.ingest([envoy_report(node, MODEL, healthy)], now=1.0)
+    found = stats.checked_down(now)
+    assert found == ({stat_name(MODEL): frozenset(down)} if down else {})
+
+
+def test_each_envoys_counters_stay_a_series_of_their_own() -> None:
+    """Two Envoys' cumulative counters, interleaved in one series, read as a restart at every
+    report (the rate came out as garbage); kept apart, their rates add up."""
+    stats = EnvoyStats(window_s=10)
+    for t in range(1, 6):
+        stats.ingest([envoy_report("e1", MODEL, {}, {A.key: 1000 + 10 * t})], now=float(t))
+        stats.ingest([envoy_report("e2", MODEL, {}, {A.key: 50 + 30 * t})], now=float(t))
+    assert stats.as_json(5.0)["endpoints"][A.key]["requests_per_s"] == pytest.approx(40.0)
+
+
+def assigned(*addresses: EndpointAddress) -> tuple[EndpointAssignment, ...]:
+    return tuple(EndpointAssignment(a) for a in addresses)
+
+
+def test_only_checked_grpc_clusters_count() -> None:
+    """A model's own cluster and SLA lanes are checked; version clusters are not (there Envoy
+    reports our own EDS health back), nor REST twins (their checks ask another port)."""
+    gold = sla_cluster("classifier", "gold")
+    clusters = {
+        MODEL: assigned(A, B),
+        gold: assigned(B),
+        model_cluster("classifier", "1"): assigned(A, B),
+        rest_cluster(MODEL): assigned(A, B),
+        SERVERS_CLUSTER: assigned(A, B),
+    }
+    everywhere = frozenset({A.key, B.key})
+    found = {stat_name(name): everywhere for name in clusters}
+    assert checked_down_by_model(found, clusters) == {"classifier": frozenset({A, B})}
+    only_unchecked = {stat_name(model_cluster("classifier", "1")): everywhere}
+    assert checked_down_by_model(only_unchecked, clusters) == {}
+    assert checked_down_by_model({stat_name(gold): everywhere}, clusters) == {
+        "classifier": frozenset({B})  # A is not in the lane: Envoy's word on it is stale
+    }
+
+
+def test_changes_read_as_decisions() -> None:
+    before = {"classifier": frozenset({A})}
+    after = {"classifier": frozenset({B}), "detector": frozenset({A})}
+    assert changes(before, after) == [
+        ("classifier", "Envoy's health checks: 127.0.0.1:9002 down: leaves the model's "
+         "unchecked clusters; 127.0.0.1:9001 passes again: back in them"),
+        ("detector", "Envoy's health checks: 127.0.0.1:9001 down: leaves the model's "
+         "unchecked clusters"),
+    ]  # fmt: skip
+    assert changes(after, after) == []
+
+
+def host_flags(clusters_text: str, cluster: str, url: str) -> str:
+    prefix = f"{cluster}::{url}::health_flags::"
+    return next((line[len(prefix) :] for line in clusters_text.splitlines()
+                 if line.startswith(prefix)), "absent")  # fmt: skip
+
+
+@pytest.mark.integration
+def test_a_dead_server_leaves_the_unchecked_clusters_on_envoys_checks(
+    demo_repo: Path, tmp_path: Path
+) -> None:
+    """Real Envoy, real servers, ``health_checks: model``: a killed server fails Envoy's checks
+    in model:classifier; Envoy's stat sink tells the control plane, which marks it UNHEALTHY
+    in the version cluster and `servers` (unchecked) long before its placement probes could
+    call it unreachable (10 failed probes, 5 s apart)."""
+    listener = free_port()
+    with contextlib.ExitStack() as stops:
+        servers = []
+        for k in range(2):
+            server = start_server(demo_repo, tmp_path / f"s{k}", "--models", "classifier")
+            stops.callback(server.stop)
+            servers.append(server)
+        top: dict[str, Any] = {
+            "placement": {"poll_interval_s": 5.0, "timeout_s": 1.0, "unreachable_after": 10}
+        }
+        path = write_topology(tmp_path / "t.yaml", listener, [s.url for s in servers], top=top)
+        text = path.read_text().replace("health_check_interval_s: 0.5", "health_checks: model\n"
+                                        "  health_check_interval_s: 0.5")  # fmt: skip
+        path.write_text(text)
+        plane, envoy = start_plane_and_envoy(
+            stops, tmp_path, path, listener, 6, otlp_port=free_port(), envoy_stats=True
+        )
+        version = model_cluster("classifier", "1")
+        dead, alive = servers[0], servers[1]
+        dead.proc.kill()  # by PID: no drain, no goodbye
+        dead.proc.wait(10)
+
+        def left_the_version_cluster() -> bool:
+            text = envoy.admin("/clusters")
+            return "failed_eds_health" in host_flags(text, version, dead.url)
+
+        wait_for(left_the_version_cluster, 20, "the dead server UNHEALTHY in the version cluster")
+        clusters = envoy.admin("/clusters")
+        assert "failed_active_hc" in host_flags(clusters, MODEL, dead.url)  # Envoy's own check
+        assert "failed_eds_health" in host_flags(clusters, SERVERS_CLUSTER, dead.url)
+        assert host_flags(clusters, version, alive.url) == "healthy"
+        # Each Envoy's stats carry its node id (a fixed tag in the bootstrap).
+        assert plane.admin_get("/telemetry")["envoy"]["nodes"] == ["envoy-sotw"]
+        status = plane.admin_get("/status")
+        assert status["envoy_checked_down"] == {"classifier": [dead.url]}
+        assert status["endpoints"][dead.url]["reachable"]  # placement has not noticed yet
+        decisions = [d["decision"] for d in plane.admin_get("/decisions")["decisions"]]
+        assert f"Envoy's health checks: {dead.url} down: leaves the model's unchecked clusters" in (
+            decisions
+        )
