@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -112,23 +112,26 @@ class ControlPlaneMetrics:
 
     def publish_assignments(self, clusters: Mapping[str, Sequence[EndpointAssignment]]) -> None:
         """Replaces the weight and health series with what the snapshot just set; only the
-        clusters that changed are touched (a weight change in one pool of a fleet rewrote
-        every series: 7% of the control plane's time at 1,000 endpoints)."""
+        endpoints whose assignment changed are touched (a weight change in one pool of a fleet
+        rewrote every series: 7% of the control plane's time at 1,000 endpoints; one server
+        leaving or joining rewrote every series of `servers`, 16% at 10,000)."""
         published = self._published
         for cluster in [c for c in published if c not in clusters]:
             self._unpublish(cluster, published.pop(cluster))
         for cluster, assignments in clusters.items():
             before = published.get(cluster)
-            if before is not None and tuple(before) == tuple(assignments):
+            now = tuple(assignments)
+            if before is not None and before == now:
                 continue
-            if before is not None:
-                self._unpublish(cluster, before)
-            for a in assignments:
+            old = set(before or ())
+            new = set(now)
+            self._unpublish(cluster, old - new)  # changed weight or health too: new series below
+            for a in new - old:
                 self.endpoint_weight.labels(cluster, a.address.key).set(a.weight)
                 self.endpoint_health.labels(cluster, a.address.key, a.health.value).set(1)
-            published[cluster] = tuple(assignments)
+            published[cluster] = now
 
-    def _unpublish(self, cluster: str, assignments: Sequence[EndpointAssignment]) -> None:
+    def _unpublish(self, cluster: str, assignments: Iterable[EndpointAssignment]) -> None:
         for a in assignments:
             with contextlib.suppress(KeyError):
                 self.endpoint_weight.remove(cluster, a.address.key)

@@ -1,5 +1,5 @@
 """publish_assignments leaves exactly the series of the newest assignments, touching only the
-clusters that changed."""
+endpoints whose assignment changed."""
 
 from __future__ import annotations
 
@@ -60,3 +60,29 @@ def test_unchanged_clusters_are_not_rewritten(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(metrics.endpoint_weight, "labels", counted)
     metrics.publish_assignments({"model:big": big, "model:m": (EndpointAssignment(A, 4, OK),)})
     assert calls == [("model:m", A.key)]
+
+
+def test_one_endpoint_leaving_a_big_cluster_touches_its_series_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At 10,000 endpoints every server is in `servers`: one flapping server rewrote them all."""
+    metrics = ControlPlaneMetrics()
+    big = tuple(EndpointAssignment(EndpointAddress("10.1.0.1", 9000 + i), 1, OK) for i in range(50))
+    metrics.publish_assignments({"servers": big})
+    touched: list[tuple[str, ...]] = []
+    for gauge in (metrics.endpoint_weight, metrics.endpoint_health):
+        for method in ("labels", "remove"):
+            original = getattr(gauge, method)
+
+            def counted(*names: str, original: object = original, method: str = method) -> object:
+                touched.append((method, *names))
+                return original(*names)  # type: ignore[operator]
+
+            monkeypatch.setattr(gauge, method, counted)
+    moved = (EndpointAssignment(big[7].address, 1, DRAIN),)
+    steps = [big[:7] + big[8:], big, big[:7] + moved + big[8:]]  # leaves, returns, drains
+    for clusters in steps:
+        touched.clear()
+        metrics.publish_assignments({"servers": clusters})
+        assert {t[2] for t in touched} == {big[7].address.key}
+        assert series(metrics) == expected({"servers": clusters})
