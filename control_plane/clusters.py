@@ -5,6 +5,7 @@ with each endpoint's weight, health and priority."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 from envoy.config.cluster.v3 import cluster_pb2, outlier_detection_pb2
@@ -120,7 +121,12 @@ def build_cluster(state: MeshState, name: str) -> cluster_pb2.Cluster:
     return edge.make_rest_cluster(result) if is_rest_cluster(name) else result
 
 
+@functools.lru_cache(maxsize=1 << 15)
 def lb_endpoint(assignment: EndpointAssignment) -> ep_pb2.LbEndpoint:
+    """One endpoint's EDS entry, made once per assignment and copied into each assignment
+    that holds it (never mutate one): `servers` at 10,000 endpoints took 66-75 ms to make and
+    11-18 ms from made entries, side by side in one process. About 1 KB an entry (32 MiB at
+    most)."""
     address = socket_address(assignment.address.host, assignment.address.port)
     return ep_pb2.LbEndpoint(
         endpoint=ep_pb2.Endpoint(address=address),

@@ -31,6 +31,7 @@ from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
 from control_plane import bootstrap
+from control_plane.clusters import build_assignment
 from control_plane.lanes import sla_cluster
 from control_plane.mesh import (
     LISTENER_NAME,
@@ -732,3 +733,14 @@ def test_stats_go_to_replicas_on_hosts_of_their_own() -> None:
 def test_bad_stat_targets_are_refused(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
         bootstrap.target_list(text)
+
+
+def test_assignments_share_no_message_with_the_cache_of_made_endpoints() -> None:
+    """EDS entries are made once per assignment and copied into each ClusterLoadAssignment: a
+    change to one built assignment must not reach the next one built."""
+    members = (EndpointAssignment(A, 3), EndpointAssignment(B, 1, EndpointHealth.DRAINING))
+    first = build_assignment("model:classifier", members)
+    first.endpoints[0].lb_endpoints[0].load_balancing_weight.value = 99
+    second = build_assignment("model:classifier", members)
+    assert [e.load_balancing_weight.value for e in second.endpoints[0].lb_endpoints] == [3, 1]
+    assert second.endpoints[0].lb_endpoints[1].health_status == health_check_pb2.DRAINING
