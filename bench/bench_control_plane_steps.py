@@ -202,6 +202,13 @@ def run(n: int, repeat: int) -> list[tuple[str, float]]:
     )
     rows.append((f"snapshot, one pool changed: incremental (made {builder.made})", incremental))
     rows.append(("snapshot, one pool changed: full build", full))
+    # A server leaving (placement): its model's clusters change, and `servers`, which holds
+    # every endpoint of the fleet.
+    builder.build(build_mesh_state(topology, reports, pool_weights=weights))
+    without = [{a: r for a, r in reports.items() if a != addresses[1 + k]} for k in range(repeat)]
+    gone = [build_mesh_state(topology, r, pool_weights=weights) for r in without]
+    left = statistics.median(_time_each(builder.build, gone))
+    rows.append((f"snapshot, one server left: incremental (made {builder.made})", left))
     return rows
 
 

@@ -113,6 +113,16 @@ class EndpointAssignment:
     weight: int = 1
     health: EndpointHealth = EndpointHealth.HEALTHY
     priority: int = 0  # Envoy's priority level: 1 takes traffic only when 0 cannot (lanes)
+    # Computed once, like EndpointAddress's: the caches of made assignments and EDS entries
+    # (placement, clusters, edge) hash every member of `servers` at every rebuild.
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        fields = (self.address, self.weight, self.health, self.priority)
+        object.__setattr__(self, "_hash", hash(fields))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 def fallback_cluster(cluster: str) -> str:
