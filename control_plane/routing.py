@@ -19,7 +19,7 @@ from control_plane.lanes import fleet_labels
 from control_plane.mesh import EndpointAddress, EndpointHealth
 from control_plane.placement import EndpointReport
 from control_plane.scoring.at_rest import at_rest, signals_moved
-from control_plane.scoring.ejection import EjectionState, decide_ejections
+from control_plane.scoring.ejection import EjectionDecision, EjectionState, decide_ejections
 from control_plane.scoring.pipeline import PoolDecision, PoolState, decide_pool
 from control_plane.scoring.slow_start import apply_slow_start
 from control_plane.scoring.types import RECOMPUTE_PERIOD_S, EndpointSignals, Labels, PoolPolicy
@@ -40,7 +40,7 @@ class PoolMemory:
     probation: set[str] = field(default_factory=set)  # back from a latency ejection
     weights: dict[EndpointAddress, int] = field(default_factory=dict)
     health: dict[EndpointAddress, EndpointHealth] = field(default_factory=dict)
-    explanation: dict[str, Any] = field(default_factory=dict)
+    explanation: Explanation | None = None  # the last recompute's values, see explain()
     # The signals and policy of the last recompute when it left the pool at rest (else None):
     # while neither moves, the pool is not recomputed.
     rest: tuple[list[EndpointSignals], PoolPolicy] | None = None
@@ -225,23 +225,10 @@ class Router:
                 self._log(model.name, f"weights {_describe(weights)}", wall)
                 memory.weights, memory.health = weights, health
                 changed = True
-            memory.explanation = {
-                "endpoints": {
-                    s.endpoint: {
-                        "score": _round(decision.scores.get(s.endpoint)),
-                        "weight": memory.weights.get(_address(s.endpoint)),
-                        "health": ejection.health.get(s.endpoint, "HEALTHY"),
-                        "reason": _reason(s.endpoint, decision, ejection.health, ejection.reasons)
-                        + (
-                            f", probation: weight 1 until p99 <= SLA {policy.sla_p99_ms:g} ms"
-                            if s.endpoint in on_probation
-                            else _ramp(decision.weights.get(s.endpoint), ramped.get(s.endpoint))
-                        ),
-                    }
-                    for s in signals
-                },
-                "fail_open": ejection.fail_open,
-            }
+            # Explained when asked (GET /status), from this recompute's values: building the
+            # words for every endpoint of every computed pool was a tenth of a recompute.
+            memory.explanation = (signals, decision, ejection, on_probation, ramped, policy,
+                                  memory.weights)  # fmt: skip
             outcome = (memory.state, memory.ejections)
             still = at_rest(previous, outcome, memory.joined_at, on_probation, policy, now)
             memory.rest = (signals, policy) if still else None
@@ -273,7 +260,37 @@ class Router:
         return {name: dict(m.health) for name, m in self.pools.items()}
 
     def explain(self) -> dict[str, Any]:
-        return {name: m.explanation for name, m in sorted(self.pools.items())}
+        return {name: _explain(m.explanation) for name, m in sorted(self.pools.items())}
+
+
+Explanation = tuple[
+    list[EndpointSignals], PoolDecision, EjectionDecision, set[str], dict[str, int], PoolPolicy,
+    dict[EndpointAddress, int],
+]  # fmt: skip
+
+
+def _explain(explanation: Explanation | None) -> dict[str, Any]:
+    """Each endpoint's score, weight, health and why, in words."""
+    if explanation is None:
+        return {}
+    signals, decision, ejection, on_probation, ramped, policy, weights = explanation
+    return {
+        "endpoints": {
+            s.endpoint: {
+                "score": _round(decision.scores.get(s.endpoint)),
+                "weight": weights.get(_address(s.endpoint)),
+                "health": ejection.health.get(s.endpoint, "HEALTHY"),
+                "reason": _reason(s.endpoint, decision, ejection.health, ejection.reasons)
+                + (
+                    f", probation: weight 1 until p99 <= SLA {policy.sla_p99_ms:g} ms"
+                    if s.endpoint in on_probation
+                    else _ramp(decision.weights.get(s.endpoint), ramped.get(s.endpoint))
+                ),
+            }
+            for s in signals
+        },
+        "fail_open": ejection.fail_open,
+    }
 
 
 def _round(score: Any) -> float | None:

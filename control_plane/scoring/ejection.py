@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from control_plane.scoring.types import RECOMPUTE_PERIOD_S, EndpointSignals, PoolPolicy
 
@@ -131,6 +132,15 @@ def _max_out(serving: int, share: float) -> int:
     return math.floor(min(max(share, 0.0), 1.0) * serving)
 
 
+def _with(state: EjectionState, **changes: Any) -> EjectionState:
+    """``replace``, or ``state`` itself when nothing changes: the usual case for a healthy
+    endpoint, and ``replace`` for every endpoint was a fifth of a fleet's recompute."""
+    for name, value in changes.items():
+        if getattr(state, name) != value:
+            return replace(state, **changes)
+    return state
+
+
 def decide_ejections(
     signals: Sequence[EndpointSignals],
     policy: PoolPolicy,
@@ -150,7 +160,7 @@ def decide_ejections(
             serving.append(sig)
             continue
         # Draining is the server's own choice: no back-off, not counted as ejected.
-        states[sig.endpoint] = replace(
+        states[sig.endpoint] = _with(
             prev, ejected=False, until=None, latency_strikes=0, struck_at=None, draining=True
         )
         health[sig.endpoint] = DRAINING
@@ -194,7 +204,7 @@ def decide_ejections(
         prev = previous.get(ep, EjectionState())
         verdict = verdicts[ep]
         why = "; ".join(verdict.causes)
-        base = replace(
+        base = _with(
             prev, latency_strikes=verdict.strikes, struck_at=verdict.struck_at, draining=False
         )
         if prev.draining:
@@ -243,7 +253,7 @@ def decide_ejections(
             since = prev.returned_at
             if prev.times_ejected and since is not None and now - since >= policy.backoff_max_s:
                 base = replace(base, times_ejected=0)  # a new incident starts over
-            states[ep] = replace(base, reason=reasons[ep])
+            states[ep] = _with(base, reason=reasons[ep])
     return EjectionDecision(
         states=states,
         health=health,
