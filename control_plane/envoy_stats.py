@@ -43,6 +43,7 @@ ENVOY_NODE_TAG = "infermesh.envoy_node"  # a fixed stats tag: the reporting Envo
 MAX_ENDPOINTS = 10_000
 MAX_CLUSTERS = 10_000
 CHECKED_DOWN_MAX_AGE_S = 3.0  # Envoy flushes stats every second: three missed reports
+FORGET_NODE_AFTER_S = 60.0  # an Envoy silent this long (replaced, renamed) loses its series
 
 
 def is_envoy(resource_metrics: metrics_pb2.ResourceMetrics) -> bool:
@@ -50,6 +51,12 @@ def is_envoy(resource_metrics: metrics_pb2.ResourceMetrics) -> bool:
         a.key == "telemetry.sdk.name" and a.value.string_value == ENVOY_SDK_NAME
         for a in resource_metrics.resource.attributes
     )
+
+
+def _drop_nodes(series: dict[Any, Any], nodes: set[str]) -> None:
+    """Deletes the keys whose last item (the Envoy node) is one of ``nodes``."""
+    for key in [k for k in series if k[-1] in nodes]:
+        del series[key]
 
 
 def _node_of(resource: metrics_pb2.ResourceMetrics) -> str:
@@ -87,6 +94,7 @@ class EnvoyStats:
         used = 0
         with self._lock:
             self.last_report = now
+            self._forget_silent_nodes(now)
             for resource in resources:
                 node = _node_of(resource)  # one Envoy's report
                 for scope in resource.scope_metrics:
@@ -99,6 +107,19 @@ class EnvoyStats:
                 self._previous_report[node] = now
                 self._nodes.add(node)
         return used
+
+    def _forget_silent_nodes(self, now: float) -> None:
+        """Every series of a node not heard from for FORGET_NODE_AFTER_S goes: Envoys come and
+        go under new node ids (a Kubernetes pod's name), and their series would otherwise
+        fill the caps for good."""
+        silent = {n for n, at in self._previous_report.items() if now - at > FORGET_NODE_AFTER_S}
+        if not silent:
+            return
+        for series in (self._counters, self._gauges, self._cluster_counters):
+            _drop_nodes(series, silent)
+        for node in silent:
+            del self._previous_report[node]
+        self._nodes -= silent
 
     def _metric(
         self, metric: metrics_pb2.Metric, name: str, counter: bool, now: float, node: str

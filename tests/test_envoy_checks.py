@@ -176,3 +176,14 @@ def test_a_dead_server_leaves_the_unchecked_clusters_on_envoys_checks(
         assert f"Envoy's health checks: {dead.url} down: leaves the model's unchecked clusters" in (
             decisions
         )
+
+
+def test_an_envoy_gone_quiet_is_forgotten() -> None:
+    """Envoys come back under new node ids (a pod's name): the old one's series must not fill
+    the caps for good, nor keep a say in ``checked_down``."""
+    stats = EnvoyStats()
+    stats.ingest([envoy_report("old", MODEL, {A.key: 1}, {A.key: 5})], now=1.0)
+    for t in range(2, 70, 5):
+        stats.ingest([envoy_report("new", MODEL, {A.key: 0}, {A.key: t})], now=float(t))
+    assert stats.as_json(67.0)["nodes"] == ["new"]
+    assert stats.checked_down(67.5) == {stat_name(MODEL): frozenset({A.key})}
