@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from control_plane.envoy_stats import stat_name
 from control_plane.mesh import (
     EndpointAddress,
     EndpointAssignment,
@@ -22,11 +23,6 @@ from control_plane.mesh import (
 )
 
 CheckedDown = Mapping[str, frozenset[EndpointAddress]]  # model -> endpoints found down
-
-
-def stat_name(cluster: str) -> str:
-    """A cluster's name as Envoy writes it in stats (``model:m`` -> ``model_m``)."""
-    return cluster.replace(":", "_")
 
 
 def checked_down_by_model(

@@ -53,6 +53,11 @@ def is_envoy(resource_metrics: metrics_pb2.ResourceMetrics) -> bool:
     )
 
 
+def stat_name(cluster: str) -> str:
+    """A cluster's name as Envoy writes it in stats (``model:m`` -> ``model_m``)."""
+    return cluster.replace(":", "_")
+
+
 def _drop_nodes(series: dict[Any, Any], nodes: set[str]) -> None:
     """Deletes the keys whose last item (the Envoy node) is one of ``nodes``."""
     for key in [k for k in series if k[-1] in nodes]:
@@ -177,7 +182,7 @@ class EnvoyStats:
     def recent_overflows(self, clusters: set[str], now: float, max_age_s: float = 3.0) -> float:
         """Requests refused by open circuit breakers in ``clusters`` between Envoy's last two
         reports (names as Envoy writes them in stats: ':' becomes '_'), if the last is recent."""
-        wanted = {c.replace(":", "_") for c in clusters}
+        wanted = {stat_name(c) for c in clusters}
         total = 0.0
         with self._lock:
             for (_stat, cluster, _node), samples in self._cluster_counters.items():
@@ -210,9 +215,9 @@ class EnvoyStats:
     def checked_down(
         self, now: float, max_age_s: float = CHECKED_DOWN_MAX_AGE_S
     ) -> dict[str, frozenset[str]]:
-        """Per cluster (as Envoy names it in stats: ':' becomes '_'), the endpoints that every
-        Envoy reporting them there within ``max_age_s`` calls unhealthy. One Envoy that
-        cannot reach a server (its own network) does not take it away from the others."""
+        """Per cluster (its ``stat_name``), the endpoints that every Envoy reporting them there
+        within ``max_age_s`` calls unhealthy. One Envoy that cannot reach a server (its own
+        network) does not take it away from the others."""
         out: dict[str, set[str]] = {}
         with self._lock:
             for address, cluster in list(self._maybe_down):

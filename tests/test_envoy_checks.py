@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
-from control_plane.envoy_checks import changes, checked_down_by_model, stat_name
-from control_plane.envoy_stats import ENVOY_NODE_TAG, EnvoyStats
+from control_plane.envoy_checks import changes, checked_down_by_model
+from control_plane.envoy_stats import ENVOY_NODE_TAG, EnvoyStats, stat_name
 from control_plane.lanes import sla_cluster
 from control_plane.mesh import (
     SERVERS_CLUSTER,
