@@ -17,6 +17,7 @@ from control_plane import canary
 from control_plane.admin import AdminError
 from control_plane.canary import CanaryRun, VersionStats
 from control_plane.metrics import ControlPlaneMetrics
+from control_plane.routing import record_decision
 from control_plane.telemetry import VersionTelemetry
 from control_plane.topology import Topology
 
@@ -157,9 +158,7 @@ class CanaryRuns:
         if run.history and (before is None or before.history[-1:] != run.history[-1:]):
             reason = run.history[-1]["reason"]
             split = " ".join(f"v{v}={w}" for v, w in run.split())
-            self._decisions.append(
-                {"at": round(wall, 3), "pool": run.model, "decision": f"canary: {reason} ({split})"}
-            )
+            record_decision(self._decisions, run.model, f"canary: {reason} ({split})", wall)
             outcome = run.status if run.finished else "advanced"
             if len(run.history) == 1:
                 outcome = "started"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from control_plane.mesh import model_cluster
+from control_plane.routing import record_decision
 from control_plane.topology import Topology
 
 HOLD_S = 5.0
@@ -78,9 +79,7 @@ class Fallbacks:
             after, reason = step(before, overflows(clusters, now), now)
             self.states[model.name] = after
             if reason is not None:  # opened or closed: the routes change
-                self._decisions.append(
-                    {"at": round(wall, 3), "pool": model.name, "decision": reason}
-                )
+                record_decision(self._decisions, model.name, reason, wall)
                 changed.append(model.name)
         return changed
 

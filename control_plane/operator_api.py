@@ -92,9 +92,7 @@ class OperatorApi:
         else:
             self.plane.splits.pop(model, None)
         described = " ".join(f"v{v}={w}" for v, w in split) or "the topology's"
-        self.plane.router.decisions.append(
-            {"at": round(time.time(), 3), "pool": model, "decision": f"version split {described}"}
-        )
+        self.plane.router.log(model, f"version split {described}", time.time())
         changed = self.plane.rebuild(f"version split of {model} set by an operator")
         return {"model": model, "version_split": dict(split), "changed": changed}
 

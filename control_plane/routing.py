@@ -155,6 +155,11 @@ def _address(key: str) -> EndpointAddress:
     return EndpointAddress(host.strip("[]"), int(port))
 
 
+def record_decision(decisions: deque[dict[str, Any]], pool: str, text: str, wall: float) -> None:
+    """One entry of ``GET /decisions`` (routing, canaries and circuits share one log)."""
+    decisions.append({"at": round(wall, 3), "pool": pool, "decision": text})
+
+
 class Router:
     def __init__(self) -> None:
         self.pools: dict[str, PoolMemory] = {}
@@ -165,8 +170,10 @@ class Router:
         self.pools_skipped = 0
         self._made: SignalsMade = {}  # the last recompute's signals, by (model, endpoint)
 
-    def _log(self, pool: str, event: str, now_wall: float) -> None:
-        self.decisions.append({"at": round(now_wall, 3), "pool": pool, "decision": event})
+    def log(self, pool: str, event: str, now_wall: float) -> None:
+        """A decision about ``pool`` that is not routing's own (an operator's split, Envoy's
+        checks), in the same log."""
+        record_decision(self.decisions, pool, event, now_wall)
 
     def recompute(
         self,
@@ -201,7 +208,7 @@ class Router:
             decision, memory.state = decide_pool(signals, policy, memory.state, elapsed)
             ejection = decide_ejections(signals, policy, memory.ejections, now)
             for event in ejection.events:
-                self._log(model.name, event, wall)
+                self.log(model.name, event, wall)
             for endpoint in ejection.states.keys() - memory.ejections.keys():
                 memory.joined_at.setdefault(endpoint, now)
             for endpoint, before in memory.ejections.items():
@@ -222,7 +229,7 @@ class Router:
             health = {_address(k): EndpointHealth(v) for k, v in ejection.health.items()}
             pushed = self._push_wanted(policy, memory, weights, health)
             if pushed:
-                self._log(model.name, f"weights {_describe(weights)}", wall)
+                self.log(model.name, f"weights {_describe(weights)}", wall)
                 memory.weights, memory.health = weights, health
                 changed = True
             # Explained when asked (GET /status), from this recompute's values: building the

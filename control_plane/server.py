@@ -329,9 +329,7 @@ class ControlPlane:
         if found == self.checked_down:
             return False
         for model, words in changes(self.checked_down, found):
-            self.router.decisions.append(
-                {"at": round(time.time(), 3), "pool": model, "decision": words}
-            )
+            self.router.log(model, words, time.time())
             log.info("%s: %s", model, words)
         self.checked_down = found
         return True
