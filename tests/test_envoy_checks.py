@@ -144,12 +144,11 @@ def test_a_dead_server_leaves_the_unchecked_clusters_on_envoys_checks(
             stops.callback(server.stop)
             servers.append(server)
         top: dict[str, Any] = {
-            "placement": {"poll_interval_s": 5.0, "timeout_s": 1.0, "unreachable_after": 10}
-        }
+            "listener": {"host": "127.0.0.1", "port": listener, "health_check_interval_s": 0.5,
+                         "health_checks": "model"},
+            "placement": {"poll_interval_s": 5.0, "timeout_s": 1.0, "unreachable_after": 10},
+        }  # fmt: skip
         path = write_topology(tmp_path / "t.yaml", listener, [s.url for s in servers], top=top)
-        text = path.read_text().replace("health_check_interval_s: 0.5", "health_checks: model\n"
-                                        "  health_check_interval_s: 0.5")  # fmt: skip
-        path.write_text(text)
         plane, envoy = start_plane_and_envoy(
             stops, tmp_path, path, listener, 6, otlp_port=free_port(), envoy_stats=True
         )
