@@ -37,6 +37,7 @@ from scale.harness import (
     Proc,
     cp_metrics,
     cpu_seconds,
+    decisions_after,
     decisions_since,
     family_cpu_seconds,
     family_rss,
@@ -57,8 +58,33 @@ from control_plane.bootstrap import raise_open_file_limit
 CP_RE = re.compile(
     r"control plane listening: xds=[\d.]+:(\d+) admin=[\d.]+:(\d+) otlp=[\d.]+:(\d+)"
 )
-LOG_TIME_RE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*snapshot set \(", re.M)
 SCALE = Path(__file__).resolve().parent / "scale"
+LOG_TIME_RE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*snapshot set \(", re.M)
+
+
+def snapshot_times(log: str) -> list[float]:
+    """Wall times of the control plane's "snapshot set" log lines (millisecond resolution)."""
+    return [
+        datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        for m in LOG_TIME_RE.finditer(log)
+    ]
+
+
+def stages(admin: int, pool: str, t0: float, t_all: float, log: str) -> dict[str, float]:
+    """Where a trial's time went: from the export's send to routing's first decision about the
+    pool (ingest, then waiting for and running a recompute: a decision's time is its
+    recompute's start), to the next snapshot set (the rest of the recompute and the rebuild),
+    to the last node's receipt (ADS delivery)."""
+    decided = [d["at"] for d in decisions_after(admin, t0) if d["pool"] == pool]
+    if not decided or math.isnan(t_all):
+        return {}
+    decision = min(decided)
+    snapshot = next((t for t in snapshot_times(log) if t >= decision - 0.001), math.nan)
+    return {
+        "to_decision_s": decision - t0,
+        "decision_to_snapshot_s": snapshot - decision,
+        "snapshot_to_all_s": t0 + t_all - snapshot,
+    }
 
 
 def write_topology(path: Path, args: argparse.Namespace, endpoints: list[str]) -> None:
@@ -145,7 +171,8 @@ def one_trial(k: int, ctx: dict[str, Any], args: argparse.Namespace) -> dict[str
         }
     weight = baseline[0]
     cpu0, rss0, all0 = cpu_seconds(cp.pid), memory(cp.pid)[0], family_cpu_seconds(cp.pid)
-    t0 = gen.ask(f"slow {key}")["sent_at"]
+    sent = gen.ask(f"slow {key}")
+    t0 = sent["sent_at"]
     nodes = args.nodes_now
 
     def report() -> dict[str, Any]:
@@ -170,6 +197,7 @@ def one_trial(k: int, ctx: dict[str, Any], args: argparse.Namespace) -> dict[str
         result["timeout"] = str(exc)
     cpu1, t1, all1 = cpu_seconds(cp.pid), time.time(), family_cpu_seconds(cp.pid)
     r = ctx["last_report"]
+    stage_log = cp.log()
     firsts = {n: first_change(v["changes"], None, weight) for n, v in r.items()}
     times = [c[0] - t0 for c in firsts.values() if c is not None]
     result.update({
@@ -189,6 +217,8 @@ def one_trial(k: int, ctx: dict[str, Any], args: argparse.Namespace) -> dict[str
                     for w in ctx["watches"]],
         "envoy_value": [w.value for w in ctx["watches"]],
     })  # fmt: skip
+    result["stages"] = stages(ctx["admin"], f"m{pool}", t0, result["t_all_s"], stage_log)
+    result["stages"]["export_acked_s"] = sent["acked_at"] - t0  # the receiver stored it
     if args.eject_timeout > 0:
         try:
             wait_until(lambda: all_changed("UNHEALTHY"), args.eject_timeout, "the ejection", 0.1)
@@ -231,7 +261,7 @@ def one_trial(k: int, ctx: dict[str, Any], args: argparse.Namespace) -> dict[str
         result["recovery_from_heal_s"] = time.time() - heal_at
     note(f"trial {k}: {key} in {cluster}: all {nodes} nodes in {result['t_all_s']:.3f} s, "
          f"envoys {result['envoy_s']}, eject {result.get('t_eject_all_s', math.nan):.2f} s, "
-         f"cp cpu {result['cp_cpu_s']:.2f} s, "
+         f"cp cpu {result['cp_cpu_s']:.2f} s, stages {result['stages']}, "
          f"update {statistics.median(result['update_bytes'] or [0]):.0f} B")  # fmt: skip
     return result
 
@@ -277,10 +307,9 @@ def run_config(endpoints_n: int, nodes: int, mode: str, args: argparse.Namespace
             return found is not None
 
         out["cp_listening_s"] = wait_until(listening, args.sync_timeout, "the control plane", 0.1)
-        stamp = LOG_TIME_RE.search(cp.log())
-        if stamp:
-            at = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-            out["first_snapshot_s"] = at - cp.started
+        stamps = snapshot_times(cp.log())
+        if stamps:
+            out["first_snapshot_s"] = stamps[0] - cp.started
         xds, admin, otlp = (int(g) for g in match[0].groups())
         gen = Proc("otlp-gen", [PYTHON, str(SCALE / "otlp_gen.py"), "--otlp", f"{HOST}:{otlp}",
                    "--endpoints", str(workdir / "endpoints.json"), "--interval",
@@ -325,7 +354,7 @@ def run_config(endpoints_n: int, nodes: int, mode: str, args: argparse.Namespace
         })  # fmt: skip
         args.nodes_now = nodes
         ctx = {"endpoints": endpoints, "clients": clients, "gen": gen, "cp": cp,
-               "watches": watches}  # fmt: skip
+               "watches": watches, "admin": admin}  # fmt: skip
         spy = profiler(cp.pid, args, f"updates-{tag}", args.profile_s, workdir)
         if spy is not None:
             procs.append(spy)

@@ -242,7 +242,8 @@ def cp_metrics(admin: int) -> dict[str, float]:
     """The control plane's own counters (Prometheus text on its admin port), a few of them."""
     wanted = ("routing_recompute_seconds_", "xds_snapshot_build_seconds_", "telemetry_ingest_",
               "telemetry_points_total", "telemetry_endpoints", "xds_snapshots_total",
-              "routing_pools_total", "routing_ejections_total")  # fmt: skip
+              "routing_pools_total", "routing_ejections_total",
+              "telemetry_shard_endpoints")  # fmt: skip
     with urllib.request.urlopen(f"http://{HOST}:{admin}/metrics", timeout=60) as response:
         text = response.read().decode()
     out = {}
@@ -255,12 +256,17 @@ def cp_metrics(admin: int) -> dict[str, float]:
     return out
 
 
+def decisions_after(admin: int, since: float) -> list[dict[str, Any]]:
+    """``GET /decisions`` entries made at or after ``since`` (wall time)."""
+    with urllib.request.urlopen(f"http://{HOST}:{admin}/decisions", timeout=60) as response:
+        return [d for d in json.loads(response.read())["decisions"] if d["at"] >= since]
+
+
 def decisions_since(admin: int, since: float) -> dict[str, Any]:
     """What routing decided after ``since`` (wall time): how many decisions of each kind (the
     first words: "weights", "eject ...", "return ..."), over how many pools, and a few of
     them. A fleet at rest decides nothing; churn shows here first."""
-    with urllib.request.urlopen(f"http://{HOST}:{admin}/decisions", timeout=60) as response:
-        decisions = [d for d in json.loads(response.read())["decisions"] if d["at"] >= since]
+    decisions = decisions_after(admin, since)
     kinds = Counter(" ".join(d["decision"].split()[:1]) for d in decisions)
     examples = [f"{d['pool']}: {d['decision'][:300]}" for d in decisions[-5:]]
     pools = len({d["pool"] for d in decisions})
