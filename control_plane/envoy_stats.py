@@ -24,6 +24,9 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+)
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
 ENVOY_SDK_NAME = "envoy"
@@ -39,6 +42,7 @@ CLUSTER_STATS = {
     "cluster.upstream_rq_pending_overflow": "overflow",
     "cluster.upstream_rq_active_overflow": "overflow",
 }
+USED_STATS = frozenset(ENDPOINT_STATS) | frozenset(CLUSTER_STATS)
 ENVOY_NODE_TAG = "infermesh.envoy_node"  # a fixed stats tag: the reporting Envoy's node id
 MAX_ENDPOINTS = 10_000
 MAX_CLUSTERS = 10_000
@@ -51,6 +55,20 @@ def is_envoy(resource_metrics: metrics_pb2.ResourceMetrics) -> bool:
         a.key == "telemetry.sdk.name" and a.value.string_value == ENVOY_SDK_NAME
         for a in resource_metrics.resource.attributes
     )
+
+
+def used_stats(resources: Iterable[metrics_pb2.ResourceMetrics]) -> bytes:
+    """An export request of only the stats ``EnvoyStats`` reads, serialised: what a telemetry
+    shard forwards of an Envoy's report (Envoy sends every stat it has, a few hundred per
+    cluster, and the control plane's process reads a handful)."""
+    out = ExportMetricsServiceRequest()
+    for resource in resources:
+        kept = out.resource_metrics.add(resource=resource.resource)
+        for scope in resource.scope_metrics:
+            wanted = [m for m in scope.metrics if m.name in USED_STATS]
+            if wanted:
+                kept.scope_metrics.add(scope=scope.scope).metrics.extend(wanted)
+    return out.SerializeToString()
 
 
 def stat_name(cluster: str) -> str:

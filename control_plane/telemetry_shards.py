@@ -42,6 +42,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
+from control_plane.envoy_stats import used_stats
 from control_plane.gc_tuning import tune_gc
 from control_plane.otlp_receiver import start_receiver
 from control_plane.telemetry import (
@@ -108,9 +109,9 @@ class _Shard:
         self._stop = asyncio.Event()
 
     def ingest(self, resources: Iterable[metrics_pb2.ResourceMetrics], now: float) -> int:
-        """The receiver's Envoy sink: forwarded with the next push (the control plane counts
-        what it uses)."""
-        blob = ExportMetricsServiceRequest(resource_metrics=resources).SerializeToString()
+        """The receiver's Envoy sink: what the control plane reads of it is forwarded with the
+        next push (the control plane counts what it uses)."""
+        blob = used_stats(resources)
         with self._envoy_lock:
             self._envoy.append((now, blob))
         return 0

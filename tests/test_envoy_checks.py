@@ -7,10 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+)
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
 from control_plane.envoy_checks import changes, checked_down_by_model
-from control_plane.envoy_stats import ENVOY_NODE_TAG, EnvoyStats, stat_name
+from control_plane.envoy_stats import ENVOY_NODE_TAG, EnvoyStats, stat_name, used_stats
 from control_plane.lanes import sla_cluster
 from control_plane.mesh import (
     SERVERS_CLUSTER,
@@ -83,6 +86,25 @@ def test_each_envoys_counters_stay_a_series_of_their_own() -> None:
         stats.ingest([envoy_report("e1", MODEL, {}, {A.key: 1000 + 10 * t})], now=float(t))
         stats.ingest([envoy_report("e2", MODEL, {}, {A.key: 50 + 30 * t})], now=float(t))
     assert stats.as_json(5.0)["endpoints"][A.key]["requests_per_s"] == pytest.approx(40.0)
+
+
+def test_a_shard_forwards_only_the_stats_the_control_plane_reads() -> None:
+    """Envoy reports every stat it has (a few hundred per cluster); a telemetry shard forwards
+    the handful EnvoyStats reads, which then reads the same as from the whole report."""
+    report = envoy_report("e1", MODEL, {A.key: 0, B.key: 1}, {A.key: 5})
+    noise = report.scope_metrics[0].metrics.add(name="cluster.upstream_cx_total").sum
+    noise.data_points.add(as_int=7).attributes.add(key="envoy.cluster_name")
+    report.scope_metrics.add().metrics.add(name="server.uptime").gauge.data_points.add(as_int=1)
+    forwarded = ExportMetricsServiceRequest.FromString(used_stats([report])).resource_metrics
+    names = {m.name for r in forwarded for s in r.scope_metrics for m in s.metrics}
+    assert names == {"cluster.endpoint.healthy", "cluster.endpoint.rq_total"}
+    assert [r.resource for r in forwarded] == [report.resource]  # the node, the SDK name
+    whole, kept = EnvoyStats(), EnvoyStats()
+    for t in (1.0, 2.0):
+        whole.ingest([report], now=t)
+        kept.ingest(forwarded, now=t)
+    assert kept.checked_down(2.5) == whole.checked_down(2.5) == {stat_name(MODEL): {A.key}}
+    assert kept.as_json(2.5) == whole.as_json(2.5)
 
 
 def assigned(*addresses: EndpointAddress) -> tuple[EndpointAssignment, ...]:

@@ -283,6 +283,11 @@ def test_health_checks_in_every_cluster_or_once_per_model(scope: str, checked: s
         assert with_checks == set(clusters), checked
     else:
         assert with_checks == set(checked.split())
+    # Per-endpoint stats (Envoy's stat sink, every second) only where the gRPC checks are:
+    # what the control plane reads of them (checked_down) comes from there. REST twins have
+    # none (their ports are not the endpoints telemetry knows).
+    with_stats = {n for n, c in clusters.items() if c.track_cluster_stats.per_endpoint_stats}
+    assert with_stats == {n for n in with_checks if not n.startswith("rest:")}
     for name in with_checks:  # the same check wherever there is one
         (check,) = clusters[name].health_checks
         assert check.interval == duration(0.5)
