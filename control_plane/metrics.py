@@ -60,6 +60,13 @@ class ControlPlaneMetrics:
             "Telemetry shard processes that ended unasked and were started again",
             registry=r,
         )
+        self.telemetry_shard_endpoints = Counter(
+            "telemetry_shard_endpoints",
+            "Endpoints in the shards' pushes: sent whole (their telemetry moved) or touched "
+            "(reported, within telemetry.push_tolerance of what was sent)",
+            ["sent"],
+            registry=r,
+        )
         self.telemetry_endpoints = Gauge(
             "telemetry_endpoints", "Endpoints the telemetry store currently tracks", registry=r
         )

@@ -78,6 +78,7 @@ _RULES: dict[str, tuple[Any, str, str]] = {
     "percent": (lambda v: 0 <= v <= 100, _NUM, "in 0..100"),
     "count": (lambda v: isinstance(v, int) and v >= 0, _NUM, "an integer >= 0"),
     "port": (lambda v: isinstance(v, int) and 1 <= v <= 65535, _NUM, "a port in 1..65535"),
+    "nice": (lambda v: isinstance(v, int) and 0 <= v <= 19, _NUM, "an integer in 0..19"),
     "bool": (lambda v: isinstance(v, bool), "", "true or false"),
     "ip": (_is_ip, "", "an IP address"),
     "host": (lambda v: _is_ip(v) or _HOST_NAME.fullmatch(v), _STR, "a host name or IP"),

@@ -15,7 +15,7 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +60,7 @@ TOPOLOGY_CHECK_INTERVAL_S = 1.0
 # (at most every 0.1 s) was measured not to help on a loaded host: the same median, a longer
 # tail and more idle CPU at 1,000 endpoints (README, "Control plane at scale").
 ROUTING_INTERVAL_S = RECOMPUTE_PERIOD_S
+ROUTING_MIN_GAP_S = 0.1  # between recomputes woken by moved telemetry
 JUDGE_INTERVAL_S = 0.5  # how often running canaries and open circuits are judged
 DNS_REFRESH_INTERVAL_S = 5.0
 PLACEMENT_HINT_INTERVAL_S = 0.1  # how often telemetry's model-state changes become probes
@@ -88,6 +89,22 @@ def load_with_overrides(settings: ControlPlaneSettings) -> Topology:
     return topology
 
 
+async def ticks_or_wakes(
+    wake: asyncio.Event, interval: float, min_gap: float, run: Callable[[], Awaitable[None]]
+) -> None:
+    """Runs ``run`` ``interval`` after the last run ended, or once ``wake`` is set but no
+    sooner than ``min_gap`` after it (routing: at rest nothing moves and the tick is all
+    there is; a change waits for the gap, not for the tick). Forever."""
+    loop = asyncio.get_running_loop()
+    while True:
+        ended = loop.time()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), interval)
+        await asyncio.sleep(max(0.0, ended + min_gap - loop.time()))
+        wake.clear()
+        await run()
+
+
 class ControlPlane:
     def __init__(self, settings: ControlPlaneSettings) -> None:
         self.settings = settings
@@ -98,6 +115,7 @@ class ControlPlane:
         self.cache = SnapshotCache()
         self.nodes = NodeRegistry()
         self.slices_changed = asyncio.Event()
+        self.routing_wake = asyncio.Event()  # telemetry moved: recompute before the next tick
         self.slices = EndpointSlices(self.slices_changed.set)
         self.resolver = EndpointResolver(watched=self.slices.addresses)
         options = self.topology.telemetry
@@ -180,8 +198,9 @@ class ControlPlane:
         otlp_port = t.telemetry.port if self.settings.otlp_port is None else self.settings.otlp_port
         if t.telemetry.shards:
             self.shards = TelemetryShards(
-                t.telemetry.shards, t.telemetry, self.envoy_stats, self.metrics
-            )
+                t.telemetry.shards, t.telemetry, self.envoy_stats, self.metrics,
+                on_moved=self._wake_routing(asyncio.get_running_loop()),
+            )  # fmt: skip
             self.telemetry.shards = self.shards
             self.otlp_port = await asyncio.to_thread(self.shards.start, otlp_port)
         else:
@@ -297,10 +316,17 @@ class ControlPlane:
     def _on_placement_change(self, reports: Any) -> None:
         self.rebuild("placement changed")
 
+    def _wake_routing(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
+        """What a telemetry shard's reader thread calls when telemetry moved."""
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(self.routing_wake.set)
+
+        return wake
+
     async def _route_by_telemetry(self) -> None:
-        while True:
-            await asyncio.sleep(ROUTING_INTERVAL_S)
-            await self._route_once()
+        await ticks_or_wakes(self.routing_wake, ROUTING_INTERVAL_S, ROUTING_MIN_GAP_S,
+                             self._route_once)  # fmt: skip
 
     async def _route_once(self) -> None:
         now = time.monotonic()

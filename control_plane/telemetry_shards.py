@@ -12,6 +12,12 @@ dict of the newest ``EndpointTelemetry`` per endpoint. Envoy's stat-sink resourc
 hints and the receiver's counts travel with the push; canary statistics are asked for
 (``version_series``) and merged here.
 
+What does not cost the control plane's process: an endpoint whose telemetry has not moved
+beyond ``telemetry.push_tolerance`` since it was last sent goes as a "touch" (its name only,
+``telemetry_moved``); Envoy's reports are cut down to the stats ``EnvoyStats`` reads; and the
+shards run ``telemetry.shard_nice`` nicer, so on a host short of CPU the control plane's
+decisions come first.
+
 A server that reconnects may land on another shard: its counters start a new window there
 (one report's rate spans its uptime, as after a control-plane restart) and the newest push
 wins. A shard that dies is logged, counted (``telemetry_shard_restarts_total``) and started
@@ -24,12 +30,13 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import os
 import signal
 import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from contextlib import suppress
 from dataclasses import dataclass
@@ -52,6 +59,7 @@ from control_plane.telemetry import (
     VersionSeries,
     read_computed,
 )
+from control_plane.telemetry_moved import split_moved
 
 if TYPE_CHECKING:
     from control_plane.envoy_stats import EnvoyStats
@@ -72,7 +80,9 @@ class Push:
     """What a shard sends every ``PUSH_INTERVAL_S``."""
 
     at: float  # the shard's time.monotonic() (one clock for every process of the host)
-    telemetry: dict[str, EndpointTelemetry]  # endpoints that reported since the last push
+    telemetry: dict[str, EndpointTelemetry]  # reported and moved since the last push
+    touched: tuple[str, ...]  # reported, not moved (telemetry_moved): still as last sent
+    moved: bool  # some endpoint is new or moved (not only refreshed): routing should look now
     forgotten: frozenset[str]
     hints: frozenset[str]  # see TelemetryStore.take_placement_hints
     envoy: tuple[tuple[float, bytes], ...]  # (arrival, Envoy's resources as an export request)
@@ -86,6 +96,7 @@ def run_shard(options: TelemetryOptions, host: str, port: int, conn: Connection)
     """A shard process's entry point (spawned): serves until the control plane says stop or
     its end of ``conn`` closes (the control plane is gone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the parent stops us
+    os.nice(options.shard_nice)  # see TelemetryOptions.shard_nice
     logging.basicConfig(level=logging.INFO, format="%(asctime)s shard %(message)s")
     tune_gc()
     asyncio.run(_Shard(options, conn).serve(host, port))
@@ -107,6 +118,10 @@ class _Shard:
         self._ignored: Counter[str] = Counter()
         self._timings: list[float] = []
         self._stop = asyncio.Event()
+        self.push_tolerance = options.push_tolerance
+        self._sent: dict[str, tuple[float, EndpointTelemetry]] = {}  # see split_moved
+        self._resend: set[str] = set()
+        self._resend_lock = threading.Lock()
 
     def ingest(self, resources: Iterable[metrics_pb2.ResourceMetrics], now: float) -> int:
         """The receiver's Envoy sink: what the control plane reads of it is forwarded with the
@@ -165,11 +180,18 @@ class _Shard:
         envoy: tuple[tuple[float, bytes], ...],
     ) -> None:
         now = time.monotonic()
-        telemetry, forgotten = self.store.changed(now)
+        reported, forgotten = self.store.changed(now)
+        with self._resend_lock:
+            resend, self._resend = frozenset(self._resend), set()
+        telemetry, touched, moved = split_moved(
+            reported, self._sent, now, self.push_tolerance, resend
+        )
+        for key in forgotten:
+            self._sent.pop(key, None)
         hints = self.store.take_placement_hints()
-        if telemetry or forgotten or hints or envoy or points or ignored:
-            push = Push(now, telemetry, frozenset(forgotten), frozenset(hints), envoy, points,
-                        ignored, timings)  # fmt: skip
+        if telemetry or touched or forgotten or hints or envoy or points or ignored:
+            push = Push(now, telemetry, touched, moved, frozenset(forgotten), frozenset(hints),
+                        envoy, points, ignored, timings)  # fmt: skip
             self.send(("push", push))
 
     def _commands(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -181,6 +203,9 @@ class _Shard:
                 if message[0] == "version_series":
                     _, request_id, model, since = message
                     self.send(("reply", request_id, self.store.version_series(model, since)))
+                elif message[0] == "resend":
+                    with self._resend_lock:
+                        self._resend.update(message[1])
         except (EOFError, OSError):
             pass  # the control plane is gone
         finally:
@@ -200,15 +225,20 @@ class TelemetryShards:
         options: TelemetryOptions,
         envoy: EnvoyStats | None = None,
         metrics: ControlPlaneMetrics | None = None,
+        on_moved: Callable[[], None] | None = None,
     ) -> None:
         self.count = count
+        self.on_moved = on_moved  # called (in a reader thread) after a push with moved telemetry
         self.options = options
         self.envoy = envoy
         self.metrics = metrics
         self.port = 0
         self.restarts = 0
         self._host = options.host
-        self._telemetry: dict[str, tuple[tuple[float, EndpointTelemetry], int]] = {}
+        # endpoint -> ((pushed or touched at, telemetry as read), shard, telemetry as pushed)
+        self._telemetry: dict[
+            str, tuple[tuple[float, EndpointTelemetry], int, EndpointTelemetry]
+        ] = {}
         self._hints: set[str] = set()
         self._lock = threading.Lock()
         self._conns: list[Connection | None] = [None] * count
@@ -307,13 +337,24 @@ class TelemetryShards:
                 future.set_result(message[2])
 
     def _apply(self, index: int, push: Push) -> None:
+        resend = []
         with self._lock:
             for key, telemetry in push.telemetry.items():
-                self._telemetry[key] = ((push.at, telemetry), index)
+                self._telemetry[key] = ((push.at, telemetry), index, telemetry)
+            for key in push.touched:
+                entry = self._telemetry.get(key)
+                if entry is None or entry[1] != index:  # moved between shards, or forgotten
+                    resend.append(key)
+                else:  # as pushed (a read may have aged the copy kept since): fresh again
+                    self._telemetry[key] = ((push.at, entry[2]), index, entry[2])
             for key in push.forgotten:
                 if key in self._telemetry and self._telemetry[key][1] == index:
                     del self._telemetry[key]
             self._hints |= push.hints
+        if resend:
+            self._ask_resend(index, resend)
+        if push.moved and self.on_moved is not None:
+            self.on_moved()
         used = 0
         if self.envoy is not None:
             for at, blob in push.envoy:
@@ -327,6 +368,15 @@ class TelemetryShards:
                 m.telemetry_points_ignored.labels(reason).inc(n)
             for seconds in push.timings:
                 m.telemetry_ingest.observe(seconds)
+            m.telemetry_shard_endpoints.labels("whole").inc(len(push.telemetry))
+            m.telemetry_shard_endpoints.labels("touched").inc(len(push.touched))
+
+    def _ask_resend(self, index: int, keys: list[str]) -> None:
+        """Asks a shard to send these endpoints whole with their next reports."""
+        with suppress(OSError), self._send_locks[index]:
+            conn = self._conns[index]
+            if conn is not None:
+                conn.send(("resend", tuple(keys)))
 
     # -- reads -----------------------------------------------------------------------------------
     def snapshot(self, now: float, ages: bool = True) -> dict[str, EndpointTelemetry]:
@@ -335,7 +385,7 @@ class TelemetryShards:
         stale_after, forget_after = self.options.stale_after_intervals, self.options.forget_after_s
         out: dict[str, EndpointTelemetry] = {}
         with self._lock:
-            for key, (cached, index) in list(self._telemetry.items()):
+            for key, (cached, index, pushed) in list(self._telemetry.items()):
                 at, telemetry = cached
                 if telemetry.age_s + now - at > forget_after:
                     del self._telemetry[key]
@@ -345,7 +395,7 @@ class TelemetryShards:
                     continue
                 kept, out[key] = read_computed(cached, now, ages, stale_after)
                 if kept is not cached:
-                    self._telemetry[key] = (kept, index)
+                    self._telemetry[key] = (kept, index, pushed)
         return out
 
     def take_placement_hints(self) -> set[str]:

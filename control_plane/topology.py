@@ -46,6 +46,11 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
       decoder_processes: 0          # integer >= 0: OTLP decoding in processes (0: a thread)
       shards: 0                     # integer >= 0: receiver and store in N processes sharing
                                     # the port (0: in the control plane; see telemetry_shards)
+      push_tolerance: 0.02          # 0..1: a shard resends an endpoint's telemetry when a
+                                    # number moved more than this (relative); lowered to the
+                                    # smallest routing.recompute_tolerance of any pool
+      shard_nice: 5                 # 0..19: shards' CPU priority below the control plane's
+                                    # (os.nice): decisions and Envoy's updates come first
       scrape_interval_s: 2.0        # > 0: scrapes of kind-triton endpoints' /metrics
     models:                         # required, at least one
       - name: classifier            # letters, digits, '_', '.', '-'; unique
@@ -147,6 +152,12 @@ class TelemetryOptions:
     forget_after_s: float = 300.0  # an endpoint unseen this long is forgotten
     decoder_processes: int = 0  # OTLP decoding in this many processes (0: a worker thread)
     shards: int = 0  # receiver and store in this many processes sharing the port (0: none)
+    # A shard sends an endpoint again only when a number moved by more than this (relative),
+    # else only that it reported (control_plane.telemetry_moved).
+    push_tolerance: float = 0.02
+    # Shards run this much nicer than the control plane's process (os.nice): on a host short
+    # of CPU, Envoy's updates come first and ingest falls behind (telemetry ages show it).
+    shard_nice: int = 5
     scrape_interval_s: float = 2.0  # Prometheus scrapes of kind-triton endpoints
 
 
@@ -277,7 +288,8 @@ _PLACEMENT = {
 _TELEMETRY = {
     "host": "host", "port": "port", "window_s": "positive",
     "stale_after_intervals": "positive", "forget_after_s": "positive", "decoder_processes": "count",
-    "shards": "count", "scrape_interval_s": "positive",
+    "shards": "count", "push_tolerance": "fraction", "shard_nice": "nice",
+    "scrape_interval_s": "positive",
 }  # fmt: skip
 _MODEL = {
     "name": "name", "sla_p99_ms": "positive", "capacity_qps": "positive",
@@ -339,6 +351,10 @@ def _build(data: object, source: str, early_errors: list[str]) -> Topology:
     models, capacity, policies, canaries = (
         _models(c, root["models"]) if "models" in root else ((), (), (), ())
     )
+    # What a shard does not resend, routing must not need: no more than any pool ignores.
+    lowest = min((p.recompute_tolerance for _, p in policies), default=telemetry.push_tolerance)
+    if lowest < telemetry.push_tolerance:
+        telemetry = dataclasses.replace(telemetry, push_tolerance=lowest)
     endpoints = _endpoints(c, root.get("endpoints", []))
     static = [(f"endpoints[{i}].address", e.address.port) for i, e in enumerate(endpoints)
               if isinstance(e, StaticEndpoint) and not e.rest_port]  # fmt: skip

@@ -124,9 +124,25 @@ def telemetry(endpoint: str, age_s: float = 0.0, interval_s: float = 1.0) -> End
     return EndpointTelemetry(endpoint, age_s, interval_s, stale=False)
 
 
-def push(at: float, *endpoints: str, forgotten: frozenset[str] = frozenset()) -> Push:
+def push(
+    at: float,
+    *endpoints: str,
+    forgotten: frozenset[str] = frozenset(),
+    touched: tuple[str, ...] = (),
+) -> Push:
     found = {e: telemetry(e) for e in endpoints}
-    return Push(at, found, forgotten, frozenset({"hint:1"}), (), len(endpoints), {}, ())
+    return Push(
+        at,
+        found,
+        touched,
+        bool(found),
+        forgotten,
+        frozenset({"hint:1"}),
+        (),
+        len(endpoints),
+        {},
+        (),
+    )
 
 
 def test_the_newest_push_wins_and_only_its_shard_forgets_an_endpoint() -> None:
