@@ -67,6 +67,13 @@ class ControlPlaneMetrics:
             ["sent"],
             registry=r,
         )
+        self.telemetry_shard_delay = Histogram(
+            "telemetry_shard_delay_seconds",
+            "From a report's arrival at a telemetry shard to the control plane holding it (the "
+            "oldest report of each push): how far ingest runs behind",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+            registry=r,
+        )
         self.telemetry_endpoints = Gauge(
             "telemetry_endpoints", "Endpoints the telemetry store currently tracks", registry=r
         )

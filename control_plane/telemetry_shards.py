@@ -89,6 +89,7 @@ class Push:
     points: int
     ignored: dict[str, int]
     timings: tuple[float, ...]
+    delay: float = 0.0  # the oldest report in it: from its arrival at the shard to the push
 
 
 # -- the shard process -----------------------------------------------------------------------
@@ -190,8 +191,9 @@ class _Shard:
             self._sent.pop(key, None)
         hints = self.store.take_placement_hints()
         if telemetry or touched or forgotten or hints or envoy or points or ignored:
+            delay = max((t.age_s for t in reported.values()), default=0.0)
             push = Push(now, telemetry, touched, moved, frozenset(forgotten), frozenset(hints),
-                        envoy, points, ignored, timings)  # fmt: skip
+                        envoy, points, ignored, timings, delay)  # fmt: skip
             self.send(("push", push))
 
     def _commands(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -368,6 +370,8 @@ class TelemetryShards:
                 m.telemetry_points_ignored.labels(reason).inc(n)
             for seconds in push.timings:
                 m.telemetry_ingest.observe(seconds)
+            if push.telemetry or push.touched:
+                m.telemetry_shard_delay.observe(push.delay + time.monotonic() - push.at)
             m.telemetry_shard_endpoints.labels("whole").inc(len(push.telemetry))
             m.telemetry_shard_endpoints.labels("touched").inc(len(push.touched))
 

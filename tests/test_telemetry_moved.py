@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from typing import Any
 
 import pytest
 
+from control_plane.metrics import ControlPlaneMetrics
 from control_plane.server import ticks_or_wakes
 from control_plane.telemetry import EndpointTelemetry, Flag, ModelTelemetry, Signal
 from control_plane.telemetry_moved import REFRESH_S, split_moved, telemetry_moved
@@ -150,3 +152,18 @@ async def test_moved_telemetry_wakes_routing_before_its_tick() -> None:
         assert len(runs) == 2 and runs[1] - runs[0] >= 0.05
     finally:
         task.cancel()
+
+
+def test_the_control_plane_counts_what_was_sent_whole_touched_and_how_late() -> None:
+    metrics = ControlPlaneMetrics()
+    shards = TelemetryShards(1, TelemetryOptions(), metrics=metrics)
+    now = time.monotonic()
+    shards._apply(0, dataclasses.replace(_push(now - 0.2, {"a:1": BASE}, ()), delay=1.5))
+    shards._apply(0, _push(now, {}, ("a:1",)))
+    sample = metrics.registry.get_sample_value
+    assert sample("telemetry_shard_endpoints_total", {"sent": "whole"}) == 1
+    assert sample("telemetry_shard_endpoints_total", {"sent": "touched"}) == 1
+    assert sample("telemetry_shard_delay_seconds_count") == 2
+    # The first push: reported 1.5 s before it left the shard, 0.2 s before it arrived.
+    assert sample("telemetry_shard_delay_seconds_bucket", {"le": "1.0"}) == 1
+    assert sample("telemetry_shard_delay_seconds_bucket", {"le": "2.5"}) == 2
