@@ -94,9 +94,18 @@ def write_topology(path: Path, args: argparse.Namespace, endpoints: list[str]) -
             "port": free_port(),
             "health_check_interval_s": args.hc_interval,
             "health_checks": args.health_checks,
+            # The synthetic servers answer gRPC only. With REST twins, Envoy's HTTP checks of
+            # PORT+2000 reached whichever synthetic server had that port (the fleet's ports are
+            # the kernel's, 10,000 of them): a second connection per server for ~40% of them,
+            # past the real Envoys' 20,000 descriptors, and they crashed.
+            "rest": {"enabled": False},
         },
         "placement": {"poll_interval_s": args.poll_interval, "timeout_s": args.poll_timeout},
-        "telemetry": {"decoder_processes": args.decoder_processes, "shards": args.shards},
+        "telemetry": {
+            "decoder_processes": args.decoder_processes,
+            "shards": args.shards,
+            "shard_nice": args.shard_nice,
+        },
         "models": [
             {"name": f"m{i}", "sla_p99_ms": args.sla_ms, "capacity_qps": 1000}
             for i in range(args.models)
@@ -400,6 +409,7 @@ def main() -> int:
         "--decoder-processes", type=int, default=0, help="telemetry.decoder_processes (OTLP)"
     )
     p.add_argument("--shards", type=int, default=0, help="telemetry.shards (OTLP processes)")
+    p.add_argument("--shard-nice", type=int, default=5, help="telemetry.shard_nice")
     p.add_argument("--otlp-interval", type=float, default=1.0, help="each endpoint's export")
     p.add_argument("--otlp-channels", type=int, default=8,
                    help="connections the generator spreads its batches over")  # fmt: skip

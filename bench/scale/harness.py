@@ -243,14 +243,16 @@ def cp_metrics(admin: int) -> dict[str, float]:
     wanted = ("routing_recompute_seconds_", "xds_snapshot_build_seconds_", "telemetry_ingest_",
               "telemetry_points_total", "telemetry_endpoints", "xds_snapshots_total",
               "routing_pools_total", "routing_ejections_total",
-              "telemetry_shard_endpoints")  # fmt: skip
+              "telemetry_shard_endpoints", "telemetry_shard_delay_seconds_")  # fmt: skip
     with urllib.request.urlopen(f"http://{HOST}:{admin}/metrics", timeout=60) as response:
         text = response.read().decode()
     out = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
         if name.startswith(wanted) and (
-            name.endswith(("_sum", "_count")) or "_seconds" not in name
+            name.endswith(("_sum", "_count"))
+            or "_seconds" not in name
+            or name.startswith("telemetry_shard_delay_seconds_bucket")  # how far ingest lags
         ):
             out[name] = float(value)
     return out
