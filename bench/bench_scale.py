@@ -124,7 +124,7 @@ def start_fleets(
                "--count", str(min(args.per_fleet, total - first)), "--models", str(args.models),
                "--out", str(workdir / f"fleet-{k}.json"),
                "--stats", str(workdir / f"fleet-{k}-stats.json")]  # fmt: skip
-        fleets.append(Proc(f"fleet-{k}", cmd, workdir / f"fleet-{k}.log"))
+        fleets.append(Proc(f"fleet-{k}", cmd, workdir / f"fleet-{k}.log", nice=args.emulator_nice))
     outs = [workdir / f"fleet-{k}.json" for k in range(len(fleets))]
 
     def bound() -> bool:
@@ -323,7 +323,8 @@ def run_config(endpoints_n: int, nodes: int, mode: str, args: argparse.Namespace
         gen = Proc("otlp-gen", [PYTHON, str(SCALE / "otlp_gen.py"), "--otlp", f"{HOST}:{otlp}",
                    "--endpoints", str(workdir / "endpoints.json"), "--interval",
                    str(args.otlp_interval), "--channels", str(args.otlp_channels), "--slow-ms",
-                   str(args.sla_ms * 6)], workdir / "otlp-gen.log", pipes=True)  # fmt: skip
+                   str(args.sla_ms * 6)], workdir / "otlp-gen.log", pipes=True,
+                   nice=args.emulator_nice)  # fmt: skip
         procs.append(gen)
         clients = Proc("xds-clients", [PYTHON, str(SCALE / "xds_clients.py"), "--xds",
                        f"{HOST}:{xds}", "--nodes", str(nodes), "--mode", mode],
@@ -410,6 +411,9 @@ def main() -> int:
     )
     p.add_argument("--shards", type=int, default=0, help="telemetry.shards (OTLP processes)")
     p.add_argument("--shard-nice", type=int, default=5, help="telemetry.shard_nice")
+    emulators = ("os.nice of the synthetic servers and the OTLP generator (a real deployment "
+                 "runs them on other machines); xDS nodes and Envoys stay at 0")  # fmt: skip
+    p.add_argument("--emulator-nice", type=int, default=0, help=emulators)
     p.add_argument("--otlp-interval", type=float, default=1.0, help="each endpoint's export")
     p.add_argument("--otlp-channels", type=int, default=8,
                    help="connections the generator spreads its batches over")  # fmt: skip

@@ -96,13 +96,15 @@ def wait_until(cond: Callable[[], bool], timeout: float, what: str, period: floa
 class Proc:
     """A child process with its log in a file, stopped by its PID (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, name: str, cmd: list[str], log: Path, pipes: bool = False) -> None:
+    def __init__(
+        self, name: str, cmd: list[str], log: Path, pipes: bool = False, nice: int = 0
+    ) -> None:
         self.name, self.log_path = name, log
         self._log = log.open("wb")
         pipe = subprocess.PIPE if pipes else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, stdin=pipe, stdout=pipe if pipes else self._log,
-            stderr=self._log, text=pipes,
+            stderr=self._log, text=pipes, preexec_fn=(lambda: os.nice(nice)) if nice else None,
         )  # fmt: skip
         self.pid = self.proc.pid
         self.started = time.time()
