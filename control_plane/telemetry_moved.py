@@ -17,11 +17,15 @@ Ages are not compared: a touch brings them up to date on the control plane's sid
 
 from __future__ import annotations
 
+import random
+
 from control_plane.scoring.at_rest import near
 from control_plane.telemetry import EndpointTelemetry, Signal
 
 # An endpoint that reports is sent whole at least this often: what GET /telemetry shows is
-# within push_tolerance of the newest, and never older than this.
+# within push_tolerance of the newest, and never older than this. Each refresh comes after a
+# random part of it, from half to all: a fleet that started together would otherwise be
+# refreshed together, 10,000 endpoints in one push every REFRESH_S.
 REFRESH_S = 15.0
 # The observed reporting interval only sets when an endpoint turns stale (after a few of them):
 # it moves with every late export (a loaded exporter's 1.0-1.7 s made every report "moved"),
@@ -83,9 +87,9 @@ def split_moved(
 ) -> tuple[dict[str, EndpointTelemetry], tuple[str, ...], bool]:
     """(the endpoints to send whole, the endpoints only touched, whether any is sent whole for
     more than its refresh: new, moved or asked for) of ``telemetry``, the endpoints that
-    reported since the last push. ``sent`` (endpoint -> (when, what) was last sent whole) is
-    updated; ``resend``: endpoints the control plane asked for whole (it could not apply a
-    touch: it has the endpoint from another shard, or not at all)."""
+    reported since the last push. ``sent`` (endpoint -> (when it is due again, what was last
+    sent whole)) is updated; ``resend``: endpoints the control plane asked for whole (it could
+    not apply a touch: it has the endpoint from another shard, or not at all)."""
     whole: dict[str, EndpointTelemetry] = {}
     touched = []
     moved = False
@@ -93,9 +97,9 @@ def split_moved(
         last = sent.get(key)
         if last is None or key in resend or telemetry_moved(last[1], now_telemetry, tolerance):
             moved = True
-        elif now - last[0] < REFRESH_S:
+        elif now < last[0]:
             touched.append(key)
             continue
         whole[key] = now_telemetry
-        sent[key] = (now, now_telemetry)
+        sent[key] = (now + REFRESH_S * random.uniform(0.5, 1.0), now_telemetry)
     return whole, tuple(touched), moved

@@ -71,12 +71,24 @@ def test_split_sends_whole_what_moved_is_new_asked_for_or_due() -> None:
     faster = dataclasses.replace(b, qps=Signal(150.0, 0.2))
     whole, touched, moved = split_moved({"a:1": same, "b:1": faster}, sent, 11.0, 0.02)
     assert set(whole) == {"b:1"} and touched == ("a:1",) and moved
-    assert sent["a:1"] == (10.0, BASE)  # the reference stays what was sent: no creeping drift
+    assert sent["a:1"][1] is BASE  # the reference stays what was sent: no creeping drift
     whole, _, moved = split_moved({"a:1": same}, sent, 12.0, 0.02, resend=frozenset({"a:1"}))
-    assert set(whole) == {"a:1"} and sent["a:1"] == (12.0, same) and moved
-    # Sent whole at least every REFRESH_S; a refresh alone does not wake routing.
-    whole, touched, moved = split_moved({"a:1": same}, sent, 12.0 + REFRESH_S, 0.02)
-    assert set(whole) == {"a:1"} and not moved
+    assert set(whole) == {"a:1"} and sent["a:1"][1] is same and moved
+
+
+def test_refreshes_come_within_the_period_and_spread_out() -> None:
+    """Sent whole again after half to all of REFRESH_S (a refresh alone does not wake
+    routing), each at its own time: a fleet that started together is not refreshed in one
+    push."""
+    fleet = {f"e:{i}": dataclasses.replace(BASE, endpoint=f"e:{i}") for i in range(200)}
+    sent: dict[str, tuple[float, EndpointTelemetry]] = {}
+    split_moved(fleet, sent, 0.0, 0.02)
+    whole, touched, _ = split_moved(fleet, sent, REFRESH_S * 0.49, 0.02)
+    assert whole == {} and len(touched) == 200
+    whole, _, moved = split_moved(fleet, sent, REFRESH_S * 0.75, 0.02)
+    assert 40 < len(whole) < 160 and not moved  # about half, by chance
+    whole, _, _ = split_moved(fleet, sent, REFRESH_S, 0.02)
+    assert set(whole) | {k for k, (due, _) in sent.items() if due > REFRESH_S} == set(fleet)
 
 
 def _push(at: float, whole: dict[str, EndpointTelemetry], touched: tuple[str, ...]) -> Push:
