@@ -39,7 +39,7 @@ from control_plane.metrics_scraper import MetricsScraper
 from control_plane.nodes import NodeRegistry
 from control_plane.operator_api import OperatorApi
 from control_plane.otlp_receiver import start_decoders, start_receiver
-from control_plane.placement import PlacementPoller, build_mesh_state
+from control_plane.placement import ClusterMemo, PlacementPoller, build_mesh_state
 from control_plane.routing import Router
 from control_plane.scoring.types import RECOMPUTE_PERIOD_S, Labels
 from control_plane.snapshot import InconsistentSnapshot, SnapshotCache
@@ -153,6 +153,7 @@ class ControlPlane:
         )
         self.last_rebuild: dict[str, Any] = {}
         self.mesh_state: MeshState | None = None  # what the current snapshot was built from
+        self.mesh_memo: ClusterMemo = {}  # clusters' assignments kept between rebuilds
         self.grpc_server: grpc.aio.Server | None = None
         self.admin: AdminServer | None = None
         self.xds_port = 0
@@ -289,6 +290,7 @@ class ControlPlane:
             pool_health=self.router.pool_health(),
             labels=self.endpoint_labels(),
             checked_down=self.checked_down,
+            memo=self.mesh_memo,
         )
         try:
             snapshot = self.builder.build(state)

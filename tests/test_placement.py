@@ -20,6 +20,7 @@ from control_plane.mesh import (
     model_cluster,
 )
 from control_plane.placement import (
+    ClusterMemo,
     EndpointReport,
     PlacementPoller,
     build_mesh_state,
@@ -211,6 +212,58 @@ def test_identical_inputs_give_identical_state() -> None:
         assert repr(again) == repr(first)
     for endpoints in first.clusters.values():
         assert [e.address for e in endpoints] == sorted(e.address for e in endpoints)
+
+
+def test_a_kept_memo_builds_what_a_fresh_build_does() -> None:
+    """build_mesh_state with a memo kept between builds, through a random walk of placement,
+    routing, operator and Envoy-check changes, equals a build from scratch at every step, and
+    built again from equal inputs hands back every cluster's own tuple."""
+    rng = random.Random(11)
+    addresses = [EndpointAddress("127.0.0.1", 8000 + i) for i in range(10)]
+    pairs = [(m, v) for m in ("classifier", "detector") for v in "12"]
+    reports = {a: report(a, set(rng.sample(pairs, 2))) for a in addresses}
+    weights: dict[EndpointAddress, int] = {}
+    health: dict[EndpointAddress, EndpointHealth] = {}
+    pool_weights: dict[str, dict[EndpointAddress, int]] = {"classifier": {}, "detector": {}}
+    pool_health: dict[str, dict[EndpointAddress, EndpointHealth]] = {"classifier": {}}
+    down: dict[str, frozenset[EndpointAddress]] = {}
+    labels: dict[str, tuple[tuple[str, str], ...]] = {}
+    lanes = parse_topology(
+        {
+            "models": [
+                {"name": "classifier", "sla_p99_ms": 50, "capacity_qps": 100,
+                 "sla_classes": {"interactive": {"timeout_s": 1}, "batch": {"timeout_s": 30}}},
+                {"name": "detector", "sla_p99_ms": 20, "capacity_qps": 100},
+            ]
+        }
+    )  # fmt: skip
+    memo: ClusterMemo = {}
+    for step in range(300):
+        a, change = rng.choice(addresses), rng.randrange(7)
+        if change == 0:
+            reports[a] = report(a, set(rng.sample(pairs, rng.randrange(3))), rng.random() > 0.2)
+        elif change == 1:  # routing: a new dict for the pool, as Router.pool_weights gives
+            model = rng.choice(["classifier", "detector"])
+            pool_weights[model] = {**pool_weights[model], a: rng.randrange(1, 100)}
+        elif change == 2:
+            pool_health["classifier"] = {
+                **pool_health["classifier"],
+                a: rng.choice(list(EndpointHealth)),
+            }
+        elif change == 3:  # an operator's override, changed in place
+            weights[a] = rng.randrange(1, 50)
+        elif change == 4:
+            health.pop(a, None) if a in health else health.__setitem__(a, EndpointHealth.DRAINING)
+        elif change == 5:  # reserved for a class or not: a lane's priorities move
+            labels[a.key] = () if labels.get(a.key) else (("reserved_for", "interactive"),)
+        else:
+            down = {"classifier": frozenset(rng.sample(addresses, rng.randrange(3)))}
+        inputs = (lanes, reports, weights, health, pool_weights, pool_health)
+        kept = build_mesh_state(*inputs, labels=labels, checked_down=down, memo=memo)
+        assert kept == build_mesh_state(*inputs, labels=labels, checked_down=down), step
+        if not down:  # built again from equal inputs: every cluster handed back as it was
+            again = build_mesh_state(*inputs, labels=labels, memo=memo)
+            assert all(again.clusters[n] is kept.clusters[n] for n in kept.clusters)
 
 
 def test_grpc_target_brackets_ipv6() -> None:
