@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -394,6 +395,8 @@ def run_config(endpoints_n: int, nodes: int, mode: str, args: argparse.Namespace
 
 
 def main() -> int:
+    # SIGTERM unwinds like Ctrl-C, so every configuration's ``finally`` stops its processes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     p.add_argument("--endpoints", type=ints, default=[1000, 10000])
