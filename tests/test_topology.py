@@ -206,6 +206,9 @@ ERROR_CASES = [
     ("admin.port", -1, "admin.port: must be a port in 1..65535, got -1"),
     ("placement.poll_interval_s", 0, "placement.poll_interval_s: must be > 0, got 0"),
     ("placement.timeout_s", None, "placement.timeout_s: must be a number, got null"),
+    ("telemetry.shard_nice", 20, "telemetry.shard_nice: must be an integer in 0..19, got 20"),
+    ("telemetry.shard_nice", 2.5, "telemetry.shard_nice: must be an integer in 0..19, got 2.5"),
+    ("telemetry.push_tolerance", 1.5, "telemetry.push_tolerance: must be in 0..1, got 1.5"),
     ("endpoint", [], "endpoint: unknown key (expected one of: listener, xds, admin, placement, telemetry, models, endpoints)"),  # noqa: E501
     ("endpoints", {"address": "127.0.0.1:1"}, 'endpoints: must be a list, got {"address": "127.0.0.1:1"}'),  # noqa: E501
     ("endpoints", [{"address": "localhost:8001"}], "endpoints[0].address: must be an IP address and port (use 'dns:' for names), got \"localhost:8001\""),  # noqa: E501
