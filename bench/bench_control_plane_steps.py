@@ -11,7 +11,8 @@ exports from bench_telemetry.sample_registry):
   and kept by the control plane (``telemetry.shards``)
 - routing recompute: scores, ejections and weights of every pool; then with every pool at
   rest (``scoring.at_rest``: nothing moved), and with one endpoint's p99 moved (its pool alone)
-- mesh state: clusters and assignments from placement and the routed weights
+- mesh state: clusters and assignments from placement and the routed weights (and after a
+  one-pool change with the clusters kept between builds, as the control plane does)
 - snapshot, one pool changed: the incremental SnapshotBuilder beside a full build of the same
   state (identical versions are checked), side by side in one run
 
@@ -41,7 +42,7 @@ from control_plane.gc_tuning import tune_gc
 from control_plane.incremental import SnapshotBuilder
 from control_plane.mesh import EndpointAddress, MeshState
 from control_plane.otlp_receiver import decode_request
-from control_plane.placement import EndpointReport, build_mesh_state
+from control_plane.placement import ClusterMemo, EndpointReport, build_mesh_state
 from control_plane.resources import build_resources
 from control_plane.routing import Router
 from control_plane.snapshot import build_snapshot
@@ -187,13 +188,21 @@ def run(n: int, repeat: int) -> list[tuple[str, float]]:
     )
     builder = SnapshotBuilder()
     builder.build(build_mesh_state(topology, reports, pool_weights=weights))
-    states = []
+    memo: ClusterMemo = {}
+    build_mesh_state(topology, reports, pool_weights=weights, memo=memo)
+    states, kept = [], []
     for k in range(repeat):  # each a weight change in one pool
         changed = {
             **weights,
             "m0": {a: 1 + k for a in weights.get("m0", {})} or {addresses[0]: 1 + k},
         }
         states.append(build_mesh_state(topology, reports, pool_weights=changed))
+        started = time.perf_counter()
+        state = build_mesh_state(topology, reports, pool_weights=changed, memo=memo)
+        kept.append((time.perf_counter() - started) * 1000)
+        assert state == states[-1]
+    rows.append(("mesh state after a one-pool weight change, clusters kept (memo)",
+                 statistics.median(kept)))  # fmt: skip
     incremental = statistics.median(_time_each(builder.build, states))
     full = statistics.median(_time_each(lambda s: build_snapshot(build_resources(s)), states))
     assert (
