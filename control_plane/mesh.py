@@ -88,7 +88,7 @@ class EndpointAddress:
     # them hundreds of thousands of times (a dataclass re-hashes its fields on every call).
     _hash: int = field(init=False, repr=False, compare=False)
     # "HOST:PORT", made once likewise: routing looks telemetry up by it for every endpoint at
-    # every tick (a tenth of a recompute at rest, formatted each time).
+    # every tick (a third of a recompute at rest, formatted each time: 20 -> 13 ms at 10,000).
     key: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

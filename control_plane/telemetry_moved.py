@@ -7,7 +7,7 @@ then making routing signals of each new object) was half of the control plane's 
 at 10,000 endpoints. So a shard sends an endpoint's telemetry again only when it moved: a
 flag, a label, a model or the staleness changed, or a number moved by more than
 ``push_tolerance`` of the larger magnitude; otherwise it sends only that the endpoint reported
-(a "touch", which keeps it fresh). ``push_tolerance`` stays below every pool's
+(a "touch", which keeps it fresh). ``push_tolerance`` is no more than any pool's
 ``recompute_tolerance``, so what is not sent is what routing would not act on anyway; and
 every endpoint is sent whole at least every ``REFRESH_S``, so what GET /telemetry shows is
 never older than that.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 
 from control_plane.scoring.at_rest import near
-from control_plane.telemetry import EndpointTelemetry, Signal
+from control_plane.telemetry import EndpointTelemetry, Flag, Signal
 
 # An endpoint that reports is sent whole at least this often: what GET /telemetry shows is
 # within push_tolerance of the newest, and never older than this. Each refresh comes after a
@@ -46,6 +46,10 @@ _SIGNALS = (
 _EXACT = ("endpoint", "stale", "memory_source", "series", "dropped_series", "labels")
 
 
+def _flag(flag: Flag | None) -> bool | None:
+    return None if flag is None else flag.value
+
+
 def _signal_moved(before: Signal | None, after: Signal | None, tolerance: float) -> bool:
     if before is None or after is None:
         return before is not after
@@ -58,11 +62,7 @@ def telemetry_moved(before: EndpointTelemetry, after: EndpointTelemetry, toleran
     b, a = before.__dict__, after.__dict__
     if any(b[name] != a[name] for name in _EXACT):
         return True
-    if (before.draining is None) != (after.draining is None) or (
-        before.draining is not None
-        and after.draining is not None
-        and before.draining.value != after.draining.value
-    ):
+    if _flag(before.draining) != _flag(after.draining):
         return True
     if not near(before.interval_s, after.interval_s, max(tolerance, INTERVAL_TOLERANCE)):
         return True

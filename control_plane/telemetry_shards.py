@@ -227,7 +227,7 @@ class TelemetryShards:
         options: TelemetryOptions,
         envoy: EnvoyStats | None = None,
         metrics: ControlPlaneMetrics | None = None,
-        on_moved: Callable[[], None] | None = None,
+        on_moved: Callable[[], object] | None = None,
     ) -> None:
         self.count = count
         self.on_moved = on_moved  # called (in a reader thread) after a push with moved telemetry

@@ -156,7 +156,7 @@ class TelemetryOptions:
     # else only that it reported (control_plane.telemetry_moved).
     push_tolerance: float = 0.02
     # Shards run this much nicer than the control plane's process (os.nice): on a host short
-    # of CPU, Envoy's updates come first and ingest falls behind (telemetry ages show it).
+    # of CPU, Envoy's updates come first and ingest falls behind (telemetry_shard_delay_seconds).
     shard_nice: int = 5
     scrape_interval_s: float = 2.0  # Prometheus scrapes of kind-triton endpoints
 
