@@ -41,7 +41,7 @@ from bench_telemetry import sample_registry
 from control_plane.gc_tuning import tune_gc
 from control_plane.incremental import SnapshotBuilder
 from control_plane.mesh import EndpointAddress, MeshState
-from control_plane.otlp_receiver import decode_request
+from control_plane.otlp_decode import decode_request
 from control_plane.placement import ClusterMemo, EndpointReport, build_mesh_state
 from control_plane.resources import build_resources
 from control_plane.routing import Router

@@ -39,7 +39,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
 )
 
-from control_plane.otlp_receiver import PointTuple, decode_request
+from control_plane.otlp_decode import PointTuple, decode_request
 
 DURATION = "inference_request_duration_seconds"
 REQUESTS = "inference_requests"

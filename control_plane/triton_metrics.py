@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from control_plane.otlp_receiver import Point
+from control_plane.otlp_decode import Point
 from control_plane.telemetry import DURATION, REQUESTS
 from model_server.metrics import LATENCY_BUCKETS_S
 

@@ -10,7 +10,7 @@ from array import array
 import pytest
 
 from control_plane.mesh import EndpointAddress
-from control_plane.otlp_receiver import PointTuple
+from control_plane.otlp_decode import PointTuple
 from control_plane.placement import EndpointReport
 from control_plane.routing import Router
 from control_plane.scoring.at_rest import at_rest, near, signals_moved

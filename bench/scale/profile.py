@@ -25,6 +25,8 @@ ACTIVITIES = [  # (activity, substring of a frame "function (file:line)"), first
     ("telemetry as_json (live view frame, GET /telemetry)", "as_json (control_plane/telemetry.py"),
     ("telemetry snapshot (routing input)", "snapshot (control_plane/telemetry.py"),
     ("OTLP ingest", "control_plane/otlp_receiver.py"),
+    ("OTLP ingest", "control_plane/otlp_decode.py"),
+    ("OTLP ingest", "control_plane/otlp_wire.py"),
     ("OTLP ingest", "ingest (control_plane/telemetry.py"),
     ("ADS responses", "control_plane/ads.py"),
     ("live view / status", "control_plane/live_view.py"),
