@@ -3,7 +3,8 @@
 For N endpoints spread over 100 model pools (each endpoint one pool, realistic model-server
 exports from bench_telemetry.sample_registry):
 
-- ingest: TelemetryStore.ingest of one export request per endpoint (one second's telemetry)
+- ingest: TelemetryStore.ingest of one export request per endpoint (one second's telemetry),
+  and of the same exports as bytes (the receiver's path: otlp_wire's fast path)
 - telemetry snapshot: every endpoint's windowed P99, rates and gauges (the routing loop's input),
   after every endpoint reported, and again with no new data (a routing tick between two reports),
   aged and as routing reads it (``ages=False``: unchanged endpoints as they were computed)
@@ -42,6 +43,7 @@ from control_plane.gc_tuning import tune_gc
 from control_plane.incremental import SnapshotBuilder
 from control_plane.mesh import EndpointAddress, MeshState
 from control_plane.otlp_decode import decode_request
+from control_plane.otlp_receiver import decode_raw
 from control_plane.placement import ClusterMemo, EndpointReport, build_mesh_state
 from control_plane.resources import build_resources
 from control_plane.routing import Router
@@ -82,6 +84,20 @@ def run(n: int, repeat: int) -> list[tuple[str, float]]:
             store.ingest(request, clock[0])
 
     rows = [("ingest: one export per endpoint", timed(ingest, repeat))]
+    # What the receiver does with the bytes it gets: the wire-level fast path, templates kept
+    # from the previous round (ingest_raw's first call builds them, as an exporter's first
+    # export does).
+    raws = [r.SerializeToString() for r in requests]
+
+    def ingest_raw() -> None:
+        clock[0] += 1.0
+        for raw in raws:
+            store.ingest_points(*decode_raw(raw, store.max_points_per_request, False)[:3], clock[0])
+
+    ingest_raw()
+    rows.append(
+        ("ingest: the same exports as bytes, read at the wire level", timed(ingest_raw, repeat))
+    )
     # With telemetry.decoder_processes the control plane only stores what they decoded.
     decoded = [decode_request(r, store.max_points_per_request) for r in requests]
 

@@ -176,6 +176,11 @@ class Generator:
             c.unary_unary(EXPORT, request_serializer=None, response_deserializer=decode)
             for c in self.channels
         ]
+        # A round's bodies are built at its start: an endpoint changed while they are sent
+        # would then export its older counters after the change's export, which reads as a
+        # counter reset (a restart) and hid the change for a round in some trials. A change
+        # waits for the round in flight; its export is what the trial times.
+        self.sending = asyncio.Lock()
         self.stats: dict[str, float] = {"rounds": 0, "requests": 0, "failures": 0, "rejected": 0,
                                         "late_rounds": 0, "last_round_s": 0.0}  # fmt: skip
 
@@ -196,6 +201,10 @@ class Generator:
         self.stats["requests"] += 1
 
     async def round(self) -> None:
+        async with self.sending:
+            await self._round()
+
+    async def _round(self) -> None:
         now_ns = time.time_ns()
         for profile in (*self.shared.values(), *self.own.values()):
             self._advance(profile)
@@ -222,6 +231,10 @@ class Generator:
     async def change(self, key: str, slow: bool) -> dict[str, Any]:
         if key not in self.index:
             return {"error": f"unknown endpoint {key}"}
+        async with self.sending:
+            return await self._change(key, slow)
+
+    async def _change(self, key: str, slow: bool) -> dict[str, Any]:
         profile = self.own.get(key)
         if profile is None:  # from now on its own counters, continuing the model's
             shared = self.shared[self.endpoints[self.index[key]][1]]
