@@ -33,7 +33,7 @@ from array import array
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
@@ -51,6 +51,7 @@ Attrs = tuple[tuple[str, str], ...]
 Vec = Sequence[float]  # a tuple, or an array of doubles for histogram buckets
 Sample = tuple[float, Vec, float]  # (arrival time, values, the exporter's time or 0: unknown)
 MAX_INTERNED = 10_000
+_Frozen = TypeVar("_Frozen")
 
 
 # Signals and flags are named tuples, not frozen dataclasses: every endpoint's telemetry holds
@@ -219,10 +220,12 @@ class TelemetryStore:
         with self._lock:
             self._forget(received_at)
             seen: set[str] = set()
+            key, endpoint = None, None
             for p in points:
-                key = p[0]
-                endpoint = self._endpoint(key, received_at, key not in seen)
-                seen.add(key)
+                if p[0] != key:  # an export's points come endpoint by endpoint
+                    key = p[0]
+                    endpoint = self._endpoint(key, received_at, key not in seen)
+                    seen.add(key)
                 if endpoint is None:
                     reasons["endpoint_limit"] += 1
                 elif self._store(endpoint, p, received_at):
@@ -424,7 +427,8 @@ class TelemetryStore:
         p50, p99 = _percentiles_ms(durations, (0.5, 0.99), now, self.window_s)
         single = len(models) == 1  # the usual server: its model's figures are the endpoint's
         qps = _rate(requests, now, self.window_s)
-        return EndpointTelemetry(
+        return _made(
+            EndpointTelemetry,
             endpoint=key,
             age_s=age,
             interval_s=e.interval_s,
@@ -442,12 +446,13 @@ class TelemetryStore:
             kv_blocks_total=_gauge_sum(of("kv_cache_blocks_total"), now),
             draining=None if draining is None else Flag(draining.value > 0, draining.age_s),
             models=tuple(
-                ModelTelemetry(model, p99, qps)
+                _made(ModelTelemetry, model=model, p99_ms=p99, qps=qps)
                 if single
-                else ModelTelemetry(
-                    model,
-                    _percentiles_ms(_only(durations, model), (0.99,), now, self.window_s)[0],
-                    _rate(_only(requests, model), now, self.window_s),
+                else _made(
+                    ModelTelemetry,
+                    model=model,
+                    p99_ms=_percentiles_ms(_only(durations, model), (0.99,), now, self.window_s)[0],
+                    qps=_rate(_only(requests, model), now, self.window_s),
                 )
                 for model in models
             ),
@@ -538,6 +543,15 @@ _DRAINING_AT = _TELEMETRY_FIELDS.index("draining")
 
 
 # -- pure computations over series -----------------------------------------------------------
+def _made(cls: type[_Frozen], **fields: Any) -> _Frozen:
+    """``cls(**fields)`` for a frozen dataclass given every field, without its __init__: that
+    sets each field through object.__setattr__ (8 us for an EndpointTelemetry, 3 for a
+    ModelTelemetry; a shard makes one of each per endpoint report, 10,000 a second)."""
+    made: _Frozen = object.__new__(cls)
+    made.__dict__.update(fields)
+    return made
+
+
 def _like(values: Vec, items: Iterable[float]) -> Vec:
     """``items`` stored like ``values``: an array of doubles stays one."""
     return array("d", items) if isinstance(values, array) else tuple(items)

@@ -125,3 +125,19 @@ def test_telemetry_json_is_every_field_as_a_mapping() -> None:
         "value": False,
         "age_s": 1.5,
     }
+
+
+def test_telemetry_made_without_init_is_the_dataclass_it_would_make() -> None:
+    """The store makes EndpointTelemetry and ModelTelemetry without their __init__: every
+    field is set, and each equals, hashes and replaces like one made the usual way."""
+    store = TelemetryStore(window_s=4.0)
+    traffic(store, 4, 3)
+    for telemetry in store.snapshot(4.25).values():
+        fields = {f.name: getattr(telemetry, f.name) for f in dataclasses.fields(telemetry)}
+        assert set(telemetry.__dict__) == set(fields)
+        usual = type(telemetry)(**fields)
+        assert telemetry == usual and hash(telemetry) == hash(usual)
+        assert dataclasses.replace(telemetry, age_s=1.0) == dataclasses.replace(usual, age_s=1.0)
+        for model in telemetry.models:
+            assert set(model.__dict__) == {f.name for f in dataclasses.fields(model)}
+            assert model == type(model)(model.model, model.p99_ms, model.qps)
