@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PUSH_INTERVAL_S = 0.1  # a shard's telemetry reaches the control plane within this
+PUSH_INTERVAL_S = 0.1  # a shard pushes this often, or as fast as its windows allow
 READY_TIMEOUT_S = 60.0  # a spawned shard imports grpc and protobuf: seconds on a busy host
 REPLY_TIMEOUT_S = 10.0
 RESTART_DELAY_S = 1.0
@@ -154,9 +154,15 @@ class _Shard:
         loop = asyncio.get_running_loop()
         threading.Thread(target=self._commands, args=(loop,), daemon=True).start()
         try:
+            # Pushes start every PUSH_INTERVAL_S, or right after the last one when it took
+            # longer: a fixed wait after each made a loaded shard's cycle the wait plus the
+            # windows' time (0.3-0.5 s at 5,000 endpoints a second on a busy host), and an
+            # export waited most of a cycle before it was windowed.
+            next_at = loop.time()
             while not self._stop.is_set():
+                next_at = max(next_at + PUSH_INTERVAL_S, loop.time())
                 with suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), PUSH_INTERVAL_S)
+                    await asyncio.wait_for(self._stop.wait(), next_at - loop.time())
                 await self._push()
         finally:
             await server.stop(0.5)
