@@ -44,6 +44,9 @@ from control_plane.otlp_decode import (
 # distinct attribute sets and resources per shard, an exporter that never repeats only costs
 # the protobuf path's work again.
 MAX_MEMO = 50_000
+# Templates are about the size of their export (1-3 KB for a model server's): one per
+# exporting resource, so this bounds them to ~60 MB in a process that sees more resources.
+MAX_TEMPLATES = 20_000
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 _DOUBLE = struct.Struct("<d").unpack_from
@@ -237,7 +240,7 @@ class _Reader:
             template = _templates.get(key)
             if template is None or not template.matches(buf, start, end):
                 template = _TemplateBuilder(buf, start, end).build()
-                if len(_templates) >= MAX_MEMO:
+                if len(_templates) >= MAX_TEMPLATES:
                     _templates.clear()
                 _templates[key] = template
             template.read(buf, start, self)
@@ -249,6 +252,8 @@ class _Reader:
 
     def unknown_metric(self, data: bytes) -> None:
         metric = metrics_pb2.Metric.FromString(data)
+        if metric.name in KINDS:  # renamed within the same bytes' length: read it properly
+            raise _Fallback
         kind = metric.WhichOneof("data")
         count = len(getattr(metric, kind).data_points) if kind else 1
         self.spend(count)

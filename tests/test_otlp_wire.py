@@ -213,8 +213,24 @@ def test_changed_numbers_of_every_width_read_the_same() -> None:
     assert answered > 100  # the rest have buckets that do not add up: protobuf's
 
 
+def test_a_metric_it_does_not_use_renamed_to_one_it_does_is_read() -> None:
+    """A template counts the metrics the store does not use without reading them: one renamed
+    to a used name of the same length keeps the template's shape, and must still be read."""
+    base = build_request(registry(1).registry, "10.0.0.1:8001")
+    unused = base.resource_metrics[0].scope_metrics[0].metrics.add(name="inference_queue_xxxxx")
+    unused.gauge.data_points.add(as_double=7.0).attributes.add(
+        key="model", value=AnyValue(string_value="m")
+    )
+    assert agree(base.SerializeToString())
+    unused.name = "inference_queue_depth"
+    raw = base.SerializeToString()
+    agree(raw)  # (the protobuf way, here: fast or not, the answers must be the same)
+    assert any(p[1] == "inference_queue_depth" and p[4] == (7.0,) for p in slow(raw)[0])
+
+
 def test_memos_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(otlp_wire, "MAX_MEMO", 5)
+    monkeypatch.setattr(otlp_wire, "MAX_TEMPLATES", 5)
     for i in range(20):
         assert agree(export(i, f"10.0.1.{i}:8001"))
         assert len(otlp_wire._templates) <= 5 and len(otlp_wire._resources) <= 5
