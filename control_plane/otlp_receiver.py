@@ -61,8 +61,8 @@ def decode_raw(
     raw: bytes, max_points: int, split_envoy: bool
 ) -> tuple[list[PointTuple], dict[str, int], list[str], list[metrics_pb2.ResourceMetrics]]:
     """``split_and_decode`` of the bytes of an Export request, the points as plain tuples:
-    ``decode_fast`` when it reads them (an exporter's usual export, ~2 us a point), else
-    through protobuf's objects (~7 us a point). Raises DecodeError."""
+    ``decode_fast`` when it reads them (an exporter's usual export, ~1.3 us a point), else
+    through protobuf's objects (~6 us). Raises DecodeError."""
     fast = decode_fast(raw, max_points)
     if fast is not None:
         return (*fast, [])
