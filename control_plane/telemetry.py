@@ -315,6 +315,12 @@ class TelemetryStore:
         else:
             values = point_values
             restarted = start_ns > series.last_start > 0
+            older = start_ns / 1e9 + duration_s < samples[-1][2] if samples else False
+            if older and 0 < start_ns <= series.last_start:
+                # An older export arriving late (a retry, or one of a run since restarted):
+                # what it counted is in the newer one already, or gone. Read as a counter
+                # going back it would restart the window and hide a change for a round.
+                return True
             if samples and (restarted or any(map(float.__lt__, values, samples[-1][1]))):
                 samples.clear()  # the counter went back: a restart starts a new window
             series.last_start = max(series.last_start, start_ns)

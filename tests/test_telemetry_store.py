@@ -262,6 +262,26 @@ def test_counter_reset_restarts_the_window() -> None:
     assert qps is not None and qps.value == pytest.approx(25.0)  # 50 in 2 s, never negative
 
 
+def test_an_older_export_arriving_late_is_not_a_reset() -> None:
+    """A retried export of the same run (same start time, an older exporter time) arriving
+    after a newer one is superseded, not read as a counter reset."""
+    store = TelemetryStore(window_s=10)
+    slow = [0.005] * 100 + [2.0] * 10
+    for t, value, latencies in ((0.0, 100.0, [0.005] * 100), (1.0, 200.0, slow)):
+        body = [counter(value, 100 + t, start_s=50), histogram(latencies, 100 + t, start_s=50)]
+        store.ingest(request(body), received_at=t)
+    before = store.snapshot(1.5)[EP]
+    assert before.p99_ms is not None and before.p99_ms.value > 1000  # the slow requests
+    late = [counter(100.0, 100.0, start_s=50), histogram([0.005] * 100, 100.0, start_s=50)]
+    store.ingest(request(late), received_at=1.2)
+    after = store.snapshot(1.5)[EP]
+    assert after.qps == before.qps and after.p99_ms == before.p99_ms
+    # The next export of the run counts from the window kept.
+    store.ingest(request([counter(300.0, 102.0, start_s=50)]), received_at=2.0)
+    qps = store.snapshot(2.0)[EP].qps
+    assert qps is not None and qps.value == pytest.approx(100.0)
+
+
 def test_counter_going_down_without_start_time_is_a_reset() -> None:
     store = TelemetryStore()
     for t, value in ((0.0, 100.0), (1.0, 200.0), (2.0, 5.0), (3.0, 15.0)):
