@@ -30,6 +30,7 @@ from opentelemetry.proto.metrics.v1 import metrics_pb2
 MAX_BUCKETS = 512
 MAX_ATTRIBUTES = 16
 MAX_ATTRIBUTE_CHARS = 128
+MAX_INSTANCE_ID_CHARS = 256  # a longer service.instance.id counts as none
 KINDS = {
     "inference_request_duration_seconds": "histogram",
     "inference_batch_size": "histogram",
@@ -109,7 +110,7 @@ def decode_request(
                 budget -= count
                 name = metric.name
                 kind = KINDS.get(name)
-                if not endpoint or len(endpoint) > 256:
+                if not endpoint or len(endpoint) > MAX_INSTANCE_ID_CHARS:
                     ignore("no_instance_id", count, "resource has no service.instance.id")
                 elif kind is None:
                     ignored["unknown_metric"] += count

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import struct
-import sys
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from control_plane.envoy_stats import is_envoy
 from control_plane.otlp_decode import (
     DELTA,
     KINDS,
+    MAX_INSTANCE_ID_CHARS,
     PointTuple,
     bounds_problem,
     instance_id,
@@ -49,10 +49,6 @@ MAX_MEMO = 50_000
 MAX_TEMPLATES = 20_000
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
-_DOUBLE = struct.Struct("<d").unpack_from
-_UINT64 = struct.Struct("<Q").unpack_from
-_INT64 = struct.Struct("<q").unpack_from
-_LITTLE_ENDIAN = sys.byteorder == "little"  # bucket counts are read as machine uint64s
 
 
 class _Fallback(Exception):
@@ -64,8 +60,6 @@ def decode_fast(
 ) -> tuple[list[PointTuple], dict[str, int], list[str]] | None:
     """``decode_request`` of the export in ``raw`` when every point is one it would keep (or of
     a metric it does not use), else None."""
-    if not _LITTLE_ENDIAN:
-        return None
     reader = _Reader(raw, max_points)
     try:
         reader.request()
@@ -147,7 +141,7 @@ def _endpoint_of(data: bytes) -> str:
     resource = resource_pb2.Resource.FromString(data)
     endpoint = instance_id(resource.attributes)
     envoy = is_envoy(metrics_pb2.ResourceMetrics(resource=resource))
-    return "" if envoy or not endpoint or len(endpoint) > 256 else endpoint
+    return "" if envoy or not endpoint or len(endpoint) > MAX_INSTANCE_ID_CHARS else endpoint
 
 
 def _attributes_of(pieces: tuple[bytes, ...]) -> tuple[tuple[str, str], ...]:

@@ -305,6 +305,8 @@ class TelemetryStore:
             # exporter's start, which would date its baseline out of the window and lose its
             # first report.
             duration = min(duration, endpoint.interval_s)
+        # The exporter's time of this point, known when it sends a start time.
+        exported = start_ns / 1e9 + duration_s if start_ns else 0.0
         if delta:
             base = samples[-1][1] if samples else None
             values = (
@@ -315,8 +317,7 @@ class TelemetryStore:
         else:
             values = point_values
             restarted = start_ns > series.last_start > 0
-            older = start_ns / 1e9 + duration_s < samples[-1][2] if samples else False
-            if older and 0 < start_ns <= series.last_start:
+            if samples and 0 < start_ns <= series.last_start and exported < samples[-1][2]:
                 # An older export arriving late (a retry, or one of a run since restarted):
                 # what it counted is in the newer one already, or gone. Read as a counter
                 # going back it would restart the window and hide a change for a round.
@@ -324,8 +325,6 @@ class TelemetryStore:
             if samples and (restarted or any(map(float.__lt__, values, samples[-1][1]))):
                 samples.clear()  # the counter went back: a restart starts a new window
             series.last_start = max(series.last_start, start_ns)
-        # The exporter's time of this point, known when it sends a start time.
-        exported = start_ns / 1e9 + duration_s if start_ns else 0.0
         if not samples and duration > 0:
             zero_at = exported - duration if exported else 0.0
             samples.append((now - duration, _like(values, (0.0 for _ in values)), zero_at))
@@ -533,28 +532,28 @@ def _rebuild_telemetry(flat: tuple[Any, ...]) -> EndpointTelemetry:
         if pair is not None:
             values[i] = _new_pair(Flag if i == _DRAINING_AT else Signal, pair)
     values[_MODELS_AT] = tuple(
-        ModelTelemetry(
-            model,
-            None if p99 is None else _new_pair(Signal, p99),
-            None if qps is None else _new_pair(Signal, qps),
+        _made(
+            ModelTelemetry,
+            model=model,
+            p99_ms=None if p99 is None else _new_pair(Signal, p99),
+            qps=None if qps is None else _new_pair(Signal, qps),
         )
         for model, p99, qps in values[_MODELS_AT]
     )
-    telemetry: EndpointTelemetry = object.__new__(EndpointTelemetry)
-    telemetry.__dict__.update(zip(_TELEMETRY_FIELDS, values, strict=True))
-    return telemetry
+    return _made(EndpointTelemetry, zip(_TELEMETRY_FIELDS, values, strict=True))
 
 
 _DRAINING_AT = _TELEMETRY_FIELDS.index("draining")
 
 
 # -- pure computations over series -----------------------------------------------------------
-def _made(cls: type[_Frozen], **fields: Any) -> _Frozen:
-    """``cls(**fields)`` for a frozen dataclass given every field, without its __init__: that
-    sets each field through object.__setattr__ (8 us for an EndpointTelemetry, 3 for a
-    ModelTelemetry; a shard makes one of each per endpoint report, 10,000 a second)."""
+def _made(cls: type[_Frozen], pairs: Iterable[tuple[str, Any]] = (), **fields: Any) -> _Frozen:
+    """``cls(**fields)`` (and ``pairs``) for a frozen dataclass given every field, without its
+    __init__: that sets each field through object.__setattr__ (8 us for an EndpointTelemetry,
+    3 for a ModelTelemetry; a shard makes one of each per endpoint report, 10,000 a second, and
+    the control plane unpickles what it pushes)."""
     made: _Frozen = object.__new__(cls)
-    made.__dict__.update(fields)
+    made.__dict__.update(pairs, **fields)
     return made
 
 
