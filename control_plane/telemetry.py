@@ -150,7 +150,8 @@ class _Series:
 
 
 class _Endpoint:
-    __slots__ = ("computed", "dropped_series", "first_seen", "interval_s", "last_seen", "series")
+    __slots__ = ("computed", "dropped_series", "first_seen", "interval_s", "last_seen", "layout",
+                 "series", "shape")  # fmt: skip
 
     def __init__(self, now: float, interval_s: float) -> None:
         self.first_seen = self.last_seen = now
@@ -159,6 +160,8 @@ class _Endpoint:
         self.dropped_series = 0
         # (when, its telemetry) until the next point arrives: a later read only ages it
         self.computed: tuple[float, EndpointTelemetry] | None = None
+        self.layout: _Layout | None = None  # see _telemetry
+        self.shape = 0  # series made so far: a layout made before a new one is out of date
 
 
 class TelemetryStore:
@@ -289,6 +292,7 @@ class TelemetryStore:
             bounds = self._shared(("bounds", bounds), bounds)  # one copy of the usual bounds
             attrs, labels = self._shared(("attrs", attrs), (attrs, dict(attrs)))  # and of labels
             series = endpoint.series[(name, attrs)] = _Series(kind, bounds, labels)
+            endpoint.shape += 1
             if known and name in PLACEMENT_SIGNALS:
                 self._placement_hints.add(endpoint_key)
         samples = series.samples
@@ -322,7 +326,7 @@ class TelemetryStore:
                 # what it counted is in the newer one already, or gone. Read as a counter
                 # going back it would restart the window and hide a change for a round.
                 return True
-            if samples and (restarted or any(map(float.__lt__, values, samples[-1][1]))):
+            if samples and (restarted or _went_back(values, samples[-1][1], start_ns)):
                 samples.clear()  # the counter went back: a restart starts a new window
             series.last_start = max(series.last_start, start_ns)
         if not samples and duration > 0:
@@ -409,29 +413,36 @@ class TelemetryStore:
         return out
 
     def _telemetry(self, key: str, e: _Endpoint, now: float) -> EndpointTelemetry:
-        live: dict[str, Labeled] = {}  # metric name -> its series still reporting
+        layout = e.layout
         cutoff = e.last_seen - self.window_s
-        for (name, _), s in e.series.items():
-            if s.samples and s.samples[-1][0] >= cutoff:
-                live.setdefault(name, []).append((s.labels, s))
-
-        def of(name: str) -> Labeled:
-            return live.get(name, [])
-
-        durations = of(DURATION)
-        requests = of(REQUESTS)
-        models = sorted({a.get("model", "") for a, _ in durations + requests})
-        memory_source = _memory_source(of("accelerator_memory_used_bytes"))
-
-        def memory(name: str) -> Signal | None:
-            chosen = [(a, s) for a, s in of(name) if a.get("source", "") == memory_source]
-            return _gauge_sum(chosen, now)
-
-        draining = _gauge_sum(of("server_draining"), now)
+        if layout is None or not layout.holds(e, cutoff):
+            layout = e.layout = _Layout(e, cutoff)
+        window = self.window_s
         age = now - e.last_seen
-        p50, p99 = _percentiles_ms(durations, (0.5, 0.99), now, self.window_s)
-        single = len(models) == 1  # the usual server: its model's figures are the endpoint's
-        qps = _rate(requests, now, self.window_s)
+        p50, p99 = _percentiles_ms(layout.durations, (0.5, 0.99), now, window)
+        qps = _rate(layout.requests, now, window)
+        fields: dict[str, Any] = {}
+        for name, series in layout.gauges:
+            if len(series) == 1:  # the usual: one series, whose samples are its last value
+                at, values, _ = series[0][1].samples[-1]
+                fields[name] = _new_pair(Signal, (values[0], now - at))
+            else:
+                fields[name] = _gauge_sum(series, now)
+        draining = _gauge_sum(layout.draining, now)
+        if layout.single:  # the usual server: its model's figures are the endpoint's
+            models: tuple[ModelTelemetry, ...] = (
+                _made(ModelTelemetry, model=layout.models[0], p99_ms=p99, qps=qps),
+            )
+        else:
+            models = tuple(
+                _made(
+                    ModelTelemetry,
+                    model=model,
+                    p99_ms=_percentiles_ms(durations, (0.99,), now, window)[0],
+                    qps=_rate(requests, now, window),
+                )
+                for model, durations, requests in layout.by_model
+            )
         return _made(
             EndpointTelemetry,
             endpoint=key,
@@ -441,30 +452,72 @@ class TelemetryStore:
             p50_ms=p50,
             p99_ms=p99,
             qps=qps,
-            error_rate=_error_rate(requests, now, self.window_s),
-            queue_depth=_gauge_sum(of("inference_queue_depth"), now),
-            in_flight=_gauge_sum(of("inference_in_flight_requests"), now),
-            memory_used_bytes=memory("accelerator_memory_used_bytes"),
-            memory_total_bytes=memory("accelerator_memory_total_bytes"),
-            memory_source=memory_source,
-            kv_blocks_used=_gauge_sum(of("kv_cache_blocks_used"), now),
-            kv_blocks_total=_gauge_sum(of("kv_cache_blocks_total"), now),
+            error_rate=_error_rate(layout.requests, now, window),
+            memory_source=layout.memory_source,
             draining=None if draining is None else Flag(draining.value > 0, draining.age_s),
-            models=tuple(
-                _made(ModelTelemetry, model=model, p99_ms=p99, qps=qps)
-                if single
-                else _made(
-                    ModelTelemetry,
-                    model=model,
-                    p99_ms=_percentiles_ms(_only(durations, model), (0.99,), now, self.window_s)[0],
-                    qps=_rate(_only(requests, model), now, self.window_s),
-                )
-                for model in models
-            ),
+            models=models,
             series=len(e.series),
             dropped_series=e.dropped_series,
-            labels=_labels(of("server_label")),
+            labels=_labels(layout.labels) if layout.labels else (),
+            **fields,
         )
+
+
+class _Layout:
+    """Which of an endpoint's series feed which signal. A server's series are the same from one
+    report to the next, so this is made when one appears or goes quiet, not at every report
+    (at fleet scale a telemetry shard windows 10,000 reports a second)."""
+
+    __slots__ = ("by_model", "draining", "durations", "gauges", "labels", "live", "memory_source",
+                 "models", "quiet", "requests", "shape", "single")  # fmt: skip
+
+    def __init__(self, e: _Endpoint, cutoff: float) -> None:
+        self.shape = e.shape
+        live: dict[str, Labeled] = {}  # metric name -> its series still reporting
+        self.live: list[_Series] = []
+        self.quiet: list[_Series] = []  # reported, but not within the window
+        for (name, _), s in e.series.items():
+            if s.samples and s.samples[-1][0] >= cutoff:
+                live.setdefault(name, []).append((s.labels, s))
+                self.live.append(s)
+            else:
+                self.quiet.append(s)
+        self.durations = durations = live.get(DURATION, [])
+        self.requests = requests = live.get(REQUESTS, [])
+        self.models = tuple(sorted({a.get("model", "") for a, _ in durations + requests}))
+        self.single = len(self.models) == 1
+        self.by_model = tuple(
+            (model, _only(durations, model), _only(requests, model)) for model in self.models
+        )
+        self.memory_source = source = _memory_source(live.get("accelerator_memory_used_bytes", []))
+        self.gauges = tuple(
+            (field, [(a, s) for a, s in live.get(name, []) if a.get("source", "") == source])
+            if field.startswith("memory_")
+            else (field, live.get(name, []))
+            for field, name in _GAUGES
+        )
+        self.draining = live.get("server_draining", [])
+        self.labels = live.get("server_label", [])
+
+    def holds(self, e: _Endpoint, cutoff: float) -> bool:
+        """Whether this is still the endpoint's layout: no series new since, none gone quiet
+        and none of the quiet ones back."""
+        return (
+            self.shape == e.shape
+            and (not self.live or min([s.samples[-1][0] for s in self.live]) >= cutoff)
+            and not any(s.samples and s.samples[-1][0] >= cutoff for s in self.quiet)
+        )
+
+
+# (EndpointTelemetry field, the gauge it sums)
+_GAUGES = (
+    ("queue_depth", "inference_queue_depth"),
+    ("in_flight", "inference_in_flight_requests"),
+    ("memory_used_bytes", "accelerator_memory_used_bytes"),
+    ("memory_total_bytes", "accelerator_memory_total_bytes"),
+    ("kv_blocks_used", "kv_cache_blocks_used"),
+    ("kv_blocks_total", "kv_cache_blocks_total"),
+)
 
 
 def telemetry_document(
@@ -555,6 +608,18 @@ def _made(cls: type[_Frozen], pairs: Iterable[tuple[str, Any]] = (), **fields: A
     made: _Frozen = object.__new__(cls)
     made.__dict__.update(pairs, **fields)
     return made
+
+
+def _went_back(values: Vec, before: Vec, start_ns: int) -> bool:
+    """Whether a cumulative point went below the one before it (a restart: its window starts
+    again). Value by value when the exporter sends no start time. With one, a restart comes
+    with a new start time, checked before this; a histogram's total going down is the safety
+    net (its 70 buckets compared one by one were a fifth of storing a server's report)."""
+    if len(values) == 1:
+        return values[0] < before[0]
+    if start_ns:
+        return sum(values) < sum(before)
+    return any(map(float.__lt__, values, before))
 
 
 def _like(values: Vec, items: Iterable[float]) -> Vec:
@@ -667,17 +732,24 @@ def _gauge_sum(series: Labeled, now: float) -> Signal | None:
 
 
 def window_delta(samples: deque[Sample], window_s: float) -> tuple[Vec, float, float]:
-    """(newest - baseline, the span in seconds, the newest arrival); the baseline is the oldest
-    sample that arrived at most ``window_s`` before the newest one (span 0: no rate yet). The
-    span is the exporter's time between them when both carry it (arrival jitter at a busy
-    receiver moved rates by several percent), else their arrival times'."""
+    """(newest - baseline, the span in seconds, the newest arrival); see ``window_ends``."""
+    new, base, span, t_new = window_ends(samples, window_s)
+    return _like(new, map(operator.sub, new, base)), span, t_new
+
+
+def window_ends(samples: deque[Sample], window_s: float) -> tuple[Vec, Vec, float, float]:
+    """(the newest values, the baseline's, the span in seconds, the newest arrival); the
+    baseline is the oldest sample that arrived at most ``window_s`` before the newest one
+    (span 0: no rate yet). The span is the exporter's time between them when both carry it
+    (arrival jitter at a busy receiver moved rates by several percent), else their arrival
+    times'."""
     t_new, new, exported_new = samples[-1]
     t_base, base, exported_base = next(s for s in samples if s[0] >= t_new - window_s)
     span = t_new - t_base
     exported_span = exported_new - exported_base
     if exported_new > 0 and exported_base > 0 and 0.5 * span <= exported_span <= 2 * span:
         span = exported_span  # (a span far from the arrivals' is a clock step: not used)
-    return _like(new, map(operator.sub, new, base)), span, t_new
+    return new, base, span, t_new
 
 
 def _rate(series: Labeled, now: float, window_s: float) -> Signal | None:
@@ -727,14 +799,18 @@ def _percentiles_ms(
 ) -> list[Signal | None]:
     """The qs-quantiles in milliseconds of the histogram deltas, merged once and re-binned onto
     the bounds of the series with the most observations."""
+    if len(series) == 1:  # the usual endpoint: one series, its running counts made once
+        s = series[0][1]
+        new, base, span, t = window_ends(s.samples, window_s)
+        running = list(itertools.accumulate(map(operator.sub, new, base)))
+        if span <= 0 or running[-1] <= 0:
+            return [None for _ in qs]
+        return [Signal(v * 1000.0, now - t) for v in running_quantiles(s.bounds, running, qs)]
     deltas = [(s.bounds, *s.delta(window_s)) for _, s in series]
     deltas = [d for d in deltas if d[2] > 0 and sum(d[1]) > 0]
     if not deltas:
         return [None for _ in qs]
     age = now - max(t for *_, t in deltas)
-    if len(deltas) == 1:  # the usual endpoint: one series, nothing to merge
-        bounds, counts = deltas[0][0], deltas[0][1]
-        return [Signal(v * 1000.0, age) for v in bucket_quantiles(bounds, counts, qs)]
     bounds = max(deltas, key=lambda d: sum(d[1]))[0]
     merged = [0.0] * (len(bounds) + 1)
     for own, delta, _, _ in deltas:
@@ -757,20 +833,25 @@ def bucket_quantile(bounds: Vec, counts: list[float] | Vec, q: float) -> float:
 def bucket_quantiles(bounds: Vec, counts: list[float] | Vec, qs: Sequence[float]) -> list[float]:
     """``bucket_quantile`` of each of ``qs``: the running counts are summed once and each
     quantile's bucket is a bisection (the routing tick reads p50 and p99 of every endpoint)."""
-    running = list(itertools.accumulate(counts))
+    return running_quantiles(bounds, list(itertools.accumulate(counts)), qs)
+
+
+def running_quantiles(bounds: Vec, running: list[float], qs: Sequence[float]) -> list[float]:
+    """``bucket_quantiles`` from the running sums of the counts."""
     total = running[-1] if running else 0.0
     if total <= 0 or not bounds:
         return [math.nan if total <= 0 else 0.0 for _ in qs]
     out = []
+    n = len(running)
     for q in qs:
         rank = q * total
         i = bisect.bisect_left(running, rank)
-        while i < len(counts) and counts[i] <= 0:  # rank 0: the first bucket with a count
-            i += 1
+        while i < n and running[i] <= (running[i - 1] if i else 0.0):  # rank 0: the first
+            i += 1  # bucket with a count
         if i >= len(bounds):
             out.append(float(bounds[-1]))
             continue
         below = running[i - 1] if i > 0 else 0.0
         lower = bounds[i - 1] if i > 0 else min(0.0, bounds[0])
-        out.append(lower + (bounds[i] - lower) * max(0.0, rank - below) / counts[i])
+        out.append(lower + (bounds[i] - lower) * max(0.0, rank - below) / (running[i] - below))
     return out

@@ -46,36 +46,39 @@ _SIGNALS = (
 _EXACT = ("endpoint", "stale", "memory_source", "series", "dropped_series", "labels")
 
 
-def _flag(flag: Flag | None) -> bool | None:
-    return None if flag is None else flag.value
-
-
-def _signal_moved(before: Signal | None, after: Signal | None, tolerance: float) -> bool:
-    if before is None or after is None:
-        return before is not after
-    return not near(before.value, after.value, tolerance)
-
-
 def telemetry_moved(before: EndpointTelemetry, after: EndpointTelemetry, tolerance: float) -> bool:
     """True when ``after`` differs from ``before`` in anything but ages and numbers within
-    ``tolerance`` (relative)."""
+    ``tolerance`` (relative). Written out as loops: a shard asks it of every report."""
     b, a = before.__dict__, after.__dict__
-    if any(b[name] != a[name] for name in _EXACT):
-        return True
-    if _flag(before.draining) != _flag(after.draining):
-        return True
+    for name in _EXACT:
+        if b[name] != a[name]:
+            return True
     if not near(before.interval_s, after.interval_s, max(tolerance, INTERVAL_TOLERANCE)):
         return True
-    if any(_signal_moved(b[name], a[name], tolerance) for name in _SIGNALS):
+    for name in _SIGNALS:
+        if _moved(b[name], a[name], tolerance):
+            return True
+    if _flag(before.draining) != _flag(after.draining):
         return True
     if len(before.models) != len(after.models):
         return True
     for old, new in zip(before.models, after.models, strict=True):
-        if old.model != new.model or _signal_moved(old.p99_ms, new.p99_ms, tolerance):
+        if old.model != new.model or _moved(old.p99_ms, new.p99_ms, tolerance):
             return True
-        if _signal_moved(old.qps, new.qps, tolerance):
+        if _moved(old.qps, new.qps, tolerance):
             return True
     return False
+
+
+def _moved(before: Signal | None, after: Signal | None, tolerance: float) -> bool:
+    if before is None or after is None:
+        return before is not after
+    x, y = before[0], after[0]
+    return not (x == y or abs(x - y) <= tolerance * max(abs(x), abs(y)))  # scoring's near()
+
+
+def _flag(flag: Flag | None) -> bool | None:
+    return None if flag is None else flag.value
 
 
 def split_moved(

@@ -183,6 +183,60 @@ def test_qps_error_rate_and_models() -> None:
     ]
 
 
+def test_a_model_that_stops_reporting_leaves_and_one_that_comes_back_counts_again() -> None:
+    """The store keeps which series feed which signal from one report to the next: a series
+    going quiet, coming back or appearing must still change what is read."""
+    store = TelemetryStore(window_s=10)
+
+    def report(t: float, models: Sequence[str], n: float) -> None:
+        metrics = []
+        for model in models:
+            c = counter(n, t)
+            c.sum.data_points[0].attributes[0].value.string_value = model
+            metrics.append(c)
+        store.ingest(request(metrics), received_at=t)
+
+    for t in range(5):
+        report(float(t), ["m", "n"], 10.0 * t)
+    assert [x.model for x in store.snapshot(4.0)[EP].models] == ["m", "n"]
+    for t in range(5, 17):  # n is unloaded: it drops out once quiet for the window
+        report(float(t), ["m"], 10.0 * t)
+    e = store.snapshot(16.0)[EP]
+    assert [x.model for x in e.models] == ["m"]
+    assert e.qps is not None and e.qps.value == pytest.approx(10.0)
+    report(17.0, ["m", "n"], 170.0)  # n is back, its counter where m's is
+    e = store.snapshot(17.0)[EP]
+    assert [x.model for x in e.models] == ["m", "n"]
+    report(18.0, ["m", "n", "o"], 180.0)  # and a third appears
+    e = store.snapshot(18.0)[EP]
+    assert [x.model for x in e.models] == ["m", "n", "o"]
+    assert e.qps is not None and e.qps.value > 10.0
+
+
+def test_a_histogram_going_back_restarts_its_window() -> None:
+    """With a start time, a restart comes with a new one, and the total going down is the
+    safety net; without one, any bucket going down is a restart."""
+    slow, fast = [2.0] * 100, [0.005] * 100
+    kept = TelemetryStore(window_s=10)
+    for t, latencies in ((0.0, slow), (1.0, slow + fast), (2.0, fast[:50]), (3.0, fast[:80])):
+        kept.ingest(request([histogram(latencies, 100 + t, start_s=50)]), received_at=t)
+    p99 = kept.snapshot(3.0)[EP].p99_ms  # the total went down at 2: counted from there
+    assert p99 is not None and 0 < p99.value < 10  # the 30 fast ones since
+    unknown_start = TelemetryStore(window_s=10)
+    rounds = (
+        (0.0, slow),
+        (1.0, slow + fast),
+        (2.0, slow[:10] + fast * 2),
+        (3.0, slow[:20] + fast * 2),
+    )
+    for t, latencies in rounds:  # at 2 the total goes up, the slow bucket down
+        point = histogram(latencies, t)
+        point.histogram.data_points[0].start_time_unix_nano = 0
+        unknown_start.ingest(request([point]), received_at=t)
+    p99 = unknown_start.snapshot(3.0)[EP].p99_ms
+    assert p99 is not None and p99.value > 1000  # the 10 slow ones since the restart
+
+
 def test_version_stats_merge_every_endpoint() -> None:
     """A canary is judged on one version across the pool: histograms merge before the P99."""
     store = TelemetryStore(window_s=10)
