@@ -31,9 +31,10 @@ MAX_BUCKETS = 512
 MAX_ATTRIBUTES = 16
 MAX_ATTRIBUTE_CHARS = 128
 MAX_INSTANCE_ID_CHARS = 256  # a longer service.instance.id counts as none
+# What the store reads, and nothing else: a metric kept and never read (the servers' batch-size
+# histogram was one) costs every report its decoding, storing and memory.
 KINDS = {
     "inference_request_duration_seconds": "histogram",
-    "inference_batch_size": "histogram",
     "inference_requests": "counter",
     "inference_queue_depth": "gauge",
     "inference_in_flight_requests": "gauge",

@@ -183,7 +183,7 @@ class _Template:
     slices: tuple[slice, ...]  # where ``static`` is in the payload
     values: struct.Struct  # the numbers, in order, with pad bytes between them
     recipes: tuple[_Recipe, ...]
-    unknown: tuple[tuple[int, int], ...]  # metrics the store does not use: counted, not read
+    unknown: int  # points of metrics the store does not use: counted, not read
 
     def matches(self, buf: bytes, pos: int, end: int) -> bool:
         if end - pos != self.length:
@@ -193,9 +193,8 @@ class _Template:
 
     def read(self, buf: bytes, pos: int, reader: _Reader) -> None:
         values = self.values.unpack_from(buf, pos)
-        for start, end in self.unknown:
-            reader.unknown_metric(buf[pos + start : pos + end])
-        reader.spend(len(self.recipes))
+        reader.spend(len(self.recipes) + self.unknown)
+        reader.unknown += self.unknown
         append, endpoint = reader.points.append, self.endpoint
         for recipe in self.recipes:
             shape, name, kind, attrs, delta, i_start, i_time = recipe[:7]
@@ -244,15 +243,6 @@ class _Reader:
             raise _Fallback  # too_many_points
         self.budget -= count
 
-    def unknown_metric(self, data: bytes) -> None:
-        metric = metrics_pb2.Metric.FromString(data)
-        if metric.name in KINDS:  # renamed within the same bytes' length: read it properly
-            raise _Fallback
-        kind = metric.WhichOneof("data")
-        count = len(getattr(metric, kind).data_points) if kind else 1
-        self.spend(count)
-        self.unknown += count
-
 
 _templates: dict[bytes, _Template] = {}  # the resource's bytes -> its last template
 
@@ -273,7 +263,7 @@ class _TemplateBuilder:
         self.buf, self.pos, self.end = buf, pos, end
         self.slots: list[tuple[int, int, str]] = []  # (start, end, struct code) of numbers
         self.recipes: list[tuple[Any, ...]] = []  # recipes with slot numbers for indices
-        self.unknown: list[tuple[int, int]] = []
+        self.unknown = 0  # points of metrics the store does not use
 
     def build(self) -> _Template:
         buf, pos, end = self.buf, self.pos, self.end
@@ -327,7 +317,7 @@ class _TemplateBuilder:
             tuple(static),
             struct.Struct("".join(fmt)),
             recipes,
-            tuple((a - self.pos, b - self.pos) for a, b in self.unknown),
+            self.unknown,
         )
 
     def _string(self, start: int, end: int) -> None:
@@ -367,12 +357,11 @@ class _TemplateBuilder:
                 raise _Fallback
         raw_name = buf[name_at[0] : name_at[1]] if name_at else b""
         name, kind = _memo(_names, raw_name, _name_of)
-        if kind is None:  # counted at every read, by protobuf (it may change)
-            self.unknown.append((pos, end))
-            self._slot(pos, end - pos, f"{end - pos}x")
-            return
         if data is None:
-            raise _Fallback
+            if kind is not None:
+                raise _Fallback
+            self.unknown += 1  # no data: one point, as protobuf's path counts it
+            return
         data_field, start, stop = data
         temporality = 0
         points = []
@@ -384,6 +373,15 @@ class _TemplateBuilder:
             elif not (data_field == 7 and field == 3 and wire == _VARINT):  # is_monotonic
                 raise _Fallback
         histogram = data_field == 9
+        read = self.histogram_point if histogram else self.number_point
+        if kind is None:
+            # Not used, only counted; its points are read for their numbers' places all the
+            # same, so that the template holds everything else (its name, its shape) as bytes
+            # to match, and a later export is counted without being decoded.
+            for at, to in points:
+                read(name, "", False, at, to)
+            self.unknown += len(points)
+            return
         if (kind == "histogram") != histogram or (kind == "counter" and data_field != 7):
             raise _Fallback  # wrong_type
         if kind != "gauge" and temporality not in (1, 2):
@@ -391,7 +389,6 @@ class _TemplateBuilder:
         if kind == "gauge" and temporality == DELTA:
             raise _Fallback
         delta = data_field != 5 and temporality == DELTA
-        read = self.histogram_point if histogram else self.number_point
         for at, to in points:
             self.recipes.append(read(name, kind, delta, at, to))
 
