@@ -423,8 +423,9 @@ def main() -> int:
                  "runs them on other machines); xDS nodes and Envoys stay at 0")  # fmt: skip
     p.add_argument("--emulator-nice", type=int, default=0, help=emulators)
     p.add_argument("--otlp-interval", type=float, default=1.0, help="each endpoint's export")
-    p.add_argument("--otlp-channels", type=int, default=8,
-                   help="connections the generator spreads its batches over")  # fmt: skip
+    p.add_argument("--otlp-channels", type=int, default=0,
+                   help="connections the generator spreads its batches over (0: one per batch "
+                   "of 100 endpoints, as a fleet's servers each export on their own)")  # fmt: skip
     p.add_argument("--hc-interval", type=float, default=60.0,
                    help="Envoy active health checks of the fleet (listener option)")  # fmt: skip
     p.add_argument("--health-checks", choices=("all", "model"), default="all",

@@ -67,6 +67,14 @@ class ControlPlaneMetrics:
             ["sent"],
             registry=r,
         )
+        self.telemetry_shard_points = Counter(
+            "telemetry_shard_points",
+            "Data points each telemetry shard took in, used or not: the kernel shares out "
+            "connections, not points, so a few exporters' connections (a handful of collectors) "
+            "can leave one shard most of the work",
+            ["shard"],
+            registry=r,
+        )
         self.telemetry_shard_delay = Histogram(
             "telemetry_shard_delay_seconds",
             "From a report's arrival at a telemetry shard to the control plane holding it (the "

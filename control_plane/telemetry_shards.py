@@ -372,6 +372,9 @@ class TelemetryShards:
         if m is not None:
             m.telemetry_endpoints.set(len(self._telemetry))
             m.telemetry_points.inc(push.points + used)
+            m.telemetry_shard_points.labels(str(index)).inc(
+                push.points + sum(push.ignored.values())
+            )
             for reason, n in push.ignored.items():
                 m.telemetry_points_ignored.labels(reason).inc(n)
             for seconds in push.timings:

@@ -245,7 +245,8 @@ def cp_metrics(admin: int) -> dict[str, float]:
     wanted = ("routing_recompute_seconds_", "xds_snapshot_build_seconds_", "telemetry_ingest_",
               "telemetry_points_total", "telemetry_endpoints", "xds_snapshots_total",
               "routing_pools_total", "routing_ejections_total",
-              "telemetry_shard_endpoints", "telemetry_shard_delay_seconds_")  # fmt: skip
+              "telemetry_shard_endpoints", "telemetry_shard_delay_seconds_",
+              "telemetry_shard_points_total", "telemetry_points_ignored_total")  # fmt: skip
     with urllib.request.urlopen(f"http://{HOST}:{admin}/metrics", timeout=60) as response:
         text = response.read().decode()
     out = {}

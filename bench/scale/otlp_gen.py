@@ -168,8 +168,10 @@ class Generator:
         # connection.
         options = [("grpc.max_send_message_length", 64 * 1024 * 1024),
                    ("grpc.use_local_subchannel_pool", 1)]  # fmt: skip
+        batches = -(-len(endpoints) // args.batch)
         self.channels = [
-            grpc.aio.insecure_channel(args.otlp, options=options) for _ in range(args.channels)
+            grpc.aio.insecure_channel(args.otlp, options=options)
+            for _ in range(args.channels or batches)
         ]
         decode = ExportMetricsServiceResponse.FromString
         self.exports = [
@@ -299,7 +301,8 @@ def main() -> None:
     p.add_argument("--interval", type=float, default=1.0, help="seconds between rounds")
     p.add_argument("--batch", type=int, default=100, help="endpoints per Export request")
     p.add_argument("--concurrency", type=int, default=8, help="Export requests in flight")
-    p.add_argument("--channels", type=int, default=1, help="connections, batches spread over")
+    p.add_argument("--channels", type=int, default=0,
+                   help="connections the batches are spread over (0: one per batch)")  # fmt: skip
     p.add_argument("--qps", type=int, default=20, help="requests per second each reports")
     p.add_argument("--slow-qps", type=int, default=100, help="extra slow requests per second")
     p.add_argument("--slow-ms", type=float, default=300.0, help="latency of the slow requests")

@@ -27,6 +27,18 @@ def _rate(r: dict[str, Any], name: str) -> float:
     return float(end[name] - start[name]) / span
 
 
+def _rates(r: dict[str, Any], prefix: str) -> dict[str, float]:
+    """``_rate`` of every series whose name (with labels) starts with ``prefix``."""
+    return {name: _rate(r, name) for name in r.get("cp_metrics_end", {}) if name.startswith(prefix)}
+
+
+def _largest_share(r: dict[str, Any]) -> float:
+    """The busiest telemetry shard's share of the points the shards took in."""
+    shares = _rates(r, "telemetry_shard_points_total")
+    total = sum(shares.values())
+    return max(shares.values()) / total if total > 0 else math.nan
+
+
 def _agree(trials: list[dict[str, Any]]) -> str:
     """Trials where both real Envoys ended on the synthetic nodes' weight, of those measured."""
     measured = [t for t in trials if t.get("synthetic_final") and not math.isnan(t["t_all_s"])]
@@ -67,7 +79,9 @@ def summarize(r: dict[str, Any]) -> dict[str, Any]:
         "sync_s": r.get("sync_s", math.nan),
         "poll_period_s": r.get("poll_period_s", math.nan),
         "probe_failures": r.get("cp_unreachable_logs", math.nan),
-        "otlp_points_s": _rate(r, "telemetry_points_total"),
+        "otlp_points_s": _rate(r, "telemetry_points_total")
+        + sum(_rates(r, "telemetry_points_ignored_total").values()),
+        "shard_share": _largest_share(r),
         "agree": _agree(trials),
         "runtime_s": r.get("runtime_s", math.nan),
         "error": r.get("error", ""),
@@ -94,7 +108,8 @@ COLUMNS = [
     ("sync_s", "all in sync s", "{:.1f}"),
     ("poll_period_s", "poll period s", "{:.2f}"),
     ("probe_failures", "probe failures", "{}"),
-    ("otlp_points_s", "OTLP points/s ingested", "{:.0f}"),
+    ("otlp_points_s", "OTLP points/s taken in", "{:.0f}"),
+    ("shard_share", "busiest shard's share", "{:.2f}"),
     ("agree", "Envoys same weight", "{}"),
     ("runtime_s", "runtime s", "{:.0f}"),
 ]
