@@ -48,8 +48,9 @@ from control_plane.placement import ClusterMemo, EndpointReport, build_mesh_stat
 from control_plane.resources import build_resources
 from control_plane.routing import Router
 from control_plane.snapshot import build_snapshot
-from control_plane.telemetry import EndpointTelemetry, Signal, TelemetryStore
+from control_plane.telemetry import TelemetryStore
 from control_plane.telemetry_shards import Push, TelemetryShards
+from control_plane.telemetry_values import EndpointTelemetry, Signal
 from control_plane.topology import TelemetryOptions, parse_topology
 from model_server.telemetry import build_request
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from control_plane.telemetry import IngestResult, TelemetryStore
+from control_plane.telemetry import TelemetryStore
+from control_plane.telemetry_values import IngestResult
 from control_plane.triton_metrics import TritonMapper, TritonScrape
 
 log = logging.getLogger(__name__)

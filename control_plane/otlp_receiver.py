@@ -32,7 +32,8 @@ from control_plane.otlp_wire import decode_fast
 
 if TYPE_CHECKING:
     from control_plane.metrics import ControlPlaneMetrics
-    from control_plane.telemetry import IngestResult, TelemetryStore
+    from control_plane.telemetry import TelemetryStore
+from control_plane.telemetry_values import IngestResult
 
 log = logging.getLogger(__name__)
 

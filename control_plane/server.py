@@ -44,9 +44,10 @@ from control_plane.placement import ClusterMemo, PlacementPoller, build_mesh_sta
 from control_plane.routing import Router
 from control_plane.scoring.types import RECOMPUTE_PERIOD_S, Labels
 from control_plane.snapshot import InconsistentSnapshot, SnapshotCache
-from control_plane.telemetry import TelemetryStore, VersionTelemetry
+from control_plane.telemetry import TelemetryStore
 from control_plane.telemetry_readings import TelemetryReadings
 from control_plane.telemetry_shards import TelemetryShards
+from control_plane.telemetry_values import VersionTelemetry
 from control_plane.topology import (
     EndpointResolver,
     Topology,

@@ -6,15 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from control_plane.telemetry import (
-    EndpointTelemetry,
-    TelemetryStore,
-    VersionSeries,
-    VersionTelemetry,
-    telemetry_document,
-    version_telemetry,
-)
+from control_plane.telemetry import TelemetryStore
+from control_plane.telemetry_series import VersionSeries, version_telemetry
 from control_plane.telemetry_shards import TelemetryShards
+from control_plane.telemetry_values import EndpointTelemetry, VersionTelemetry, telemetry_document
 
 
 class TelemetryReadings:

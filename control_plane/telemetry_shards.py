@@ -52,14 +52,10 @@ from opentelemetry.proto.metrics.v1 import metrics_pb2
 from control_plane.envoy_stats import used_stats
 from control_plane.gc_tuning import tune_gc
 from control_plane.otlp_receiver import start_receiver
-from control_plane.telemetry import (
-    EndpointTelemetry,
-    IngestResult,
-    TelemetryStore,
-    VersionSeries,
-    read_computed,
-)
+from control_plane.telemetry import TelemetryStore
 from control_plane.telemetry_moved import split_moved
+from control_plane.telemetry_series import VersionSeries
+from control_plane.telemetry_values import EndpointTelemetry, IngestResult, read_computed
 
 if TYPE_CHECKING:
     from control_plane.envoy_stats import EnvoyStats

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.telemetry import EndpointTelemetry, Signal, TelemetryStore
+from control_plane.telemetry import TelemetryStore
+from control_plane.telemetry_values import EndpointTelemetry, Signal
 from control_plane.triton_metrics import TritonMapper, TritonScrape, bucket_shares
 
 EP = "10.0.0.7:8001"
