@@ -224,6 +224,8 @@ class TelemetryStore:
                 self._placement_hints.add(endpoint_key)
         samples = series.samples
         if kind == "gauge":
+            if samples and samples[-1][0] > now:
+                return True  # arrived before the value held (requests stored out of order)
             if name in PLACEMENT_SIGNALS and samples and samples[-1][1] != point_values:
                 self._placement_hints.add(endpoint_key)
             samples.clear()
@@ -254,7 +256,10 @@ class TelemetryStore:
                 # going back it would restart the window and hide a change for a round.
                 return True
             if samples and (restarted or went_back(values, samples[-1][1], start_ns)):
-                samples.clear()  # the counter went back: a restart starts a new window
+                # The counter went back: a restart starts a new window. (Never dated before
+                # the sample it replaces: a series' newest arrival only moves on; see Layout.)
+                now = max(now, samples[-1][0])
+                samples.clear()
             series.last_start = max(series.last_start, start_ns)
         if not samples and duration > 0:
             zero_at = exported - duration if exported else 0.0

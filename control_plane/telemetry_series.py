@@ -66,7 +66,7 @@ class Layout:
     (at fleet scale a telemetry shard windows 10,000 reports a second)."""
 
     __slots__ = ("by_model", "draining", "durations", "gauges", "labels", "live", "memory_source",
-                 "models", "quiet", "requests", "shape", "single")  # fmt: skip
+                 "models", "oldest", "quiet", "requests", "shape", "single")  # fmt: skip
 
     def __init__(self, series: Mapping[tuple[str, Any], Series], shape: int, cutoff: float) -> None:
         """The layout of an endpoint's ``series`` (``shape``: how many it has made so far) for
@@ -97,15 +97,24 @@ class Layout:
         )
         self.draining = live.get("server_draining", [])
         self.labels = live.get("server_label", [])
+        self.oldest = self._oldest()
+
+    def _oldest(self) -> float:
+        """The oldest of the live series' newest arrivals."""
+        return min([s.samples[-1][0] for s in self.live], default=math.inf)
 
     def holds(self, shape: int, cutoff: float) -> bool:
         """Whether this is still the endpoint's layout: no series new since, none gone quiet
-        and none of the quiet ones back."""
-        return (
-            self.shape == shape
-            and (not self.live or min([s.samples[-1][0] for s in self.live]) >= cutoff)
-            and not any(s.samples and s.samples[-1][0] >= cutoff for s in self.quiet)
-        )
+        and none of the quiet ones back. A series' newest arrival only moves on (the store
+        never dates a sample before the one it replaces), so the live ones are read again
+        only once the oldest of them, as last read, is out of the window."""
+        if self.shape != shape:
+            return False
+        if self.quiet and any(s.samples and s.samples[-1][0] >= cutoff for s in self.quiet):
+            return False
+        if self.oldest < cutoff:
+            self.oldest = self._oldest()
+        return self.oldest >= cutoff
 
 
 # (EndpointTelemetry field, the gauge it sums)

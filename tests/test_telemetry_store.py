@@ -434,6 +434,20 @@ def test_gauges_memory_and_ages() -> None:
     assert row["stale"] is False and body["window_s"] == 10
 
 
+def test_requests_stored_out_of_order_keep_the_newest_gauge() -> None:
+    """Exports are stored by worker threads: one that arrived earlier may be stored later. A
+    gauge keeps the value that arrived last, and the series still goes quiet on time."""
+    store = TelemetryStore(window_s=10)
+    both = [gauge("inference_queue_depth", 4, model="m"), gauge("inference_in_flight_requests", 1)]
+    store.ingest(request(both), received_at=5.0)
+    assert store.snapshot(6.0)[EP].queue_depth == (4, 1.0)
+    store.ingest(request([gauge("inference_queue_depth", 9, model="m")]), received_at=4.0)
+    assert store.snapshot(6.0)[EP].queue_depth == (4, 1.0)
+    store.ingest(request([gauge("inference_in_flight_requests", 2)]), received_at=15.5)
+    e = store.snapshot(16.5)[EP]  # the queue depth, last at 5, has gone quiet
+    assert e.queue_depth is None and e.in_flight == (2, 1.0)
+
+
 def test_bad_points_are_counted_and_skipped() -> None:
     nan = gauge("inference_queue_depth", math.nan, model="m")
     negative = counter(-1.0, 1.0)
