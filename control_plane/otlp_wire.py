@@ -18,6 +18,7 @@ holds the two to the same answers over mutated and random exports.
 from __future__ import annotations
 
 import math
+import operator
 import struct
 from array import array
 from collections.abc import Callable
@@ -174,25 +175,25 @@ _Recipe = tuple[Any, ...]
 @dataclass(frozen=True, slots=True)
 class _Template:
     """The shape of one ResourceMetrics as an exporter sends it every time: everything but its
-    numbers (timestamps, values, counts) is the same bytes, so a later export with the same
-    bytes there is read with one ``values.unpack_from``."""
+    numbers (timestamps, values, counts) is the same bytes, so a later export is read with one
+    ``layout.unpack_from``, which gives the bytes between the numbers too, to be matched."""
 
     endpoint: str
     length: int
-    static: bytes  # the payload without its numbers
-    slices: tuple[slice, ...]  # where ``static`` is in the payload
-    values: struct.Struct  # the numbers, in order, with pad bytes between them
-    recipes: tuple[_Recipe, ...]
+    layout: struct.Struct  # the payload: its static pieces ("Ns") and numbers, in order
+    static_of: Callable[[tuple[Any, ...]], Any]  # the static pieces of what layout unpacks
+    static: Any  # static_of of the payload the template was made from
+    recipes: tuple[_Recipe, ...]  # their indices are into what layout unpacks
     unknown: int  # points of metrics the store does not use: counted, not read
 
-    def matches(self, buf: bytes, pos: int, end: int) -> bool:
+    def unpack(self, buf: bytes, pos: int, end: int) -> tuple[Any, ...] | None:
+        """The payload's pieces when it has this shape, else None."""
         if end - pos != self.length:
-            return False
-        view = memoryview(buf)[pos:end]
-        return b"".join([view[s] for s in self.slices]) == self.static
+            return None
+        values = self.layout.unpack_from(buf, pos)
+        return values if self.static_of(values) == self.static else None
 
-    def read(self, buf: bytes, pos: int, reader: _Reader) -> None:
-        values = self.values.unpack_from(buf, pos)
+    def read(self, values: tuple[Any, ...], reader: _Reader) -> None:
         reader.spend(len(self.recipes) + self.unknown)
         reader.unknown += self.unknown
         append, endpoint = reader.points.append, self.endpoint
@@ -231,12 +232,16 @@ class _Reader:
                 raise _Fallback
             key = _resource_key(buf, start, end)
             template = _templates.get(key)
-            if template is None or not template.matches(buf, start, end):
+            values = template.unpack(buf, start, end) if template is not None else None
+            if values is None:
                 template = _TemplateBuilder(buf, start, end).build()
                 if len(_templates) >= MAX_TEMPLATES:
                     _templates.clear()
                 _templates[key] = template
-            template.read(buf, start, self)
+                values = template.unpack(buf, start, end)
+                assert values is not None  # the template's own payload
+            assert template is not None
+            template.read(values, self)
 
     def spend(self, count: int) -> None:
         if self.budget < count:
@@ -286,20 +291,22 @@ class _TemplateBuilder:
         return self._template(endpoint)
 
     def _template(self, endpoint: str) -> _Template:
-        fmt, static, cursor = ["<"], [], self.pos
+        fmt, static_at, cursor = ["<"], [], self.pos
         first_value: list[int] = []  # per slot, the index of its first value
-        n_values = 0
+        n_values = 0  # what the layout unpacks so far
         for start, stop, code in sorted(self.slots):
             if start < cursor:
                 raise _Fallback  # cannot happen for distinct fields; never guessed at
             if start > cursor:
-                fmt.append(f"{start - cursor}x")
-                static.append(slice(cursor - self.pos, start - self.pos))
+                fmt.append(f"{start - cursor}s")
+                static_at.append(n_values)
+                n_values += 1
             fmt.append(code)
             first_value.append(n_values)
             n_values += 0 if code.endswith("x") else int(code[:-1] or 1)
             cursor = stop
-        static.append(slice(cursor - self.pos, self.end - self.pos))
+        fmt.append(f"{self.end - cursor}s")  # (0s unpacks b"": something to match, always)
+        static_at.append(n_values)
         order = {slot[0]: i for i, slot in enumerate(sorted(self.slots))}
 
         def index(start: int | None) -> int | None:
@@ -309,15 +316,11 @@ class _TemplateBuilder:
             (*r[:5], *(index(at) if isinstance(at, int) or at is None else at for at in r[5:]))
             for r in self.recipes
         )
-        payload = memoryview(self.buf)[self.pos : self.end]
+        layout = struct.Struct("".join(fmt))
+        static_of = operator.itemgetter(*static_at)
+        static = static_of(layout.unpack_from(self.buf, self.pos))
         return _Template(
-            endpoint,
-            self.end - self.pos,
-            b"".join([payload[s] for s in static]),
-            tuple(static),
-            struct.Struct("".join(fmt)),
-            recipes,
-            self.unknown,
+            endpoint, self.end - self.pos, layout, static_of, static, recipes, self.unknown
         )
 
     def _string(self, start: int, end: int) -> None:
