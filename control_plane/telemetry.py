@@ -149,19 +149,26 @@ class TelemetryStore:
         accepted = 0
         with self._lock:
             self._forget(received_at)
-            seen: set[str] = set()
+            seen: dict[str, _Endpoint | None] = {}
             key, endpoint = None, None
             for p in points:
                 if p[0] != key:  # an export's points come endpoint by endpoint
                     key = p[0]
-                    endpoint = self._endpoint(key, received_at, key not in seen)
-                    seen.add(key)
+                    endpoint = seen[key] = self._endpoint(key, received_at, key not in seen)
                 if endpoint is None:
                     reasons["endpoint_limit"] += 1
                 elif self._store(endpoint, p, received_at):
                     accepted += 1
                 else:
                     reasons["series_limit"] += 1
+            if self._track:
+                # A telemetry shard windows each endpoint as its report is stored, while its
+                # samples are in the CPU's cache: at the next push, after other endpoints'
+                # reports, the same took ~1.6x as long (5,000 endpoints a shard).
+                for key, endpoint in seen.items():
+                    if endpoint is not None:
+                        at = max(received_at, endpoint.last_seen)
+                        endpoint.computed = (at, self._telemetry(key, endpoint, at))
         return IngestResult(accepted, tuple(sorted(reasons.items())), tuple(errors[:5]))
 
     def _endpoint(self, key: str, now: float, first_in_request: bool) -> _Endpoint | None:
@@ -281,16 +288,25 @@ class TelemetryStore:
             self._forget(now, force=True)
             return {key: self._computed(key, e, now, ages) for key, e in self._endpoints.items()}
 
-    def changed(self, now: float) -> tuple[dict[str, EndpointTelemetry], set[str]]:
-        """(the telemetry at ``now`` of every endpoint that reported since the last call, the
-        endpoints forgotten since): what a telemetry shard sends the control plane. Needs
-        ``track_changes``."""
+    def changed(self, now: float) -> tuple[dict[str, tuple[float, EndpointTelemetry]], set[str]]:
+        """(every endpoint that reported since the last call: (when its telemetry was read, as
+        read then), the endpoints forgotten since): what a telemetry shard sends the control
+        plane. Needs ``track_changes``, which windows an endpoint when its report is stored:
+        its ages are as of then (its stale flag as of ``now``)."""
         with self._lock:
             self._forget(now)
             dirty, self._dirty = self._dirty, set()
             forgotten, self._forgotten = self._forgotten, set()
-            endpoints = self._endpoints
-            return {k: self._computed(k, endpoints[k], now, False) for k in dirty}, forgotten
+            out = {}
+            stale_after = self.stale_after_intervals
+            for key in dirty:
+                e = self._endpoints[key]
+                if e.computed is None:
+                    e.computed = (now, self._telemetry(key, e, now))
+                elif e.computed[0] < now:
+                    e.computed = read_computed(e.computed, now, False, stale_after)[0]
+                out[key] = e.computed
+            return out, forgotten
 
     def _computed(self, key: str, e: _Endpoint, now: float, ages: bool) -> EndpointTelemetry:
         """The endpoint's telemetry; unchanged data since the last read is only aged (routing

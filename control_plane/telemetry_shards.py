@@ -76,7 +76,8 @@ class Push:
     """What a shard sends every ``PUSH_INTERVAL_S``."""
 
     at: float  # the shard's time.monotonic() (one clock for every process of the host)
-    telemetry: dict[str, EndpointTelemetry]  # reported and moved since the last push
+    # reported and moved since the last push: (when it was read, the telemetry as read then)
+    telemetry: dict[str, tuple[float, EndpointTelemetry]]
     touched: tuple[str, ...]  # reported, not moved (telemetry_moved): still as last sent
     moved: bool  # some endpoint is new or moved (not only refreshed): routing should look now
     forgotten: frozenset[str]
@@ -186,14 +187,16 @@ class _Shard:
         reported, forgotten = self.store.changed(now)
         with self._resend_lock:
             resend, self._resend = frozenset(self._resend), set()
-        telemetry, touched, moved = split_moved(
-            reported, self._sent, now, self.push_tolerance, resend
-        )
+        whole, touched, moved = split_moved(
+            {key: t for key, (_, t) in reported.items()},
+            self._sent, now, self.push_tolerance, resend,
+        )  # fmt: skip
+        telemetry = {key: reported[key] for key in whole}
         for key in forgotten:
             self._sent.pop(key, None)
         hints = self.store.take_placement_hints()
         if telemetry or touched or forgotten or hints or envoy or points or ignored:
-            delay = max((t.age_s for t in reported.values()), default=0.0)
+            delay = max((now - at + t.age_s for at, t in reported.values()), default=0.0)
             push = Push(now, telemetry, touched, moved, frozenset(forgotten), frozenset(hints),
                         envoy, points, ignored, timings, delay)  # fmt: skip
             self.send(("push", push))
@@ -343,8 +346,8 @@ class TelemetryShards:
     def _apply(self, index: int, push: Push) -> None:
         resend = []
         with self._lock:
-            for key, telemetry in push.telemetry.items():
-                self._telemetry[key] = ((push.at, telemetry), index, telemetry)
+            for key, (at, telemetry) in push.telemetry.items():
+                self._telemetry[key] = ((at, telemetry), index, telemetry)
             for key in push.touched:
                 entry = self._telemetry.get(key)
                 if entry is None or entry[1] != index:  # moved between shards, or forgotten

@@ -92,7 +92,8 @@ def test_refreshes_come_within_the_period_and_spread_out() -> None:
 
 
 def _push(at: float, whole: dict[str, EndpointTelemetry], touched: tuple[str, ...]) -> Push:
-    return Push(at, whole, touched, bool(whole), frozenset(), frozenset(), (), 0, {}, ())
+    read = {key: (at, t) for key, t in whole.items()}
+    return Push(at, read, touched, bool(whole), frozenset(), frozenset(), (), 0, {}, ())
 
 
 class _Conn:

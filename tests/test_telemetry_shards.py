@@ -42,12 +42,13 @@ def test_changed_gives_the_endpoints_that_reported_since_the_last_call() -> None
     store.ingest(request([gauge("inference_queue_depth", 4.0)], "b:1"), received_at=100.0)
     telemetry, forgotten = store.changed(100.5)
     assert set(telemetry) == {"a:1", "b:1"} and not forgotten
-    assert telemetry["a:1"].queue_depth is not None and telemetry["a:1"].queue_depth.value == 3
+    at, a = telemetry["a:1"]  # read when its report was stored: its ages as of then
+    assert at == 100.0 and a.queue_depth == (3, 0.0) and a.age_s == 0.0
     assert store.changed(100.6) == ({}, set())  # nothing new
     store.ingest(request([gauge("inference_queue_depth", 9.0)], "b:1"), received_at=103.0)
     telemetry, _ = store.changed(103.1)
     assert set(telemetry) == {"b:1"}
-    assert telemetry["b:1"].queue_depth is not None and telemetry["b:1"].queue_depth.value == 9
+    assert telemetry["b:1"][1].queue_depth == (9, 0.0)
     telemetry, forgotten = store.changed(106.0)  # a:1 unseen for 6 s > forget_after_s
     assert forgotten == {"a:1"} and not telemetry
     store.ingest(request([gauge("inference_queue_depth", 1.0)], "a:1"), received_at=107.0)
@@ -126,7 +127,7 @@ def push(
     forgotten: frozenset[str] = frozenset(),
     touched: tuple[str, ...] = (),
 ) -> Push:
-    found = {e: telemetry(e) for e in endpoints}
+    found = {e: (at, telemetry(e)) for e in endpoints}
     return Push(
         at,
         found,
@@ -157,6 +158,22 @@ def test_the_newest_push_wins_and_only_its_shard_forgets_an_endpoint() -> None:
     assert shards.snapshot(13.5, ages=False)["a:1"].stale
     assert not shards.snapshot(13.5, ages=False)["b:1"].stale
     assert set(shards.snapshot(72.0)) == set()  # unheard of for forget_after_s
+
+
+def test_telemetry_ages_from_when_its_shard_read_it_not_from_its_push() -> None:
+    """A shard windows an endpoint when its report is stored and pushes it up to 0.1 s later
+    (more when loaded): the control plane ages it from the reading, not the push."""
+    shards = TelemetryShards(1, TelemetryOptions(stale_after_intervals=3.0))
+    read = {"a:1": (10.0, telemetry("a:1", age_s=0.0))}
+    shards._apply(0, Push(10.4, read, (), True, frozenset(), frozenset(), (), 1, {}, ()))
+    assert shards.snapshot(11.0)["a:1"].age_s == pytest.approx(1.0)
+    store = TelemetryStore(track_changes=True)
+    store.ingest(request([gauge("inference_queue_depth", 3.0)], "a:1"), received_at=20.0)
+    at, t = store.changed(20.3)[0]["a:1"]
+    shards._apply(
+        0, Push(20.3, {"a:1": (at, t)}, (), True, frozenset(), frozenset(), (), 1, {}, ())
+    )
+    assert shards.snapshot(21.0)["a:1"].queue_depth == (3.0, pytest.approx(1.0))
 
 
 # -- real shard processes --------------------------------------------------------------------
