@@ -120,7 +120,8 @@ def run(n: int, repeat: int) -> list[tuple[str, float]]:
     raw = store.snapshot(clock[0] + 0.5)
     # With telemetry.shards the control plane receives the windowed telemetry instead: a
     # shard pickles a push, the control plane unpickles it and keeps it (TelemetryShards).
-    push = Push(clock[0], raw, (), True, frozenset(), frozenset(), (), 0, {}, ())
+    read = {key: (clock[0], t) for key, t in raw.items()}
+    push = Push(clock[0], read, (), True, frozenset(), frozenset(), (), 0, {}, ())
     sent = pickle.dumps(("push", push), protocol=pickle.HIGHEST_PROTOCOL)
     rows.append(
         (
