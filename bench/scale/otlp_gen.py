@@ -10,9 +10,12 @@ CUMULATIVE explicit-bounds Histogram; labels as string attributes; resource
 ``inference_in_flight_requests``, ``accelerator_memory_used_bytes`` and ``_total_bytes``
 {device, source}, ``inference_batch_size`` {model}, ``kv_cache_blocks_used`` and ``_total``
 {model}, ``server_draining``. Endpoints are batched as a collector would: ``--batch``
-ResourceMetrics per Export request, requests of one round sent concurrently, each batch always
-on the same one of ``--channels`` connections (as that many collectors, or servers, would:
-the control plane's telemetry shards share out connections, not requests).
+ResourceMetrics per Export request, each batch always on the same one of ``--channels``
+connections (default one per batch: the control plane's telemetry shards share out
+connections, not requests). A round's requests go out spread over ``--spread`` of the
+interval, as exporters on their own timers send, each without waiting for the others; a round
+ends when every one is acknowledged, and one that ends after its interval is late (the next
+starts at once: a receiver that cannot keep up gets less, not a backlog).
 
 Every endpoint of a model reports the same numbers (``--qps`` requests per second at a few
 milliseconds, under the SLA), so each model's scope is serialized once per round and spliced
@@ -221,13 +224,15 @@ class Generator:
                 scope = own.get(key) or scopes[model]
                 parts.append(length_delimited(1, self.resources[i] + scope))
             bodies.append((b"".join(parts), self.channel_of(start)))
-        limit = asyncio.Semaphore(self.args.concurrency)
+        limit = asyncio.Semaphore(self.args.concurrency or len(bodies) or 1)
+        step = self.args.spread * self.args.interval / max(1, len(bodies))
 
-        async def send(body: bytes, channel: int) -> None:
+        async def send(body: bytes, channel: int, delay: float) -> None:
+            await asyncio.sleep(delay)
             async with limit:
                 await self._send(body, channel)
 
-        await asyncio.gather(*(send(b, c) for b, c in bodies))
+        await asyncio.gather(*(send(b, c, i * step) for i, (b, c) in enumerate(bodies)))
         self.stats["rounds"] += 1
 
     async def change(self, key: str, slow: bool) -> dict[str, Any]:
@@ -300,7 +305,10 @@ def main() -> None:
                    help="JSON list of [index, HOST:PORT, model]")  # fmt: skip
     p.add_argument("--interval", type=float, default=1.0, help="seconds between rounds")
     p.add_argument("--batch", type=int, default=100, help="endpoints per Export request")
-    p.add_argument("--concurrency", type=int, default=8, help="Export requests in flight")
+    p.add_argument("--concurrency", type=int, default=0,
+                   help="Export requests in flight at most (0: no limit)")  # fmt: skip
+    p.add_argument("--spread", type=float, default=0.8,
+                   help="share of the interval a round goes out over (0: at once)")  # fmt: skip
     p.add_argument("--channels", type=int, default=0,
                    help="connections the batches are spread over (0: one per batch)")  # fmt: skip
     p.add_argument("--qps", type=int, default=20, help="requests per second each reports")
