@@ -7,8 +7,9 @@ store and ~1.5 s to window, per second), more than one process has. With
 SO_REUSEPORT, so the kernel spreads the exporters' connections over them; a shard keeps the
 ``TelemetryStore`` of the endpoints that export to it (one server exports on one connection)
 and, every ``PUSH_INTERVAL_S``, sends the control plane the telemetry of the endpoints that
-reported since its last push, already windowed: the control plane's own process keeps only a
-dict of the newest ``EndpointTelemetry`` per endpoint. Envoy's stat-sink resources, placement
+reported since its last push, windowed as each report was stored (with when: the control plane
+ages it from then): the control plane's own process keeps only a dict of the newest
+``EndpointTelemetry`` per endpoint. Envoy's stat-sink resources, placement
 hints and the receiver's counts travel with the push; canary statistics are asked for
 (``version_series``) and merged here.
 
