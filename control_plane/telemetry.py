@@ -60,7 +60,6 @@ from control_plane.telemetry_values import (
     Flag,
     IngestResult,
     ModelTelemetry,
-    Signal,
     VersionTelemetry,
     is_stale,
     made,
@@ -70,7 +69,6 @@ from control_plane.telemetry_values import (
 
 PLACEMENT_SIGNALS = frozenset({"model_state", "server_draining"})  # see take_placement_hints
 MAX_INTERNED = 10_000
-_new_pair = tuple.__new__  # a named tuple made without its __new__'s Python frame
 
 
 Attrs = tuple[tuple[str, str], ...]
@@ -369,13 +367,7 @@ class TelemetryStore:
         age = now - e.last_seen
         p50, p99 = percentiles_ms(layout.durations, (0.5, 0.99), now, window)
         qps = rate(layout.requests, now, window)
-        fields: dict[str, Any] = {}
-        for name, series in layout.gauges:
-            if len(series) == 1:  # the usual: one series, whose samples are its last value
-                at, values, _ = series[0][1].samples[-1]
-                fields[name] = _new_pair(Signal, (values[0], now - at))
-            else:
-                fields[name] = gauge_sum(series, now)
+        fields: dict[str, Any] = {name: gauge_sum(s, now) for name, s in layout.gauges}
         draining = gauge_sum(layout.draining, now)
         if layout.single:  # the usual server: its model's figures are the endpoint's
             models: tuple[ModelTelemetry, ...] = (

@@ -73,8 +73,7 @@ def telemetry_moved(before: EndpointTelemetry, after: EndpointTelemetry, toleran
 def _moved(before: Signal | None, after: Signal | None, tolerance: float) -> bool:
     if before is None or after is None:
         return before is not after
-    x, y = before[0], after[0]
-    return not (x == y or abs(x - y) <= tolerance * max(abs(x), abs(y)))  # scoring's near()
+    return not near(before[0], after[0], tolerance)
 
 
 def _flag(flag: Flag | None) -> bool | None:

@@ -21,6 +21,7 @@ REQUESTS = "inference_requests"
 OK_CODES = frozenset({"ok", "0", "200", "success"})
 MAX_SAMPLES = 256  # per series; a faster exporter shortens the window rather than the memory
 
+_new_pair = tuple.__new__
 Vec = Sequence[float]  # a tuple, or an array of doubles for histogram buckets
 Sample = tuple[float, Vec, float]  # (arrival time, values, the exporter's time or 0: unknown)
 
@@ -171,7 +172,7 @@ def gauge_sum(series: Labeled, now: float) -> Signal | None:
         return None
     if len(series) == 1:  # the usual case, read without the generators below
         at, values, _ = series[0][1].samples[-1]
-        return Signal(values[0], now - at)
+        return _new_pair(Signal, (values[0], now - at))  # (without __new__'s Python frame)
     newest = [s.samples[-1] for _, s in series]
     return Signal(sum(v[1][0] for v in newest), now - min(v[0] for v in newest))
 
