@@ -46,9 +46,8 @@ class CountingShards(TelemetryShards):
         self.delays: list[float] = []
 
     def _apply(self, index: int, push: Push) -> None:
-        taken = push.points + sum(push.ignored.values())
-        self.points += taken
-        self.per_shard[index] += taken
+        self.points += push.taken
+        self.per_shard[index] += push.taken
         if push.telemetry or push.touched:
             self.delays.append(push.delay + time.monotonic() - push.at)
         super()._apply(index, push)

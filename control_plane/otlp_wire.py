@@ -233,14 +233,13 @@ class _Reader:
             key = _resource_key(buf, start, end)
             template = _templates.get(key)
             values = template.unpack(buf, start, end) if template is not None else None
-            if values is None:
+            if template is None or values is None:
                 template = _TemplateBuilder(buf, start, end).build()
                 if len(_templates) >= MAX_TEMPLATES:
                     _templates.clear()
                 _templates[key] = template
                 values = template.unpack(buf, start, end)
                 assert values is not None  # the template's own payload
-            assert template is not None
             template.read(values, self)
 
     def spend(self, count: int) -> None:

@@ -89,6 +89,11 @@ class Push:
     timings: tuple[float, ...]
     delay: float = 0.0  # the oldest report in it: from its arrival at the shard to the push
 
+    @property
+    def taken(self) -> int:
+        """The points the shard took in since its last push, used or not."""
+        return self.points + sum(self.ignored.values())
+
 
 # -- the shard process -----------------------------------------------------------------------
 def run_shard(options: TelemetryOptions, host: str, port: int, conn: Connection) -> None:
@@ -372,9 +377,7 @@ class TelemetryShards:
         if m is not None:
             m.telemetry_endpoints.set(len(self._telemetry))
             m.telemetry_points.inc(push.points + used)
-            m.telemetry_shard_points.labels(str(index)).inc(
-                push.points + sum(push.ignored.values())
-            )
+            m.telemetry_shard_points.labels(str(index)).inc(push.taken)
             for reason, n in push.ignored.items():
                 m.telemetry_points_ignored.labels(reason).inc(n)
             for seconds in push.timings:
