@@ -28,6 +28,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc
 from control_plane.admin import AdminServer
 from control_plane.ads import AdsServicer
 from control_plane.canary_runs import CanaryRuns
+from control_plane.endpoint_resolver import EndpointResolver
 from control_plane.endpointslices import EndpointSlices
 from control_plane.envoy_checks import changes, checked_down_by_model
 from control_plane.envoy_stats import EnvoyStats
@@ -48,13 +49,7 @@ from control_plane.telemetry import TelemetryStore
 from control_plane.telemetry_readings import TelemetryReadings
 from control_plane.telemetry_shards import TelemetryShards
 from control_plane.telemetry_values import VersionTelemetry
-from control_plane.topology import (
-    EndpointResolver,
-    Topology,
-    TopologyError,
-    load_topology,
-    topology_fingerprint,
-)
+from control_plane.topology import Topology, TopologyError, load_topology, topology_fingerprint
 
 log = logging.getLogger("control_plane")
 TOPOLOGY_CHECK_INTERVAL_S = 1.0

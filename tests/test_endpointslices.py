@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 
 from control_plane import endpointslices
+from control_plane.endpoint_resolver import EndpointResolver
 from control_plane.endpointslices import (
     ApiConfig,
     Backoff,
@@ -38,7 +39,7 @@ from control_plane.endpointslices import (
     slice_addresses,
 )
 from control_plane.mesh import EndpointAddress
-from control_plane.topology import EndpointResolver, StaticEndpoint, TopologyError, parse_topology
+from control_plane.topology import StaticEndpoint, TopologyError, parse_topology
 from tests.envoy_support import free_port
 from tests.support import ROOT, wait_for
 

@@ -14,6 +14,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from control_plane.endpoint_resolver import EndpointResolver, resolve_endpoints
 from control_plane.mesh import (
     CircuitBreaker,
     EndpointAddress,
@@ -26,7 +27,6 @@ from control_plane.mesh import (
 from control_plane.scoring.types import PoolPolicy
 from control_plane.topology import (
     DnsEndpoint,
-    EndpointResolver,
     PlacementOptions,
     StaticEndpoint,
     Topology,
@@ -34,7 +34,6 @@ from control_plane.topology import (
     load_topology,
     parse_topology,
     parse_topology_text,
-    resolve_endpoints,
     topology_fingerprint,
 )
 
