@@ -55,7 +55,7 @@ log = logging.getLogger("control_plane")
 TOPOLOGY_CHECK_INTERVAL_S = 1.0
 # How often telemetry is turned into weights and ejections. Ticking whenever telemetry arrives
 # (at most every 0.1 s) was measured not to help on a loaded host: the same median, a longer
-# tail and more idle CPU at 1,000 endpoints (README, "Control plane at scale"). With telemetry
+# tail and more idle CPU at 1,000 endpoints (bench_scale.py, an earlier build). With telemetry
 # shards only telemetry that moved (rare at rest) wakes routing, ROUTING_MIN_GAP_S after the
 # last recompute.
 ROUTING_INTERVAL_S = RECOMPUTE_PERIOD_S
