@@ -345,3 +345,30 @@ def test_back_off_starts_over_after_a_long_healthy_stretch() -> None:
     assert d.states["x:1"].times_ejected == 0
     d = decide([sig("x:1", error_rate=0.9), *pool], d.states, now=100.0, policy=policy)
     assert d.states["x:1"].until == 105.0  # an unrelated incident: the base back-off again
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.one_of(st.none(), st.sampled_from([10.0, 20.0, 30.0, 55.5, 900.0])),
+                  st.booleans()),
+        max_size=9,
+    )
+)  # fmt: skip
+def test_the_rest_of_the_pools_median_p99_leaves_out_exactly_the_endpoint(
+    pool: list[tuple[float | None, bool]],
+) -> None:
+    """What latency_eject_vs_pool compares with: the median over every other fresh endpoint
+    (duplicates, stale and missing P99s included), as a plain sort of the rest gives it."""
+    from control_plane.scoring.ejection import _PoolP99
+
+    signals = [sig(f"e{i}:1", p99_ms=p99, stale=stale) for i, (p99, stale) in enumerate(pool)]
+    median = _PoolP99(signals)
+    for index, one in enumerate(signals):
+        rest = sorted(s.p99_ms for j, s in enumerate(signals)
+                      if j != index and s.p99_ms is not None and not s.stale)  # fmt: skip
+        expected = None
+        if rest:
+            middle = len(rest) // 2
+            expected = rest[middle] if len(rest) % 2 else (rest[middle - 1] + rest[middle]) / 2
+        assert median.without(one) == expected

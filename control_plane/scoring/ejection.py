@@ -5,6 +5,7 @@ Pure: the previous per-endpoint states and the time come in, the new states come
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -32,6 +33,9 @@ class EjectionState:
     struck_at: float | None = None  # ... the last of them counted then
     draining: bool = False
     returned_at: float | None = None  # last return to service (feeds slow start)
+
+
+_NEVER_JUDGED = EjectionState()  # an endpoint new to the pool (one value: states are frozen)
 
 
 @dataclass(frozen=True)
@@ -108,21 +112,27 @@ def _judge(
 
 
 class _PoolP99:
-    """The median P99 of a pool without one of its endpoints; sorted once per pool, not once
-    per endpoint (a pool of n costs O(n) per endpoint instead of O(n log n))."""
+    """The median P99 of a pool without one of its endpoints; sorted once per pool, then
+    O(log n) per endpoint (no copy of the pool's values)."""
 
     def __init__(self, pool: Sequence[EndpointSignals]) -> None:
         self.values = sorted(s.p99_ms for s in pool if s.p99_ms is not None and not s.stale)
 
     def without(self, sig: EndpointSignals) -> float | None:
         values = self.values
+        # Where sig's own value sits (any equal value gives the same median); len: none left out.
+        gone = len(values)
         if sig.p99_ms is not None and not sig.stale:
-            values = values.copy()
-            values.remove(sig.p99_ms)  # one equal value: the same median as removing sig's
-        if not values:
+            gone = bisect.bisect_left(values, sig.p99_ms)
+        left = len(values) - (gone < len(values))
+        if left == 0:
             return None
-        middle = len(values) // 2
-        return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+
+        def at(k: int) -> float:  # the k-th of the values left
+            return values[k] if k < gone else values[k + 1]
+
+        middle = left // 2
+        return at(middle) if left % 2 else (at(middle - 1) + at(middle)) / 2
 
 
 def _max_out(serving: int, share: float) -> int:
@@ -155,7 +165,7 @@ def decide_ejections(
 
     serving: list[EndpointSignals] = []
     for sig in signals:
-        prev = previous.get(sig.endpoint, EjectionState())
+        prev = previous.get(sig.endpoint, _NEVER_JUDGED)
         if not sig.draining:
             serving.append(sig)
             continue
@@ -171,13 +181,13 @@ def decide_ejections(
     pool_p99 = _PoolP99(serving)
     verdicts = {
         s.endpoint: _judge(
-            s, policy, previous.get(s.endpoint, EjectionState()), now, pool_p99.without(s)
+            s, policy, previous.get(s.endpoint, _NEVER_JUDGED), now, pool_p99.without(s)
         )
         for s in serving
     }
 
     def wants_out(ep: str) -> bool:
-        prev = previous.get(ep, EjectionState())
+        prev = previous.get(ep, _NEVER_JUDGED)
         in_backoff = prev.ejected and prev.until is not None and now < prev.until
         return in_backoff or bool(verdicts[ep].causes)
 
@@ -188,7 +198,7 @@ def decide_ejections(
     # Already ejected first (no flapping), then the worst: memory, error rate, latency.
     def rank(ep: str) -> tuple[bool, tuple[float, float, float], str]:
         sev = verdicts[ep].severity
-        return (not previous.get(ep, EjectionState()).ejected, (-sev[0], -sev[1], -sev[2]), ep)
+        return (not previous.get(ep, _NEVER_JUDGED).ejected, (-sev[0], -sev[1], -sev[2]), ep)
 
     # Failing open never brings back a server over its memory watermark: it would run out of
     # memory, whatever the others look like (they may only be slow for a moment).
@@ -201,7 +211,7 @@ def decide_ejections(
 
     for sig in serving:
         ep = sig.endpoint
-        prev = previous.get(ep, EjectionState())
+        prev = previous.get(ep, _NEVER_JUDGED)
         verdict = verdicts[ep]
         why = "; ".join(verdict.causes)
         base = _with(

@@ -31,8 +31,13 @@ class _Filter:
         return bool(getattr(endpoint, self.consumes[0])) is self.drop_when
 
     def apply(self, signals: Sequence[EndpointSignals]) -> tuple[list[EndpointSignals], Dropped]:
-        kept = [s for s in signals if not self.drops(s)]
-        dropped = {s.endpoint: self.reason for s in signals if self.drops(s)}
+        kept: list[EndpointSignals] = []
+        dropped: Dropped = {}
+        for s in signals:
+            if self.drops(s):
+                dropped[s.endpoint] = self.reason
+            else:
+                kept.append(s)
         return kept, dropped
 
 
