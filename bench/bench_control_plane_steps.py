@@ -11,7 +11,8 @@ exports from bench_telemetry.sample_registry):
 - telemetry shards: a push of every endpoint's telemetry, pickled by a shard, and unpickled
   and kept by the control plane (``telemetry.shards``)
 - routing recompute: scores, ejections and weights of every pool; then with every pool at
-  rest (``scoring.at_rest``: nothing moved), and with one endpoint's p99 moved (its pool alone)
+  rest (``scoring.at_rest``: nothing moved), with one endpoint's p99 moved (its pool alone),
+  and with one endpoint in every pool moved (every pool computed, 1% of the signals new)
 - mesh state: clusters and assignments from placement and the routed weights (and after a
   one-pool change with the clusters kept between builds, as the control plane does)
 - snapshot, one pool changed: the incremental SnapshotBuilder beside a full build of the same
@@ -197,6 +198,22 @@ def run(n: int, repeat: int) -> list[tuple[str, float]]:
         )
     )
     assert router.pools_computed - computed == repeat  # its pool alone
+    # One endpoint in every pool moved: every pool computed, the other endpoints' signals
+    # unchanged (what a fleet whose reports wobble past the tolerance looks like to routing).
+    movers = [telemetry]
+    for k in range(repeat):
+        moved = addresses[k * MODELS:(k + 1) * MODELS]  # one in each pool  # fmt: skip
+        movers.append({**movers[-1], **{a.key: _with_p99(telemetry[a.key], 60.0) for a in moved}})
+    movers.pop(0)
+    computed = router.pools_computed
+    moving = iter(movers)
+    rows.append(
+        (
+            "routing recompute, one endpoint in every pool moved",
+            timed(lambda: router.recompute(topology, next(moving), reports, later), repeat),
+        )
+    )
+    assert router.pools_computed - computed == MODELS * repeat
     weights = router.pool_weights()
     rows.append(
         (

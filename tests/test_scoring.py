@@ -358,3 +358,33 @@ def test_all_stale_pool_is_neutral() -> None:
 def test_empty_pool() -> None:
     decision, state = decide_pool([], POLICY, None)
     assert decision.weights == {} and state.weights == {}
+
+
+QUEUED = PoolPolicy(
+    capacity_qps=100.0, sla_p99_ms=100.0, score_weights=ScoreWeights(queue=0.3)
+)  # the queue scorer reads the whole pool
+
+
+@pytest.mark.parametrize("policy", [POLICY, QUEUED])
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.sampled_from([10.0, 40.0, 150.0]), st.integers(0, 8)),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_kept_scores_decide_as_scores_combined_afresh(
+    policy: PoolPolicy, moves: list[tuple[int, float, int]]
+) -> None:
+    """A decision keeps the score of an endpoint whose signals did not change and combines the
+    rest: every decision of a timeline is the one a decision without kept scores makes."""
+    pool = [healthy(n, queue_depth=1.0) for n in "abcd"]
+    state: PoolState | None = None
+    for index, p99_ms, depth in moves:
+        pool[index] = healthy("abcd"[index], p99_ms=p99_ms, queue_depth=float(depth))
+        afresh = None if state is None else PoolState(state.scores, state.weights)
+        expected, expected_state = decide_pool(list(pool), policy, afresh)
+        decision, state = decide_pool(list(pool), policy, state)
+        assert decision.scores == expected.scores and decision.weights == expected.weights
+        assert decision.reasons == expected.reasons
+        assert state.scores == expected_state.scores

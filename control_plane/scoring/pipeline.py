@@ -8,12 +8,13 @@ Envoy.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from control_plane.scoring.filters import filter_pool
-from control_plane.scoring.scorers import EndpointScore, combine
+from control_plane.scoring.scorers import SCORERS, EndpointScore, combine, scorer_weights
 from control_plane.scoring.types import RECOMPUTE_PERIOD_S, EndpointSignals, PoolPolicy
 from control_plane.scoring.weights import limit_step, needs_push, proportional_weights, smooth
 
@@ -26,14 +27,34 @@ class PoolState:
 
     scores: Mapping[str, float] = field(default_factory=dict)  # smoothed combined scores
     weights: Mapping[str, int] = field(default_factory=dict)  # last pushed weights
+    # Each scored endpoint's raw score with the signals it was combined from, under
+    # ``policy``: the next decision keeps a score whose endpoint's signals are the same object
+    # (routing hands an endpoint's signals on while its telemetry has not changed), so a pool
+    # where one endpoint moved combines one score, not the pool's.
+    combined: Mapping[str, tuple[EndpointSignals, EndpointScore]] = field(default_factory=dict)
+    policy: PoolPolicy | None = None
 
 
 @dataclass(frozen=True)
 class PoolDecision:
     weights: dict[str, int]  # routed endpoints only; excluded ones get no weight
     scores: dict[str, EndpointScore]  # this round's raw scores (neutral ones: score None)
-    reasons: dict[str, str]  # every endpoint, in words
     push: bool
+    excluded: Mapping[str, str] = field(default_factory=dict)  # endpoint -> why, in words
+    smoothed: Mapping[str, float] = field(default_factory=dict)  # routed endpoints' scores
+    neutral_why: Mapping[str, str] = field(default_factory=dict)  # routed at the median: why
+
+    # In words when asked (GET /status): building them at every decision was a twentieth of a
+    # recompute of every pool.
+    @functools.cached_property
+    def reasons(self) -> dict[str, str]:
+        """Every endpoint's weight or exclusion, in words."""
+        reasons = {ep: f"excluded: {why}" for ep, why in self.excluded.items()}
+        for ep, sc in self.scores.items():
+            reasons[ep] = _reason(
+                ep, sc, self.smoothed[ep], self.weights[ep], self.neutral_why.get(ep)
+            )
+        return reasons
 
 
 def median_or_neutral(values: Sequence[float]) -> float:
@@ -66,7 +87,22 @@ def decide_pool(
     prev = previous or PoolState()
     share = min(max(elapsed_s, 0.0), RECOMPUTE_PERIOD_S) / RECOMPUTE_PERIOD_S
     result = filter_pool(signals, policy)
-    scores = {s.endpoint: combine(s, result.scored, policy) for s in result.scored}
+    weights_by_scorer = scorer_weights(policy)
+    # A pool-relative scorer in use changes every score when any endpoint moves.
+    keep = prev.policy == policy and not any(
+        s.reads_pool and weights_by_scorer[s.name] > 0 for s in SCORERS
+    )
+    before = prev.combined if keep else {}
+    combined: dict[str, tuple[EndpointSignals, EndpointScore]] = {}
+    scores: dict[str, EndpointScore] = {}
+    for s in result.scored:
+        kept = before.get(s.endpoint)
+        if kept is None or (kept[0] is not s and kept[0] != s):
+            kept = (s, combine(s, result.scored, policy, weights=weights_by_scorer))
+        elif kept[0] is not s:
+            kept = (s, kept[1])  # equal signals: compared by identity from now on
+        combined[s.endpoint] = kept
+        scores[s.endpoint] = kept[1]
     for ep in result.neutral:
         scores[ep] = EndpointScore(ep, None, {})
     neutral_why = {ep: "telemetry stale" for ep in result.neutral}
@@ -98,8 +134,5 @@ def decide_pool(
     )
     weights = stepped if push else dict(prev.weights)
 
-    reasons = {ep: f"excluded: {why}" for ep, why in result.excluded.items()}
-    for ep, sc in scores.items():
-        reasons[ep] = _reason(ep, sc, smoothed[ep], weights[ep], neutral_why.get(ep))
-    decision = PoolDecision(weights=weights, scores=scores, reasons=reasons, push=push)
-    return decision, PoolState(scores=smoothed, weights=weights)
+    decision = PoolDecision(weights, scores, push, result.excluded, smoothed, neutral_why)
+    return decision, PoolState(smoothed, weights, combined, policy)

@@ -29,6 +29,11 @@ class Scorer(Protocol):
     @property
     def consumes(self) -> tuple[str, ...]: ...
 
+    # True when an endpoint's score depends on the rest of the pool, not only on its own
+    # signals and the policy: its score cannot be kept while the endpoint's signals are.
+    @property
+    def reads_pool(self) -> bool: ...
+
     def score(
         self, endpoint: EndpointSignals, pool: Sequence[EndpointSignals], policy: PoolPolicy
     ) -> float | None: ...
@@ -45,6 +50,7 @@ class QpsScorer:
 
     name: str = "qps"
     consumes: tuple[str, ...] = ("qps", "labels")
+    reads_pool: bool = False
 
     def score(
         self, endpoint: EndpointSignals, pool: Sequence[EndpointSignals], policy: PoolPolicy
@@ -57,6 +63,7 @@ class QpsScorer:
 class LatencyScorer:
     name: str = "latency"
     consumes: tuple[str, ...] = ("p99_ms",)
+    reads_pool: bool = False
 
     def score(
         self, endpoint: EndpointSignals, pool: Sequence[EndpointSignals], policy: PoolPolicy
@@ -95,6 +102,7 @@ class MemoryScorer:
 
     name: str = "memory"
     consumes: tuple[str, ...] = ("memory_used_bytes", "memory_total_bytes")
+    reads_pool: bool = False
 
     def score(
         self, endpoint: EndpointSignals, pool: Sequence[EndpointSignals], policy: PoolPolicy
@@ -109,6 +117,7 @@ class MemoryScorer:
 class KvCacheScorer:
     name: str = "kv_cache"
     consumes: tuple[str, ...] = ("kv_blocks_used", "kv_blocks_total")
+    reads_pool: bool = False
 
     def score(
         self, endpoint: EndpointSignals, pool: Sequence[EndpointSignals], policy: PoolPolicy
@@ -120,6 +129,7 @@ class KvCacheScorer:
 class QueueScorer:
     name: str = "queue"
     consumes: tuple[str, ...] = ("queue_depth",)
+    reads_pool: bool = True  # relative to the deepest queue in the pool
 
     def score(
         self, endpoint: EndpointSignals, pool: Sequence[EndpointSignals], policy: PoolPolicy
@@ -146,6 +156,7 @@ class LabelScorer:
 
     name: str = "labels"
     consumes: tuple[str, ...] = ("labels",)
+    reads_pool: bool = False
 
     def score(
         self, endpoint: EndpointSignals, pool: Sequence[EndpointSignals], policy: PoolPolicy
@@ -196,13 +207,20 @@ def over_sla_factor(p99_ms: float | None, policy: PoolPolicy) -> float:
     return float((policy.sla_p99_ms / p99_ms) ** policy.over_sla_exponent)
 
 
+def scorer_weights(policy: PoolPolicy, scorers: Sequence[Scorer] = SCORERS) -> dict[str, float]:
+    """Each scorer's weight in the pool's policy (0.0 for a scorer ScoreWeights does not name)."""
+    return {s.name: float(getattr(policy.score_weights, s.name, 0.0)) for s in scorers}
+
+
 def combine(
     endpoint: EndpointSignals,
     pool: Sequence[EndpointSignals],
     policy: PoolPolicy,
     scorers: Sequence[Scorer] = SCORERS,
+    weights: Mapping[str, float] | None = None,
 ) -> EndpointScore:
-    weights = {s.name: float(getattr(policy.score_weights, s.name, 0.0)) for s in scorers}
+    """``weights``: ``scorer_weights(policy, scorers)``, made once for a whole pool."""
+    weights = scorer_weights(policy, scorers) if weights is None else weights
     parts = {s.name: s.score(endpoint, pool, policy) for s in scorers if weights[s.name] > 0}
     measured = [v for n, v in parts.items() if n != "labels" and v is not None]
     # Labels are placement, not evidence: with no telemetry at all the endpoint stays neutral.
