@@ -68,8 +68,8 @@ def ready_members(
     return members
 
 
-# (model, endpoint) -> (the telemetry and labels its signals were made from, the signals)
-SignalsMade = dict[tuple[str, str], tuple[EndpointTelemetry | None, Labels, EndpointSignals]]
+# model -> endpoint -> (the telemetry and labels its signals were made from, the signals)
+SignalsMade = dict[str, dict[str, tuple[EndpointTelemetry | None, Labels, EndpointSignals]]]
 
 
 def pool_signals(
@@ -86,18 +86,18 @@ def pool_signals(
     recompute's signals, this one's): an endpoint whose telemetry is the same object as then
     (``TelemetryStore.snapshot(now, ages=False)`` with no new data) keeps its signals."""
     signals = []
+    last, this = (made[0].get(model, {}), made[1].setdefault(model, {})) if made else ({}, {})
     for address in (members if members is not None else ready_members(reports)).get(model, []):
-        seen = telemetry.get(address.key)
-        known = labels.get(address.key, ()) if labels is not None else ()
-        if made is not None:
-            before = made[0].get((model, address.key))
-            if before is not None and before[0] is seen and before[1] == known:
-                made[1][(model, address.key)] = before
-                signals.append(before[2])
-                continue
+        key = address.key
+        seen = telemetry.get(key)
+        known = labels.get(key, ()) if labels is not None else ()
+        before = last.get(key)
+        if before is not None and before[0] is seen and before[1] == known:
+            this[key] = before
+            signals.append(before[2])
+            continue
         signal = _signals(model, address, seen, known, labels is not None)
-        if made is not None:
-            made[1][(model, address.key)] = (seen, known, signal)
+        this[key] = (seen, known, signal)
         signals.append(signal)
     return signals
 
@@ -168,7 +168,9 @@ class Router:
         self.labels: dict[str, Labels] = {}  # every endpoint's, as of the last recompute
         self.pools_computed = 0  # pools recomputed, and skipped at rest, since the start
         self.pools_skipped = 0
-        self._made: SignalsMade = {}  # the last recompute's signals, by (model, endpoint)
+        self._made: SignalsMade = {}  # the last recompute's signals, by model and endpoint
+        # The reports last seen and their ready members (see recompute).
+        self._members_of: tuple[object, dict[str, list[EndpointAddress]]] = (None, {})
 
     def log(self, pool: str, event: str, now_wall: float) -> None:
         """A decision about ``pool`` that is not routing's own (an operator's split, Envoy's
@@ -182,10 +184,16 @@ class Router:
         reports: Mapping[EndpointAddress, EndpointReport],
         now: float,
     ) -> bool:
-        """Updates every pool's weights and health; True when Envoy should be told."""
+        """Updates every pool's weights and health; True when Envoy should be told.
+        ``reports`` is replaced, not changed in place, between calls (as placement does)."""
         changed = False
         wall = time.time()
-        members = ready_members(reports)
+        # Placement replaces its reports mapping when a report changes and never changes one it
+        # handed out, so the members are derived once per mapping (a sort of the whole fleet:
+        # half of a recompute at rest at 10,000 endpoints).
+        if reports is not self._members_of[0]:
+            self._members_of = (reports, ready_members(reports))
+        members = self._members_of[1]
         reported = {key: t.labels for key, t in telemetry.items() if t.labels}
         labels = fleet_labels(topology.endpoint_labels, reported)
         if labels != self.labels:
