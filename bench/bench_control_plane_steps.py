@@ -200,11 +200,13 @@ def run(n: int, repeat: int) -> list[tuple[str, float]]:
     assert router.pools_computed - computed == repeat  # its pool alone
     # One endpoint in every pool moved: every pool computed, the other endpoints' signals
     # unchanged (what a fleet whose reports wobble past the tolerance looks like to routing).
-    movers = [telemetry]
+    movers, current = [], telemetry
     for k in range(repeat):
-        moved = addresses[k * MODELS:(k + 1) * MODELS]  # one in each pool  # fmt: skip
-        movers.append({**movers[-1], **{a.key: _with_p99(telemetry[a.key], 60.0) for a in moved}})
-    movers.pop(0)
+        # One in each pool, never the endpoint the row above slowed: with --repeat 2 it was
+        # left at 60 ms, this row's value, so its pool did not move.
+        moved = addresses[1 + k * MODELS : 1 + (k + 1) * MODELS]
+        current = {**current, **{a.key: _with_p99(telemetry[a.key], 60.0) for a in moved}}
+        movers.append(current)
     computed = router.pools_computed
     moving = iter(movers)
     rows.append(
