@@ -16,6 +16,7 @@ from control_plane.scoring.ejection import (
     UNHEALTHY,
     EjectionDecision,
     EjectionState,
+    _PoolP99,
     backoff_s,
     decide_ejections,
 )
@@ -360,8 +361,6 @@ def test_the_rest_of_the_pools_median_p99_leaves_out_exactly_the_endpoint(
 ) -> None:
     """What latency_eject_vs_pool compares with: the median over every other fresh endpoint
     (duplicates, stale and missing P99s included), as a plain sort of the rest gives it."""
-    from control_plane.scoring.ejection import _PoolP99
-
     signals = [sig(f"e{i}:1", p99_ms=p99, stale=stale) for i, (p99, stale) in enumerate(pool)]
     median = _PoolP99(signals)
     for index, one in enumerate(signals):

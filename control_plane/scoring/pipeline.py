@@ -40,9 +40,9 @@ class PoolDecision:
     weights: dict[str, int]  # routed endpoints only; excluded ones get no weight
     scores: dict[str, EndpointScore]  # this round's raw scores (neutral ones: score None)
     push: bool
-    excluded: Mapping[str, str] = field(default_factory=dict)  # endpoint -> why, in words
-    smoothed: Mapping[str, float] = field(default_factory=dict)  # routed endpoints' scores
-    neutral_why: Mapping[str, str] = field(default_factory=dict)  # routed at the median: why
+    excluded: Mapping[str, str]  # endpoint -> why it is not routed, in words
+    smoothed: Mapping[str, float]  # every routed endpoint's smoothed score
+    neutral_why: Mapping[str, str]  # routed at the pool's median: why
 
     # In words when asked (GET /status): building them at every decision was a twentieth of a
     # recompute of every pool.
