@@ -11,8 +11,16 @@ from pathlib import Path
 
 from infermesh.labels import LABEL_TEXT_RULE, is_label_text
 from infermesh.logs import add_log_level, configure_logging
+from model_server.access import (
+    GROUPS,
+    Restriction,
+    RestrictionError,
+    parse_restriction,
+    restriction_table,
+)
 from model_server.memory import parse_bytes
 from model_server.server import ModelServer, ServerSettings
+from model_server.service import MODEL_CONTROL_MODES
 from model_server.telemetry import MIN_INTERVAL_S
 
 log = logging.getLogger("model_server")
@@ -36,14 +44,19 @@ def _endpoints(text: str) -> tuple[str, ...]:
     return tuple(_endpoint(part.strip()) for part in text.split(",") if part.strip())
 
 
-def _interval(text: str) -> float:
+def _seconds(text: str, at_least: float, strictly: bool = False) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value >= MIN_INTERVAL_S:  # also refuses NaN
-        raise argparse.ArgumentTypeError(f"{text!r}: must be at least {MIN_INTERVAL_S} seconds")
+    if not (value > at_least if strictly else value >= at_least):  # also refuses NaN
+        rule = "more than" if strictly else "at least"
+        raise argparse.ArgumentTypeError(f"{text!r}: must be {rule} {at_least} seconds")
     return value
+
+
+def _interval(text: str) -> float:
+    return _seconds(text, MIN_INTERVAL_S)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,10 +120,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="RPCs in the server at once; more get RESOURCE_EXHAUSTED at once (0: no limit)",
     )
     p.add_argument(
+        "--model-control-mode",
+        choices=MODEL_CONTROL_MODES,
+        default="none",
+        help="Triton's modes: 'none' loads the models at start and refuses load/unload calls; "
+        "'explicit' accepts them; 'poll' reloads what changes in the repository",
+    )
+    p.add_argument(
         "--repository-poll-interval",
-        type=float,
-        default=0.0,
-        help="seconds between repository scans for changed models; 0 disables",
+        type=_poll_interval,
+        default=None,
+        help="seconds between repository scans in --model-control-mode poll (default 15)",
+    )
+    p.add_argument(
+        "--restricted-api",
+        dest="restrictions",
+        type=_restriction,
+        action="append",
+        default=[],
+        metavar="GROUP[,GROUP...]:HEADER=@FILE",
+        help="calls to these API groups (gRPC and REST) need HEADER with the credential read "
+        f"from FILE; repeatable. Groups: {', '.join(GROUPS)}",
     )
     p.add_argument(
         "--otlp-endpoint",
@@ -186,6 +216,17 @@ async def serve(settings: ServerSettings) -> int:
     return code
 
 
+def _poll_interval(text: str) -> float:
+    return _seconds(text, 0, strictly=True)
+
+
+def _restriction(text: str) -> Restriction:
+    try:
+        return parse_restriction(text)
+    except RestrictionError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _non_negative_int(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
@@ -193,7 +234,14 @@ def _non_negative_int(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.repository_poll_interval is not None and args.model_control_mode != "poll":
+        parser.error("--repository-poll-interval needs --model-control-mode poll")
+    try:
+        restriction_table(args.restrictions)
+    except RestrictionError as exc:
+        parser.error(f"--restricted-api: {exc}")
     configure_logging(args.log_level)
     settings = ServerSettings(
         host=args.host,
@@ -209,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         advertise_address=args.advertise_address,
         max_request_bytes=args.max_request_bytes,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
-        repository_poll_interval=args.repository_poll_interval,
+        model_control_mode=args.model_control_mode,
+        repository_poll_interval=args.repository_poll_interval or 15.0,
+        restrictions=tuple(args.restrictions),
         otlp_endpoints=args.otlp_endpoint,
         trace_endpoint=args.trace_endpoint,
         telemetry_interval=args.telemetry_interval,

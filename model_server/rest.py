@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
 from aiohttp import web
 
 from model_server import __version__
-from model_server.errors import InferenceError, http_status
+from model_server.access import Restriction, check_metadata, rest_group
+from model_server.errors import InferenceError, InvalidInput, http_status
 from model_server.memory import format_bytes
 from model_server.rest_codec import (
     BINARY_CONTENT_TYPE,
@@ -89,11 +90,32 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
+def restricted_middleware(table: Mapping[str, Restriction]) -> Any:
+    """403 for a restricted API group called without its credential header (as gRPC's
+    PERMISSION_DENIED), before the route's handler reads the body."""
+
+    @web.middleware
+    async def restricted(request: web.Request, handler: Handler) -> web.StreamResponse:
+        group = rest_group(request.method, request.path)
+        if group in table:
+            headers = [(k.lower(), v) for k, v in request.headers.items()]
+            refused = check_metadata(table, group, headers)
+            if refused is not None:
+                return error_response(403, refused)
+        return await handler(request)
+
+    return restricted
+
+
 class RestServer:
     """The REST routes over one InferenceService."""
 
     def __init__(
-        self, service: InferenceService, max_request_bytes: int, max_concurrent: int = 0
+        self,
+        service: InferenceService,
+        max_request_bytes: int,
+        max_concurrent: int = 0,
+        restricted: Mapping[str, Restriction] | None = None,
     ) -> None:
         self.service = service
         self.max_request_bytes = max_request_bytes
@@ -101,7 +123,10 @@ class RestServer:
         self.active = 0
         self.port = 0
         self._runner: web.AppRunner | None = None
-        self.app = web.Application(middlewares=[_errors], client_max_size=max_request_bytes)
+        middlewares = [_errors]
+        if restricted:
+            middlewares.append(restricted_middleware(restricted))
+        self.app = web.Application(middlewares=middlewares, client_max_size=max_request_bytes)
         get, post = web.get, web.post
         self.app.add_routes(
             [
@@ -109,6 +134,9 @@ class RestServer:
                 get("/v2/health/ready", self.ready, allow_head=False),
                 get("/v2", self.server_metadata, allow_head=False),
                 get("/v2/models/stats", self.statistics, allow_head=False),
+                post("/v2/repository/index", self.repository_index),
+                post("/v2/repository/models/{name}/load", self.load),
+                post("/v2/repository/models/{name}/unload", self.unload),
             ]
         )
         for base in (MODEL, VERSION):
@@ -176,6 +204,44 @@ class RestServer:
         name, version = _model(request)
         return json_response(message_json(self.service.model_statistics(name, version)))
 
+    # -- repository (Triton's model repository extension) ------------------------------------
+    async def repository_index(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        ready = body.get("ready", False)
+        if not isinstance(ready, bool):
+            raise InvalidInput(f"field 'ready': expected true or false, got {ready!r}")
+        rows = self.service.repository.index(ready_only=ready)
+        return json_response(
+            [
+                {"name": r.name, "version": r.version, "state": r.state, "reason": r.reason}
+                for r in rows
+            ]
+        )
+
+    async def load(self, request: web.Request) -> web.Response:
+        parameters = _parameters(await self._json_body(request))
+        await self.service.load_model(request.match_info["name"], parameters)
+        return json_response({})
+
+    async def unload(self, request: web.Request) -> web.Response:
+        _parameters(await self._json_body(request))  # unload_dependents: nothing depends here
+        await self.service.unload_model(request.match_info["name"])
+        return json_response({})
+
+    async def _json_body(self, request: web.Request) -> dict[str, Any]:
+        """The request's JSON object; an empty body is ``{}``."""
+        body = await self._read_body(request)
+        if not body.strip():
+            return {}
+        try:
+            document = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidInput(f"request body: expected a JSON object ({exc})") from None
+        if not isinstance(document, dict):
+            kind = type(document).__name__
+            raise InvalidInput(f"request body: expected a JSON object, got {kind}")
+        return document
+
     # -- inference ----------------------------------------------------------------------------
     async def infer(self, request: web.Request) -> web.Response:
         name, version = _model(request)
@@ -227,6 +293,21 @@ def _too_large(size: int | None, limit: int) -> web.HTTPException:
         text=f"request body {got}exceeds the size limit of {format_bytes(limit)} "
         "(--max-request-bytes)",
     )
+
+
+def _parameters(body: Mapping[str, Any]) -> dict[str, str]:
+    """A load/unload body's ``parameters``: names to strings (``config`` is a JSON string)."""
+    parameters = body.get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise InvalidInput(f"field 'parameters': expected an object, got {parameters!r:.60}")
+    result = {}
+    for key, value in parameters.items():
+        if key == "config" and not isinstance(value, str):
+            raise InvalidInput("field 'parameters.config': expected the config as a JSON string")
+        if not isinstance(value, str | bool | int | float):
+            raise InvalidInput(f"field 'parameters.{key}': expected a string, number or boolean")
+        result[key] = value if isinstance(value, str) else json.dumps(value)
+    return result
 
 
 def _model(request: web.Request) -> tuple[str, str]:

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from tritonclient.grpc import service_pb2_grpc
 
+from model_server.access import RestrictedApiInterceptor, Restriction, restriction_table
 from model_server.admin_http import AdminServer, start_admin_server
 from model_server.faults import FaultInjector
 from model_server.gate import ServingGate
@@ -61,7 +62,12 @@ class ServerSettings:
     # runs (0: no limit). Admission control where the queue cannot see the backlog: under
     # overload calls pile up in gRPC and the event loop before they reach the batcher.
     max_concurrent_rpcs: int = 0
-    repository_poll_interval: float = 0.0
+    # Triton's --model-control-mode: none (load at start, refuse loads/unloads), explicit
+    # (loads/unloads through the API), poll (load at start, reload what changes on disk).
+    model_control_mode: str = "none"
+    repository_poll_interval: float = 15.0  # seconds between scans in poll mode
+    # --restricted-api: which API groups need which credential header (model_server.access)
+    restrictions: tuple[Restriction, ...] = ()
     # HOST:PORT of each OTLP/gRPC metrics receiver (one per control-plane replica)
     otlp_endpoints: tuple[str, ...] = ()
     trace_endpoint: str | None = None  # HOST:PORT of an OTLP/gRPC trace receiver
@@ -150,7 +156,11 @@ class ModelServer:
     async def start(self) -> None:
         s = self.settings
         limit = s.max_request_bytes + GRPC_HEADROOM_BYTES
+        restricted = restriction_table(s.restrictions)
+        # No interceptor without restrictions: every call would pay for it.
+        interceptors = [RestrictedApiInterceptor(restricted)] if restricted else None
         self.grpc_server = grpc.aio.server(
+            interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
@@ -165,6 +175,7 @@ class ModelServer:
             s.max_request_bytes,
             self.on_repository_change,
             self.faults,
+            model_control=s.model_control_mode,
         )
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, self.grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
@@ -183,11 +194,17 @@ class ModelServer:
             )
             self.metrics_port = self._http.server_address[1]
         if s.resolved_http_port() >= 0:
-            self._rest = RestServer(service, s.max_request_bytes, s.max_concurrent_rpcs)
+            self._rest = RestServer(service, s.max_request_bytes, s.max_concurrent_rpcs, restricted)
             self.http_port = await self._rest.start(s.host, s.resolved_http_port())
         reading = self.memory.read()
         if s.enable_fault_injection:
             log.warning("fault injection enabled: POST /faults on the metrics port")
+        log.info(
+            "model control mode %s; restricted API groups: %s",
+            s.model_control_mode,
+            ", ".join(f"{g} (header {r.header!r})" for g, r in sorted(restricted.items()))
+            or "none",
+        )
         log.info(
             "model server listening: grpc=%s:%d metrics=%s http=%s advertise=%s device=%s "
             "memory=%s (%s of %s)",
@@ -237,7 +254,7 @@ class ModelServer:
         self.startup_done = True
         await self.refresh_health()
         log.info("startup loading done: ready=%s (%s)", self.is_ready(), ", ".join(names) or "none")
-        if self.settings.repository_poll_interval > 0:
+        if self.settings.model_control_mode == "poll":
             self._spawn(self._poll_repository())
 
     async def _poll_repository(self) -> None:

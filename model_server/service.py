@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -39,6 +39,7 @@ from model_server.validation import decode_request, encode_response, request_sch
 log = logging.getLogger(__name__)
 
 SERVER_NAME = "infermesh"
+MODEL_CONTROL_MODES = ("none", "explicit", "poll")
 EXTENSIONS = ("model_repository", "model_configuration", "statistics", "binary_tensor_data")
 # Set by Envoy on the share of a version split that a request without a version was sent to.
 ROUTED_VERSION_HEADER = "x-model-version"
@@ -59,8 +60,10 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         on_repository_change: Callable[[str, bool], None],
         faults: FaultInjector | None = None,
         tracing: Tracing | None = None,
+        model_control: str = "explicit",
     ) -> None:
         self.repository = repository
+        self.model_control = model_control  # Triton's --model-control-mode: none|explicit|poll
         self.metrics = metrics
         self.gate = gate
         self.max_request_bytes = max_request_bytes
@@ -165,40 +168,58 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelLoad(
         self, request: service_pb2.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
     ) -> object:
+        if request.repository_name:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"repository_name {request.repository_name!r}: one repository only",
+            )
+        parameters = {k: v.string_param for k, v in request.parameters.items()}
         try:
-            if self.gate.refusing:
-                raise ModelUnavailable("server is draining; no model loads")
-            if request.repository_name:
-                raise InvalidInput(
-                    f"repository_name {request.repository_name!r}: one repository only"
-                )
-            files = [k for k in request.parameters if k.startswith("file:")]
-            if files:
-                raise InvalidInput(f"parameters {files}: file overrides are not supported")
-            override = None
-            if "config" in request.parameters:
-                try:
-                    override = parse_config_override(
-                        request.parameters["config"].string_param, request.model_name
-                    )
-                except ModelConfigError as exc:
-                    raise InvalidInput(f"model {request.model_name!r}: {exc}") from exc
-            await self.repository.load(request.model_name, override)
+            await self.load_model(request.model_name, parameters)
         except InferenceError as exc:
             await context.abort(exc.code, exc.message)
-        finally:
-            self.on_repository_change(request.model_name, True)
         return service_pb2.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(
         self, request: service_pb2.RepositoryModelUnloadRequest, context: grpc.aio.ServicerContext
     ) -> object:
         try:
-            await self.repository.unload(request.model_name)
+            await self.unload_model(request.model_name)
         except InferenceError as exc:
             await context.abort(exc.code, exc.message)
-        self.on_repository_change(request.model_name, False)
         return service_pb2.RepositoryModelUnloadResponse()
+
+    def _check_control(self, call: str) -> None:
+        """Loads and unloads are for ``explicit`` mode only, as in Triton."""
+        if self.model_control != "explicit":
+            raise ModelUnavailable(
+                f"{call} refused: the server runs with --model-control-mode "
+                f"{self.model_control}; only 'explicit' accepts loads and unloads"
+            )
+
+    async def load_model(self, name: str, parameters: Mapping[str, str]) -> None:
+        """RepositoryModelLoad (gRPC or REST); ``parameters`` may hold Triton's ``config``."""
+        self._check_control("model load")
+        try:
+            if self.gate.refusing:
+                raise ModelUnavailable("server is draining; no model loads")
+            files = [k for k in parameters if k.startswith("file:")]
+            if files:
+                raise InvalidInput(f"parameters {files}: file overrides are not supported")
+            override = None
+            if "config" in parameters:
+                try:
+                    override = parse_config_override(parameters["config"], name)
+                except ModelConfigError as exc:
+                    raise InvalidInput(f"model {name!r}: {exc}") from exc
+            await self.repository.load(name, override)
+        finally:
+            self.on_repository_change(name, True)
+
+    async def unload_model(self, name: str) -> None:
+        self._check_control("model unload")
+        await self.repository.unload(name)
+        self.on_repository_change(name, False)
 
     # -- inference ----------------------------------------------------------------------------
     async def ModelInfer(

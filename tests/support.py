@@ -26,6 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
+# Model servers refuse loads and unloads unless started so (Triton's default, none).
+EXPLICIT = ("--model-control-mode", "explicit")
 LISTENING = re.compile(r"model server listening: grpc=[\d.]+:(\d+) metrics=(?:[\d.]+:(\d+)|off)")
 T = TypeVar("T")
 

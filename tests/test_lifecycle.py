@@ -12,7 +12,14 @@ import tritonclient.grpc as grpcclient
 from grpc_health.v1 import health_pb2
 from tritonclient.utils import InferenceServerException
 
-from tests.support import ServerProcess, Traffic, metric_value, start_server, wait_for
+from tests.support import (
+    EXPLICIT,
+    ServerProcess,
+    Traffic,
+    metric_value,
+    start_server,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -79,7 +86,7 @@ def test_broken_models_fail_with_reasons_and_the_rest_serves(
         .replace('name: "input"', 'name: "image"')
     )
     (copy_repo / "empty").mkdir()
-    server = start_server(copy_repo, tmp_path, wait_ready=False)
+    server = start_server(copy_repo, tmp_path, *EXPLICIT, wait_ready=False)
     try:
         wait_for(lambda: "startup loading done" in server.log(), 60, "startup loading")
         rows = index(server)
@@ -111,7 +118,7 @@ def test_broken_models_fail_with_reasons_and_the_rest_serves(
 def test_required_models_only_decide_readiness(copy_repo: Path, tmp_path: Path) -> None:
     (copy_repo / "corrupt" / "1").mkdir(parents=True)
     (copy_repo / "corrupt" / "1" / "model.onnx").write_bytes(b"garbage")
-    server = start_server(copy_repo, tmp_path, "--models", "classifier")
+    server = start_server(copy_repo, tmp_path, *EXPLICIT, "--models", "classifier")
     try:
         assert server.client().is_server_ready()
         assert index(server)[("corrupt", "")][0] == "UNAVAILABLE"
@@ -124,7 +131,7 @@ def test_required_models_only_decide_readiness(copy_repo: Path, tmp_path: Path) 
 
 
 def test_load_unload_and_reload_under_traffic_lose_nothing(copy_repo: Path, tmp_path: Path) -> None:
-    server = start_server(copy_repo, tmp_path, "--models", "classifier")
+    server = start_server(copy_repo, tmp_path, *EXPLICIT, "--models", "classifier")
     client = server.client()
     metrics_url = f"http://127.0.0.1:{server.metrics_port}/metrics"
     try:
@@ -187,7 +194,7 @@ def test_load_unload_and_reload_under_traffic_lose_nothing(copy_repo: Path, tmp_
 
 
 def test_removed_version_is_unloaded_after_its_requests(copy_repo: Path, tmp_path: Path) -> None:
-    server = start_server(copy_repo, tmp_path, "--models", "classifier")
+    server = start_server(copy_repo, tmp_path, *EXPLICIT, "--models", "classifier")
     try:
         shutil.rmtree(copy_repo / "classifier" / "1")
         server.client().load_model("classifier")
@@ -206,7 +213,9 @@ def test_removed_version_is_unloaded_after_its_requests(copy_repo: Path, tmp_pat
 
 
 def test_repository_polling_picks_up_a_new_version(copy_repo: Path, tmp_path: Path) -> None:
-    server = start_server(copy_repo, tmp_path, "--repository-poll-interval", "0.2")
+    server = start_server(
+        copy_repo, tmp_path, "--model-control-mode", "poll", "--repository-poll-interval", "0.2"
+    )
     try:
         assert not server.client().is_model_ready("classifier", "3")
         shutil.copytree(copy_repo / "classifier" / "1", copy_repo / "classifier" / "3")

@@ -10,7 +10,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from model_server.demo_models import build_large_model, write_model
-from tests.support import infer_classifier, start_server
+from tests.support import EXPLICIT, infer_classifier, start_server
 
 pytestmark = pytest.mark.integration
 MiB = 1024 * 1024
@@ -29,7 +29,7 @@ def test_load_over_budget_is_refused_and_the_server_keeps_serving(
     write_model(build_large_model(20 * MiB), copy_repo / "fits" / "1" / "model.onnx")
     write_model(build_large_model(250 * MiB), copy_repo / "huge" / "1" / "model.onnx")
     server = start_server(
-        copy_repo, tmp_path, "--models", "classifier", "--memory-budget", "400MiB"
+        copy_repo, tmp_path, *EXPLICIT, "--models", "classifier", "--memory-budget", "400MiB"
     )
     try:
         client = server.client()

@@ -29,7 +29,7 @@ from control_plane.placement import (
     probe_endpoint,
 )
 from control_plane.topology import Topology, parse_topology
-from tests.support import ServerProcess, start_server
+from tests.support import EXPLICIT, ServerProcess, start_server
 
 A = EndpointAddress("127.0.0.1", 8001)
 B = EndpointAddress("127.0.0.1", 8002)
@@ -378,7 +378,8 @@ def test_poller_sees_real_servers(
     servers: list[ServerProcess] = []
     try:
         for _ in range(2):
-            servers.append(start_server(demo_repo, tmp_path / "logs", "--models", "classifier"))
+            logs = tmp_path / "logs"
+            servers.append(start_server(demo_repo, logs, *EXPLICIT, "--models", "classifier"))
         asyncio.run(_poll_real_servers(servers, dead_address))
     finally:
         for server in servers:
