@@ -230,6 +230,8 @@ class ListenerOptions:
     grpc_web: bool = True  # Envoy's gRPC-Web filter (browsers' framing, to plain gRPC)
     cors: CorsOptions | None = None  # None: no CORS
     health_checks: str = "all"  # one of HEALTH_CHECK_SCOPES: "model" checks once per model
+    # API groups the listener serves (control_plane.exposure); everything else is refused
+    expose: tuple[str, ...] = ("inference", "metadata", "health")
 
 
 @dataclass(frozen=True)

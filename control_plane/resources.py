@@ -32,7 +32,7 @@ from envoy.type.v3 import range_pb2
 from google.protobuf.message import Message
 from google.protobuf.wrappers_pb2 import UInt32Value
 
-from control_plane import edge
+from control_plane import edge, exposure
 from control_plane.clusters import ads_source, build_assignment, build_cluster, socket_address
 from control_plane.envoy_values import duration, packed
 from control_plane.lanes import (
@@ -93,10 +93,15 @@ BODY_BUFFER_LIMIT_BYTES = 80 * 1024 * 1024
 
 
 def http_filters(
-    body_routing: bool, rate_limits: bool = False, grpc_web: bool = False, cors: bool = False
+    body_routing: bool,
+    rate_limits: bool = False,
+    grpc_web: bool = False,
+    cors: bool = False,
+    expose: tuple[str, ...] = exposure.DEFAULT_EXPOSE,
 ) -> list[hcm_pb2.HttpFilter]:
-    """[gRPC-Web, so Lua reads gRPC], [Lua body routing], [CORS, the rate limit: after Lua so
-    they see the re-selected route], router."""
+    """RBAC (only the exposed APIs, before anything reads a body), [gRPC-Web, so Lua reads
+    gRPC], [Lua body routing], [CORS, the rate limit: after Lua so they see the re-selected
+    route], router."""
     filters = [hcm_pb2.HttpFilter(name=ROUTER_FILTER, typed_config=packed(router_pb2.Router()))]
     if rate_limits:
         filters.insert(0, rate_limit_filter())
@@ -107,6 +112,7 @@ def http_filters(
         filters.insert(0, hcm_pb2.HttpFilter(name=LUA_FILTER, typed_config=packed(lua)))
     if grpc_web:
         filters.insert(0, edge.grpc_web_filter())
+    filters.insert(0, exposure.rbac_filter(expose))
     return filters
 
 
@@ -140,11 +146,15 @@ def build_listener(state: MeshState) -> listener_pb2.Listener:
         rds=hcm_pb2.Rds(route_config_name=ROUTE_CONFIG_NAME, config_source=ads_source()),
         http_filters=http_filters(
             options.body_routing, any(m.rate_limit for m in state.models), options.grpc_web,
-            options.cors is not None,
+            options.cors is not None, options.expose,
         ),
     )  # fmt: skip
+    exposure.harden(manager)
+    manager.local_reply_config.mappers.extend(
+        exposure.refusal_mappers(options.expose, edge.REST_ROOT)
+    )
     if options.rest.enabled:
-        manager.local_reply_config.CopyFrom(edge.local_reply_config())
+        manager.local_reply_config.mappers.extend(edge.local_reply_config().mappers)
     if options.body_routing:
         # On HTTP/2 the stream window bounds a body a filter buffers (16 MiB by default, then
         # 413 "Payload Too Large"): lift it to what the model servers accept.

@@ -92,6 +92,7 @@ _RULES: dict[str, tuple[Any, str, str]] = {
     "path": (lambda v: v == "" or v.startswith("/"), _STR, 'an absolute path (or "")'),
     # A nested section, returned as it is for its own parser (e.g. listener.rest).
     "mapping": (lambda v: isinstance(v, dict), "", "a mapping"),
+    "list": (lambda v: isinstance(v, list), "", "a list"),
 }
 
 

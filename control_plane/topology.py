@@ -102,7 +102,7 @@ from typing import Any
 
 import yaml
 
-from control_plane import edge, lanes
+from control_plane import edge, exposure, lanes
 from control_plane.canary import CanaryPolicy
 from control_plane.endpointslices import KubernetesEndpoint, parse_source
 from control_plane.mesh import EndpointAddress, ListenerOptions, ModelRoute
@@ -268,7 +268,7 @@ _LISTENER = {
     "health_checks": "health_checks", "connect_timeout_s": "positive", "max_retries": "count",
     "retry_budget_percent": "percent",
     "body_routing": "bool", "lb_policy": "lb_policy", "access_log": "path", "rest": "mapping",
-    "grpc_web": "bool", "cors": "mapping",
+    "grpc_web": "bool", "cors": "mapping", "expose": "list",
 }  # fmt: skip
 _BIND = {"host": "host", "port": "port"}
 _PLACEMENT = {
@@ -297,6 +297,7 @@ def _build(data: object, source: str, early_errors: list[str]) -> Topology:
     nested = {k: v if isinstance(v, dict) else None for k, v in given.items()}  # else reported
     fields["rest"] = edge.parse_rest(c, nested.get("rest"), "listener.rest")
     fields["cors"] = edge.parse_cors(c, nested.get("cors"), "listener.cors")
+    fields["expose"] = exposure.parse_expose(c, given.get("expose"), "listener.expose")
     listener = ListenerOptions(**fields)
     xds = EndpointAddress(**c.section(root, "xds", _BIND, d.xds))
     admin = EndpointAddress(**c.section(root, "admin", _BIND, d.admin))

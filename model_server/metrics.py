@@ -38,6 +38,13 @@ class ServerMetrics:
             ["model", "version", "code"],
             registry=r,
         )
+        self.control_requests = Counter(
+            "model_control_requests",
+            "Model-repository calls (index, load, unload) that reached the service, over gRPC "
+            "or REST, past any --restricted-api check, before the model-control mode's",
+            ["call"],
+            registry=r,
+        )
         self.request_duration = Histogram(
             "inference_request_duration_seconds",
             "ModelInfer time from receipt to answer (validation, queue, compute, encoding)",

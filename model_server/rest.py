@@ -210,7 +210,7 @@ class RestServer:
         ready = body.get("ready", False)
         if not isinstance(ready, bool):
             raise InvalidInput(f"field 'ready': expected true or false, got {ready!r}")
-        rows = self.service.repository.index(ready_only=ready)
+        rows = self.service.repository_index(ready)
         return json_response(
             [
                 {"name": r.name, "version": r.version, "state": r.state, "reason": r.reason}

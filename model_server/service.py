@@ -31,7 +31,7 @@ from model_server.generative import (
 from model_server.lifecycle import ModelState, ModelVersion
 from model_server.metrics import ServerMetrics
 from model_server.model_config import parse_config_override
-from model_server.repository import ModelRepository
+from model_server.repository import IndexEntry, ModelRepository
 from model_server.statistics import add_statistics
 from model_server.tracing import Tracing
 from model_server.validation import decode_request, encode_response, request_scheduling
@@ -159,7 +159,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         self, request: service_pb2.RepositoryIndexRequest, context: grpc.aio.ServicerContext
     ) -> object:
         response = service_pb2.RepositoryIndexResponse()
-        for row in self.repository.index(ready_only=request.ready):
+        for row in self.repository_index(request.ready):
             response.models.add(
                 name=row.name, version=row.version, state=row.state, reason=row.reason
             )
@@ -189,6 +189,10 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             await context.abort(exc.code, exc.message)
         return service_pb2.RepositoryModelUnloadResponse()
 
+    def repository_index(self, ready_only: bool) -> list[IndexEntry]:
+        self.metrics.control_requests.labels("index").inc()
+        return self.repository.index(ready_only=ready_only)
+
     def _check_control(self, call: str) -> None:
         """Loads and unloads are for ``explicit`` mode only, as in Triton."""
         if self.model_control != "explicit":
@@ -199,6 +203,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def load_model(self, name: str, parameters: Mapping[str, str]) -> None:
         """RepositoryModelLoad (gRPC or REST); ``parameters`` may hold Triton's ``config``."""
+        self.metrics.control_requests.labels("load").inc()
         self._check_control("model load")
         try:
             if self.gate.refusing:
@@ -217,6 +222,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             self.on_repository_change(name, True)
 
     async def unload_model(self, name: str) -> None:
+        self.metrics.control_requests.labels("unload").inc()
         self._check_control("model unload")
         await self.repository.unload(name)
         self.on_repository_change(name, False)

@@ -74,6 +74,12 @@ class ServerProcess:
     def client(self) -> grpcclient.InferenceServerClient:
         return grpcclient.InferenceServerClient(self.url)
 
+    def metrics(self) -> str:
+        """One scrape of the server's Prometheus /metrics."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return str(response.read().decode())
+
     def stub(self) -> service_pb2_grpc.GRPCInferenceServiceStub:
         channel = grpc.insecure_channel(self.url)
         self._channels.append(channel)

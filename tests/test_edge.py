@@ -22,6 +22,7 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2 as http
 from google.protobuf import json_format
 
 from control_plane import edge
+from control_plane.exposure import RBAC_FILTER
 from control_plane.incremental import SnapshotBuilder
 from control_plane.lua_routing import LUA_FILTER, lua_source
 from control_plane.mesh import (
@@ -196,7 +197,8 @@ def test_rest_off_builds_the_grpc_mesh_only() -> None:
     built: Resources = build_resources(state(ListenerOptions(rest=RestOptions(enabled=False))))
     assert not any(is_rest_cluster(n) for n in built[CLUSTER_TYPE])
     assert not any(r.name.startswith("rest:") for r in routes_of(built))
-    assert not manager_of(built).HasField("local_reply_config")
+    mappers = manager_of(built).local_reply_config.mappers  # the refusals' only
+    assert len(mappers) == 2 and all("not exposed" in str(m.body_format_override) for m in mappers)
 
 
 # --- clusters -------------------------------------------------------------------------------
@@ -300,10 +302,11 @@ def test_listener_filters_and_json_local_replies_for_rest() -> None:
     manager = manager_of(build_resources(state(rate_limit=True)))
     assert manager.codec_type == hcm_pb2.HttpConnectionManager.AUTO  # HTTP/1.1 and HTTP/2
     assert [f.name for f in manager.http_filters] == [
-        edge.GRPC_WEB_FILTER, LUA_FILTER, edge.CORS_FILTER,  # CORS sees Lua's re-routing
+        RBAC_FILTER, edge.GRPC_WEB_FILTER, LUA_FILTER, edge.CORS_FILTER,  # CORS after Lua
         "envoy.filters.http.local_ratelimit", "envoy.filters.http.router",
     ]  # fmt: skip
-    limited, other = manager.local_reply_config.mappers
+    *refusals, limited, other = manager.local_reply_config.mappers
+    assert len(refusals) == 2  # control_plane.exposure's, first
     assert limited.body_format_override.json_format["error"] == edge.RATE_LIMITED_MESSAGE
     assert other.body_format_override.json_format["error"] == "%LOCAL_REPLY_BODY%"
     assert other.filter.header_filter.header.string_match.prefix == "/v2"  # gRPC untouched

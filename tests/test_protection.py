@@ -77,6 +77,7 @@ def test_rate_limited_routes_and_the_filter_order() -> None:
     names = [f.name for f in manager.http_filters]
     edge = ["envoy.filters.http.grpc_web"]  # gRPC-Web is on by default (tests/test_edge.py)
     assert names == [
+        "envoy.filters.http.rbac",
         *edge,
         "envoy.filters.http.lua",
         RATE_LIMIT_FILTER,

@@ -32,6 +32,7 @@ from tritonclient.utils import InferenceServerException
 
 from control_plane import bootstrap
 from control_plane.clusters import build_assignment
+from control_plane.exposure import RBAC_FILTER
 from control_plane.lanes import sla_cluster
 from control_plane.mesh import (
     LISTENER_NAME,
@@ -159,9 +160,11 @@ def test_listener_routes_over_ads_with_lua_before_the_router(resources: Resource
     assert manager.codec_type == hcm_pb2.HttpConnectionManager.AUTO
     assert manager.rds.route_config_name == ROUTE_CONFIG_NAME
     assert manager.rds.config_source.HasField("ads")
-    assert [f.name for f in manager.http_filters] == [LUA_FILTER, "envoy.filters.http.router"]
+    assert [f.name for f in manager.http_filters] == [
+        RBAC_FILTER, LUA_FILTER, "envoy.filters.http.router"
+    ]  # fmt: skip
     lua = lua_pb2.Lua()
-    assert manager.http_filters[0].typed_config.Unpack(lua)
+    assert manager.http_filters[1].typed_config.Unpack(lua)
     code = lua.default_source_code.inline_string
     assert f'"{MODEL_HEADER}"' in code and f'"{VERSION_HEADER}"' in code
     assert "clearRouteCache" in code and '"ModelInfer"' in code and "ModelStreamInfer" not in code
@@ -174,7 +177,7 @@ def test_body_routing_off_drops_the_lua_filter() -> None:
     )
     built: Resources = build_resources(state)
     manager = manager_of(built[LISTENER_TYPE][LISTENER_NAME])
-    assert [f.name for f in manager.http_filters] == ["envoy.filters.http.router"]
+    assert [f.name for f in manager.http_filters] == [RBAC_FILTER, "envoy.filters.http.router"]
     assert not any(r.typed_per_filter_config for r in routes_of(built))
 
 
