@@ -22,23 +22,33 @@ POST /models/NAME/canary         {"version": "2"} starts an SLO-gated canary of 
                                  optional "stable" and any canary policy field ("steps",
                                  "dwell_s", ...); {"abort": true} stops it at 0%
 
-With an admin token (``--admin-token-file``) every POST needs ``Authorization: Bearer TOKEN``
-(401 otherwise) and the page offers its actions; without one the page is read-only and POSTs
-are open to whoever reaches the admin port, which binds loopback unless the topology says
-otherwise.
+Two tokens (``AdminTokens``):
+- **write** (``--admin-token-file``): every POST needs ``Authorization: Bearer TOKEN`` (401
+  without a credential, 403 with the read token), and the page offers its actions. Without
+  one the page is read-only and POSTs are open to whoever reaches the port.
+- **read** (``--admin-read-token-file``): every GET of state (``/status``, ``/telemetry``,
+  ``/decisions``, ``/canaries``, ``/ui``, ``/events``) needs the read or the write token, as
+  a bearer token or as the password of HTTP Basic (so a browser prompts for it: the 401 says
+  ``WWW-Authenticate: Basic``). ``/healthz`` and ``/metrics`` stay open to probes and scrapers.
+The admin binds loopback unless the topology says otherwise, and the control plane refuses to
+bind it anywhere else without both tokens (``check_exposure``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import hmac
 import importlib.resources
+import ipaddress
 import json
 import logging
 import re
 import threading
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -53,6 +63,83 @@ MAX_EVENT_STREAMS = 16  # open pages; each holds one HTTP thread
 EVENT_KEEPALIVE_S = 15.0  # a comment line when no frame came, so proxies keep the stream
 UI_FILES = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
             "style.css": "text/css; charset=utf-8"}  # fmt: skip
+
+
+OPEN_PATHS = ("/healthz", "/metrics")  # probes and scrapers; nothing in them is a secret
+BASIC_REALM = 'Basic realm="infermesh admin", charset="UTF-8"'
+
+
+@dataclass(frozen=True)
+class AdminTokens:
+    """The admin's read and write tokens (None: that side is open)."""
+
+    read: str | None = None
+    write: str | None = None
+
+    def __repr__(self) -> str:  # never the tokens
+        return f"AdminTokens(read={self.read is not None}, write={self.write is not None})"
+
+    def may_read(self, given: str | None) -> bool:
+        return self.read is None or _equal(given, self.read) or _equal(given, self.write)
+
+    def may_write(self, given: str | None) -> bool:
+        return self.write is None or _equal(given, self.write)
+
+    def is_read_token(self, given: str | None) -> bool:
+        return _equal(given, self.read)
+
+
+class AdminExposureError(ValueError):
+    """The admin would be reachable off this host without the tokens that guard it."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere
+
+
+def check_exposure(host: str, tokens: AdminTokens) -> None:
+    """Refuses an admin bound off loopback without both tokens."""
+    if is_loopback(host):
+        return
+    missing = [
+        flag
+        for flag, token in (
+            ("--admin-read-token-file", tokens.read),
+            ("--admin-token-file", tokens.write),
+        )
+        if token is None
+    ]
+    if missing:
+        raise AdminExposureError(
+            f"the admin binds {host}, which is not loopback: give {' and '.join(missing)} "
+            "(status, telemetry and overrides would be open to the network), or bind "
+            "admin.host to 127.0.0.1"
+        )
+
+
+def _equal(given: str | None, token: str | None) -> bool:
+    if given is None or token is None:
+        return False
+    return hmac.compare_digest(given.encode(), token.encode())
+
+
+def presented_token(headers: Any) -> str | None:
+    """The token a request presents: ``Bearer TOKEN``, or the password of HTTP Basic."""
+    scheme, _, value = str(headers.get("authorization") or "").partition(" ")
+    if scheme.lower() == "bearer":
+        return value.strip() or None
+    if scheme.lower() == "basic":
+        try:
+            decoded = base64.b64decode(value.strip(), validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+        return decoded.partition(":")[2] or None
+    return None
 
 
 class AdminError(Exception):
@@ -79,8 +166,9 @@ class AdminServer:
         gets: Mapping[str, StatusFn],
         posts: PostRoutes,
         live: LiveFeed | None = None,
-        token: str | None = None,
+        tokens: AdminTokens | None = None,
     ) -> None:
+        guard = tokens or AdminTokens()
         admin = self
         streams = threading.BoundedSemaphore(MAX_EVENT_STREAMS)
 
@@ -90,6 +178,14 @@ class AdminServer:
 
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0].rstrip("/") or "/"
+                if path not in OPEN_PATHS and not guard.may_read(presented_token(self.headers)):
+                    self._json(
+                        HTTPStatus.UNAUTHORIZED,
+                        {"error": "this control plane's admin needs the read (or write) token: "
+                                  "'Authorization: Bearer TOKEN' or HTTP Basic"},
+                        {"www-authenticate": BASIC_REALM},
+                    )  # fmt: skip
+                    return
                 if path == "/ui" or path.startswith("/ui/"):
                     self._ui(path.removeprefix("/ui").lstrip("/") or "index.html")
                 elif path == "/events" and live is not None:
@@ -107,10 +203,16 @@ class AdminServer:
 
             def do_POST(self) -> None:
                 try:
-                    if token is not None and not _bearer_matches(self.headers, token):
+                    given = presented_token(self.headers)
+                    if not guard.may_write(given):
+                        if guard.is_read_token(given):
+                            raise AdminError(
+                                HTTPStatus.FORBIDDEN, "the read token cannot change anything"
+                            )
                         raise AdminError(
                             HTTPStatus.UNAUTHORIZED,
-                            "this control plane needs 'Authorization: Bearer TOKEN' for changes",
+                            "this control plane needs 'Authorization: Bearer TOKEN' (the write "
+                            "token) for changes",
                         )
                     route = next(
                         ((m, fn) for p, fn in posts if (m := re.fullmatch(p, self.path))), None
@@ -137,7 +239,7 @@ class AdminServer:
 
             def _ui(self, name: str) -> None:
                 if name == "config":
-                    self._json(HTTPStatus.OK, {"actions": token is not None})
+                    self._json(HTTPStatus.OK, {"actions": guard.write is not None})
                     return
                 if name not in UI_FILES:
                     self._json(HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path}"})
@@ -180,12 +282,22 @@ class AdminServer:
                 self.wfile.write(f"{retry}event: {name}\ndata: {data}\n\n".encode())
                 self.wfile.flush()
 
-            def _json(self, status: HTTPStatus, body: Any) -> None:
+            def _json(
+                self, status: HTTPStatus, body: Any, headers: Mapping[str, str] | None = None
+            ) -> None:
                 data = json.dumps(body, indent=2, sort_keys=True).encode()
-                self._send(status, data, "application/json")
+                self._send(status, data, "application/json", headers)
 
-            def _send(self, status: HTTPStatus, data: bytes, content_type: str) -> None:
+            def _send(
+                self,
+                status: HTTPStatus,
+                data: bytes,
+                content_type: str,
+                headers: Mapping[str, str] | None = None,
+            ) -> None:
                 self.send_response(status)
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.send_header("content-type", content_type)
                 self.send_header("content-length", str(len(data)))
                 self.end_headers()
@@ -209,8 +321,3 @@ class AdminServer:
         if self._thread.is_alive():  # shutdown() waits for serve_forever, which never started
             self.httpd.shutdown()
         self.httpd.server_close()
-
-
-def _bearer_matches(headers: Any, token: str) -> bool:
-    scheme, _, given = str(headers.get("authorization") or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip(), token)

@@ -4,6 +4,7 @@ the admin token that guards every change."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import threading
 import urllib.error
@@ -16,7 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from control_plane import admin as admin_module
-from control_plane.admin import AdminServer
+from control_plane.admin import AdminExposureError, AdminServer, AdminTokens, check_exposure
 from control_plane.cli import read_token
 from control_plane.live_view import History, LiveFeed, build_frame, endpoint_state
 from tests.support import wait_for
@@ -159,7 +160,7 @@ def test_a_reader_waits_for_the_next_frame_or_times_out() -> None:
 
 
 class Admin:
-    def __init__(self, token: str | None) -> None:
+    def __init__(self, token: str | None, read: str | None = None) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -177,7 +178,8 @@ class Admin:
 
         self.server = AdminServer(
             "127.0.0.1", 0, self.loop, CollectorRegistry(), gets={"/status": status},
-            posts=[(r"/models/([^/]+)/split", split)], live=self.feed, token=token,
+            posts=[(r"/models/([^/]+)/split", split)], live=self.feed,
+            tokens=AdminTokens(read, token),
         )  # fmt: skip
         self.server.start()
         self.url = f"http://127.0.0.1:{self.server.port}"
@@ -188,9 +190,11 @@ class Admin:
         self.thread.join(timeout=10)
         self.loop.close()
 
-    def get(self, path: str) -> tuple[int, str, bytes]:
+    def get(self, path: str, authorization: str = "") -> tuple[int, str, bytes]:
+        headers = {"authorization": authorization} if authorization else {}
+        request = urllib.request.Request(self.url + path, headers=headers)
         try:
-            with urllib.request.urlopen(self.url + path, timeout=10) as response:
+            with urllib.request.urlopen(request, timeout=10) as response:
                 return response.status, response.headers["content-type"], response.read()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.headers["content-type"], exc.read()
@@ -307,6 +311,55 @@ def test_with_a_token_every_change_needs_it(guarded: Admin) -> None:
     assert guarded.get("/status")[0] == 200  # reading needs no token
 
 
+WRITE = "a-long-enough-secret"
+READ = "a-read-only-secret-token"
+
+
+def test_with_a_read_token_every_state_read_needs_a_token() -> None:
+    server = Admin(token=WRITE, read=READ)
+    try:
+        for path in ("/status", "/ui", "/ui/app.js", "/ui/config", "/events", "/nope"):
+            status, _, body = server.get(path)
+            assert status == 401, path
+            assert b"read (or write) token" in body and READ.encode() not in body
+            assert server.get(path, "Bearer wrong-token-of-length")[0] == 401
+        basic = "Basic " + base64.b64encode(f"operator:{READ}".encode()).decode()
+        assert server.get("/status", f"Bearer {READ}")[0] == 200
+        assert server.get("/status", f"Bearer {WRITE}")[0] == 200  # write implies read
+        assert server.get("/ui", basic)[0] == 200  # what a browser sends after its prompt
+        assert server.get("/status", "Basic !!not-base64")[0] == 401
+        assert server.get("/healthz")[0] == 200 and server.get("/metrics")[0] == 200
+        assert server.post("/models/classifier/split", {"1": 100}, token=READ) == 403
+        assert server.post("/models/classifier/split", {"1": 100}, token=WRITE) == 200
+        assert server.posts == [{"1": 100}]
+    finally:
+        server.stop()
+
+
+def test_the_401_asks_a_browser_for_basic_credentials() -> None:
+    server = Admin(token=None, read=READ)
+    try:
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(server.url + "/ui", timeout=10)
+        assert caught.value.headers["www-authenticate"].startswith("Basic realm=")
+    finally:
+        server.stop()
+
+
+def test_the_admin_refuses_to_bind_off_loopback_without_both_tokens() -> None:
+    for host in ("127.0.0.1", "::1", "localhost", "127.0.0.5"):
+        check_exposure(host, AdminTokens())
+    for host, tokens in (
+        ("0.0.0.0", AdminTokens()),
+        ("10.1.2.3", AdminTokens(write=WRITE)),
+        ("admin.example", AdminTokens(read=READ)),
+    ):
+        with pytest.raises(AdminExposureError, match="not loopback"):
+            check_exposure(host, tokens)
+    check_exposure("0.0.0.0", AdminTokens(READ, WRITE))
+    assert READ not in repr(AdminTokens(READ, WRITE))
+
+
 def test_the_admin_token_file(tmp_path: Path) -> None:
     good = tmp_path / "token"
     good.write_text("  a-long-enough-secret\n")
@@ -315,5 +368,5 @@ def test_the_admin_token_file(tmp_path: Path) -> None:
         (tmp_path / "bad").write_text(text)
         with pytest.raises(ValueError, match=message):
             read_token(tmp_path / "bad")
-    with pytest.raises(ValueError, match="cannot read it"):
+    with pytest.raises(ValueError, match="cannot read"):
         read_token(tmp_path / "missing")
