@@ -7,10 +7,14 @@ import asyncio
 import sys
 from pathlib import Path
 
+from control_plane.admin import AdminExposureError
 from control_plane.gc_tuning import tune_gc
 from control_plane.server import ControlPlaneSettings, serve
 from control_plane.topology import TopologyError
 from infermesh.logs import add_log_level, configure_logging
+from infermesh.secrets import SecretError, parse_header_secret, read_secret
+
+MIN_TOKEN_LENGTH = 16
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,24 +37,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--admin-token-file",
         type=Path,
         default=None,
-        help="a file holding the admin token: every admin POST then needs 'Authorization: "
-        "Bearer TOKEN', and the live view (/ui) offers its actions; default: read-only view",
+        help="a file holding the admin write token: every admin POST then needs "
+        "'Authorization: Bearer TOKEN', and the live view (/ui) offers its actions; default: "
+        "read-only view",
+    )
+    p.add_argument(
+        "--admin-read-token-file",
+        type=Path,
+        default=None,
+        help="a file holding the admin read token: GETs of /status, /telemetry, /decisions, "
+        "/canaries, /ui and /events then need it (or the write token); default: open reads",
+    )
+    p.add_argument(
+        "--model-server-credential",
+        default=None,
+        metavar="HEADER=@FILE",
+        help="the header and credential file the placement poller sends with RepositoryIndex, "
+        "for model servers started with --restricted-api model-repository:HEADER=@FILE",
     )
     add_log_level(p)
     return p
 
 
-def read_token(path: Path | None) -> str | None:
-    """The admin token from its file (surrounding whitespace dropped); None without a file."""
-    if path is None:
-        return None
-    try:
-        token = path.read_text().strip()
-    except OSError as exc:
-        raise ValueError(f"--admin-token-file {path}: cannot read it: {exc}") from exc
-    if len(token) < 16 or any(c.isspace() for c in token):
-        raise ValueError(f"--admin-token-file {path}: expected one token of at least 16 characters")
-    return token
+def read_token(path: Path | None, flag: str = "--admin-token-file") -> str | None:
+    """An admin token from its file (surrounding whitespace dropped); None without a file."""
+    return None if path is None else read_secret(path, flag, MIN_TOKEN_LENGTH)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level)
     try:
         token = read_token(args.admin_token_file)
-    except ValueError as exc:
+        read = read_token(args.admin_read_token_file, "--admin-read-token-file")
+        credential = (
+            parse_header_secret(args.model_server_credential, "--model-server-credential")
+            if args.model_server_credential
+            else None
+        )
+    except SecretError as exc:
         print(f"infermesh-control-plane: {exc}", file=sys.stderr)
         return 2
     settings = ControlPlaneSettings(
@@ -69,11 +86,13 @@ def main(argv: list[str] | None = None) -> int:
         args.otlp_port,
         routing=not args.no_routing,
         admin_token=token,
+        admin_read_token=read,
+        model_server_credential=credential,
     )
     tune_gc()
     try:
         return asyncio.run(serve(settings))
-    except TopologyError as exc:
+    except (TopologyError, AdminExposureError) as exc:
         print(f"infermesh-control-plane: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a port taken, a shard that cannot start

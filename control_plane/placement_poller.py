@@ -43,6 +43,7 @@ Reports = Mapping[EndpointAddress, "EndpointReport"]
 Placement = tuple[bool, bool, frozenset[tuple[str, str]]]
 AddressSource = Callable[[], Iterable[EndpointAddress] | Awaitable[Iterable[EndpointAddress]]]
 ChangeCallback = Callable[[Reports], Awaitable[None] | None]
+Metadata = tuple[tuple[str, str], ...]
 
 
 @dataclass(frozen=True)
@@ -70,11 +71,16 @@ def open_channel(address: EndpointAddress) -> grpc.aio.Channel:
 
 
 async def probe_endpoint(
-    address: EndpointAddress, timeout_s: float, channel: grpc.aio.Channel | None = None
+    address: EndpointAddress,
+    timeout_s: float,
+    channel: grpc.aio.Channel | None = None,
+    credential: Metadata = (),
 ) -> EndpointReport:
     """Asks one server for its READY model versions and readiness; never raises.
 
     Uses ``channel`` if given (it stays open), else a channel of its own for this call.
+    ``credential``: metadata for RepositoryIndex, for servers that restrict their
+    model-repository API (``--restricted-api``).
     """
     own = channel is None
     chan = open_channel(address) if channel is None else channel
@@ -84,7 +90,10 @@ async def probe_endpoint(
         ready_request = service_pb2.ServerReadyRequest()
         (index, index_error), (ready, ready_error) = await asyncio.gather(
             _call(
-                "RepositoryIndex", lambda: stub.RepositoryIndex(index_request, timeout=timeout_s)
+                "RepositoryIndex",
+                lambda: stub.RepositoryIndex(
+                    index_request, timeout=timeout_s, metadata=credential or None
+                ),
             ),
             _call("ServerReady", lambda: stub.ServerReady(ready_request, timeout=timeout_s)),
         )
@@ -146,7 +155,9 @@ class PlacementPoller:
         max_concurrent_probes: int = 200,
         keep_channels_up_to_s: float = 10.0,
         unreachable_after: int = 2,
+        credential: Metadata = (),
     ) -> None:
+        self.credential = credential  # sent with RepositoryIndex (never logged)
         self.keep_channels_up_to_s = keep_channels_up_to_s
         self.unreachable_after = unreachable_after  # failed probes in a row (see _damped)
         self._failed: dict[EndpointAddress, int] = {}  # reachable ones' failures in a row
@@ -369,7 +380,9 @@ class PlacementPoller:
             channel = self._channel(address) if keep and address in self._members else None
             if not keep and address in self._channels:  # the cycle got long: let it go
                 await self._channels.pop(address).close()
-            report = self._damped(address, await probe_endpoint(address, self.timeout_s, channel))
+            report = self._damped(
+                address, await probe_endpoint(address, self.timeout_s, channel, self.credential)
+            )
         if address in self._members:
             self._fresh[address] = report
         return report

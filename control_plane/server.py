@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
-from control_plane.admin import AdminServer
+from control_plane.admin import AdminServer, AdminTokens, check_exposure
 from control_plane.ads import AdsServicer
 from control_plane.canary_runs import CanaryRuns
 from control_plane.endpoint_resolver import EndpointResolver
@@ -78,6 +78,10 @@ class ControlPlaneSettings:
     otlp_port: int | None = None  # overrides telemetry.port (0: a free port)
     routing: bool = True  # telemetry-driven weights and ejection
     admin_token: str | None = None  # POSTs need it as a bearer token; the live view's actions
+    admin_read_token: str | None = None  # GETs of state (status, telemetry, /ui, events) need it
+    # (header, value) the placement poller sends with RepositoryIndex, for servers that
+    # restrict their model-repository API
+    model_server_credential: tuple[str, str] | None = None
 
 
 def load_with_overrides(settings: ControlPlaneSettings) -> Topology:
@@ -149,6 +153,9 @@ class ControlPlane:
             max_probes_per_s=self.topology.placement.max_probes_per_s,
             max_concurrent_probes=self.topology.placement.max_concurrent_probes,
             unreachable_after=self.topology.placement.unreachable_after,
+            credential=(settings.model_server_credential,)
+            if settings.model_server_credential
+            else (),
         )
         self.last_rebuild: dict[str, Any] = {}
         self.mesh_state: MeshState | None = None  # what the current snapshot was built from
@@ -164,6 +171,8 @@ class ControlPlane:
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         t = self.topology
+        tokens = AdminTokens(self.settings.admin_read_token, self.settings.admin_token)
+        check_exposure(t.admin.host, tokens)  # before anything binds
         await self.slices.sync(t.endpoints)  # waits (bounded) for the first LIST of each
         self.endpoints = await self.resolver.resolve(t.endpoints)
         self.grpc_server = grpc.aio.server(
@@ -192,7 +201,7 @@ class ControlPlane:
                 (r"/models/([^/]+)/canary", self.api.canary_request),
             ],
             live=self.live,
-            token=self.settings.admin_token,
+            tokens=tokens,
         )
         self.admin_port = self.admin.port
         otlp_port = t.telemetry.port if self.settings.otlp_port is None else self.settings.otlp_port

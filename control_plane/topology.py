@@ -28,6 +28,9 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
                         x-model-version, x-priority, inference-header-content-length]
         expose_headers: [grpc-status, grpc-message]
         max_age_s: 86400            # integer >= 0
+      expose: [inference, metadata, health]   # API groups the listener serves (Envoy's RBAC
+                                    # refuses the rest); also model-config, statistics,
+                                    # repository-index. Model control is never exposed.
     xds: {host: 127.0.0.1, port: 18000}      # where the control plane serves ADS
     admin: {host: 127.0.0.1, port: 19000}    # the control plane's status HTTP
     placement:                      # model server polling (control_plane.placement_poller)

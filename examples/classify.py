@@ -18,8 +18,11 @@ def main() -> None:
 
     client = grpcclient.InferenceServerClient(args.url)
     print("server ready:", client.is_server_ready())
-    for model in client.get_model_repository_index().models:
-        print(f"  {model.name} v{model.version}: {model.state} {model.reason}")
+    # The repository index is for operators (`infermesh models index`): Envoy's listener
+    # serves inference, metadata and health only.
+    metadata = client.get_model_metadata(args.model, args.version)
+    print(f"  {metadata.name} versions {list(metadata.versions)}: inputs "
+          f"{[(i.name, i.datatype, list(i.shape)) for i in metadata.inputs]}")  # fmt: skip
     images = np.random.default_rng(0).random((args.batch, 3, 32, 32), dtype=np.float32)
     tensor = grpcclient.InferInput("input", list(images.shape), "FP32")
     tensor.set_data_from_numpy(images)

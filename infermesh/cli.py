@@ -1,5 +1,6 @@
 """``infermesh``: run the mesh natively (``up``), see the control plane's view (``status``) and
-what the model servers report (``telemetry``), shift versions (``split``, ``canary``)."""
+what the model servers report (``telemetry``), shift versions (``split``, ``canary``), and
+manage models on every server as an operator (``models``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from infermesh import models
 from infermesh.launcher import up
+from infermesh.secrets import ADMIN_TOKEN_FILE
 
 ROOT = Path.cwd()
 ADMIN_HELP = "control-plane admin HOST:PORT, or several (one per replica) separated by commas"
@@ -81,8 +84,9 @@ def _print_status(status: dict[str, Any]) -> None:
 
 
 def _fetch(admin: str, path: str) -> dict[str, Any] | None:
+    request = urllib.request.Request(f"http://{admin}{path}", headers=_auth(os.environ, True))
     try:
-        with urllib.request.urlopen(f"http://{admin}{path}", timeout=5) as response:
+        with urllib.request.urlopen(request, timeout=5) as response:
             body: dict[str, Any] = json.loads(response.read())
             return body
     except OSError as exc:
@@ -213,11 +217,20 @@ def _post(admins: str, path: str, body: dict[str, Any]) -> int:
 
 
 def _post_headers(env: Mapping[str, str]) -> dict[str, str]:
-    """JSON, and the admin token from INFERMESH_ADMIN_TOKEN when the control plane has one."""
-    headers = {"content-type": "application/json"}
-    if env.get("INFERMESH_ADMIN_TOKEN"):
-        headers["authorization"] = f"Bearer {env['INFERMESH_ADMIN_TOKEN']}"
-    return headers
+    """JSON, and the admin token (``_auth``)."""
+    return {"content-type": "application/json", **_auth(env, False)}
+
+
+def _auth(env: Mapping[str, str], read: bool) -> dict[str, str]:
+    """The admin token: INFERMESH_ADMIN_TOKEN, else (reads) INFERMESH_ADMIN_READ_TOKEN, else
+    the local mesh's .infermesh/admin.token (``infermesh up`` makes it); none without them."""
+    token = env.get("INFERMESH_ADMIN_TOKEN") or (read and env.get("INFERMESH_ADMIN_READ_TOKEN"))
+    if not token:
+        try:
+            token = (ROOT / ADMIN_TOKEN_FILE).read_text().strip()
+        except OSError:
+            return {}
+    return {"authorization": f"Bearer {token}"} if token else {}
 
 
 def _replicas(admins: str) -> list[str]:
@@ -270,7 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     split.add_argument("weights", nargs="*", help="VERSION=WEIGHT; none: back to the topology's")
     split.add_argument("--admin", default=default_admin, help=ADMIN_HELP)
     _add_canary_parser(commands, default_admin)
+    models.add_parser(commands, ADMIN_HELP, default_admin)
     args = parser.parse_args(argv)
+    if args.command == "models":
+        return models.run(args, _fetch)
     if args.command == "canary":
         return _canary(args.admin, args)
     if args.command == "split":

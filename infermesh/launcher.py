@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infermesh.compose import Service, load_services
+from infermesh.secrets import ensure_local_credentials
 
 POLL_S = 0.2
 
@@ -151,6 +152,8 @@ class Launcher:
 
 
 def up(compose: Path, root: Path, log_dir: Path) -> int:
+    for path in ensure_local_credentials(root):
+        print(f"infermesh: made {path} (mode 0600); keep it: the mesh's services read it")
     launcher = Launcher(compose, root, log_dir)
 
     def on_signal(signum: int, frame: object) -> None:

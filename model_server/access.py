@@ -21,6 +21,8 @@ from typing import Any
 
 import grpc
 
+from infermesh.secrets import SecretError, read_secret, split_header_secret
+
 GRPC_SERVICE = "/inference.GRPCInferenceService/"
 
 # Triton's API groups and the gRPC methods in each (src/grpc/grpc_server.cc's categories).
@@ -109,34 +111,49 @@ class RestrictionError(ValueError):
     """A ``--restricted-api`` value that cannot be used; the message names what is wrong."""
 
 
-def parse_restriction(text: str) -> Restriction:
-    """``GROUP[,GROUP...]:HEADER=@FILE``; FILE holds the credential (surrounding space dropped)."""
+@dataclass(frozen=True)
+class RestrictionSpec:
+    """A ``--restricted-api`` value as written: checked, its credential file not read yet
+    (the command line is parsed before the server starts, e.g. by manifest tests)."""
+
+    groups: frozenset[str]
+    header: str
+    path: Path
+
+    def load(self) -> Restriction:
+        try:
+            value = read_secret(self.path, "--restricted-api")
+        except SecretError as exc:
+            raise RestrictionError(str(exc)) from None
+        return Restriction(self.groups, self.header, value)
+
+
+def parse_restriction_spec(text: str) -> RestrictionSpec:
+    """``GROUP[,GROUP...]:HEADER=@FILE``."""
     groups_text, sep, assignment = text.partition(":")
-    header, eq, source = assignment.partition("=")
-    if not sep or not eq or not groups_text or not header.strip():
-        raise RestrictionError(f"expected GROUP[,GROUP...]:HEADER=@FILE, got {text!r}")
+    if not sep or not groups_text or "=" not in assignment:
+        raise RestrictionError(f"expected GROUP[,GROUP...]:HEADER=@FILE, got {groups_text!r}")
     groups = frozenset(g.strip() for g in groups_text.split(",") if g.strip())
     unknown = sorted(groups - set(GROUPS))
     if unknown:
         raise RestrictionError(f"unknown API group(s) {unknown}; expected some of {list(GROUPS)}")
-    if not source.startswith("@"):
-        raise RestrictionError(
-            f"the credential for header {header.strip()!r} must come from a file: "
-            "HEADER=@FILE (a value on the command line shows in process listings)"
-        )
-    path = Path(source[1:])
     try:
-        value = path.read_text().strip()
-    except OSError as exc:
-        raise RestrictionError(f"cannot read the credential file {path}: {exc.strerror}") from None
-    if not value:
-        raise RestrictionError(f"the credential file {path} is empty")
-    return Restriction(groups, header.strip().lower(), value)
+        header, path = split_header_secret(assignment, "--restricted-api")
+    except SecretError as exc:
+        raise RestrictionError(str(exc)) from None
+    return RestrictionSpec(groups, header, path)
 
 
-def restriction_table(restrictions: Sequence[Restriction]) -> dict[str, Restriction]:
+def parse_restriction(text: str) -> Restriction:
+    """``GROUP[,GROUP...]:HEADER=@FILE``, FILE read (its surrounding space dropped)."""
+    return parse_restriction_spec(text).load()
+
+
+def restriction_table(
+    restrictions: Sequence[Restriction] | Sequence[RestrictionSpec],
+) -> dict[str, Any]:
     """Group -> its restriction; a group named by two flags is a configuration error."""
-    table: dict[str, Restriction] = {}
+    table: dict[str, Any] = {}
     for item in restrictions:
         for group in item.groups:
             if group in table:

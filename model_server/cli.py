@@ -13,9 +13,9 @@ from infermesh.labels import LABEL_TEXT_RULE, is_label_text
 from infermesh.logs import add_log_level, configure_logging
 from model_server.access import (
     GROUPS,
-    Restriction,
     RestrictionError,
-    parse_restriction,
+    RestrictionSpec,
+    parse_restriction_spec,
     restriction_table,
 )
 from model_server.memory import parse_bytes
@@ -220,9 +220,9 @@ def _poll_interval(text: str) -> float:
     return _seconds(text, 0, strictly=True)
 
 
-def _restriction(text: str) -> Restriction:
+def _restriction(text: str) -> RestrictionSpec:
     try:
-        return parse_restriction(text)
+        return parse_restriction_spec(text)
     except RestrictionError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -240,8 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repository-poll-interval needs --model-control-mode poll")
     try:
         restriction_table(args.restrictions)
+        restrictions = tuple(spec.load() for spec in args.restrictions)
     except RestrictionError as exc:
-        parser.error(f"--restricted-api: {exc}")
+        parser.error(str(exc))
     configure_logging(args.log_level)
     settings = ServerSettings(
         host=args.host,
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         max_concurrent_rpcs=args.max_concurrent_rpcs,
         model_control_mode=args.model_control_mode,
         repository_poll_interval=args.repository_poll_interval or 15.0,
-        restrictions=tuple(args.restrictions),
+        restrictions=restrictions,
         otlp_endpoints=args.otlp_endpoint,
         trace_endpoint=args.trace_endpoint,
         telemetry_interval=args.telemetry_interval,

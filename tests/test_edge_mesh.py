@@ -99,6 +99,8 @@ def mesh(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         listener = {
             "host": "127.0.0.1", "port": listener_port, "health_check_interval_s": 0.5,
             "rest": {"port_offset": OFFSET}, "cors": {"allow_origins": [ORIGIN]},
+            # More than the default (tests/test_edge_security.py): statistics is exposed here.
+            "expose": ["inference", "metadata", "health", "statistics"],
         }  # fmt: skip
         more = [
             {"name": "limited", "sla_p99_ms": 100, "capacity_qps": 100,
@@ -196,7 +198,8 @@ def test_rest_json_binary_and_plain_http_get_the_grpc_numbers(mesh: Mesh) -> Non
     assert client.is_server_live() and client.is_server_ready()
     assert client.is_model_ready("classifier") and client.is_model_ready("classifier", "2")
     assert client.get_model_metadata("classifier")["name"] == "classifier"
-    assert request(mesh, "GET", "/v2/models/stats")[0] == 200
+    assert request(mesh, "GET", "/v2/models/stats")[0] == 200  # exposed by the topology
+    assert request(mesh, "GET", "/v2/models/classifier/config")[0] == 403  # not exposed
 
 
 # --- version routing ------------------------------------------------------------------------

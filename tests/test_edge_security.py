@@ -204,6 +204,8 @@ def test_the_default_exposure_serves_inference_metadata_and_health(mesh: Mesh) -
         ("/v2/models/classifier/stats", 403),
         ("/v2/models/stats", 403),
         ("/metrics", 403),
+        ("/config_dump", 403),  # Envoy's admin: loopback-only, never behind the listener
+        ("/quitquitquit", 403),
     ):
         status, _, body = rest(mesh, "GET", path)
         assert status == code, (path, body)

@@ -243,3 +243,29 @@ def test_envoy_listens_where_its_service_points() -> None:
     service = named("Service", "infermesh-envoy")
     (grpc,) = service["spec"]["ports"]
     assert port_number(c, grpc["targetPort"]) == port
+
+
+def test_the_manifests_ship_with_their_credentials_required() -> None:
+    """The admin binds 0.0.0.0, so the control plane needs both tokens (it refuses to start
+    without them); the servers' model-repository API needs the operator key, which the
+    control plane's poller sends; all of it from one Secret that is never committed."""
+    plane = container("infermesh-control-plane")
+    args = control_plane_parser().parse_args(plane["command"][1:])
+    topology = parse_topology_text(
+        named("ConfigMap", "infermesh-topology")["data"]["topology.yaml"]
+    )
+    assert topology.admin.host == "0.0.0.0"
+    assert args.admin_token_file and args.admin_read_token_file
+    server = model_server_parser().parse_args(
+        expand(container("infermesh-model-server")["command"][1:], {"POD_IP": "10.1.2.3"})
+    )
+    assert server.model_control_mode == "explicit"
+    (spec,) = server.restrictions
+    assert "model-repository" in spec.groups
+    assert args.model_server_credential == f"{spec.header}=@{spec.path}"
+    for name in ("infermesh-control-plane", "infermesh-model-server"):
+        volumes = workload(name)["spec"]["template"]["spec"]["volumes"]
+        secret = next(v["secret"] for v in volumes if v["name"] == "credentials")
+        assert secret["secretName"] == "infermesh-credentials"
+    kinds = {d["kind"] for _, d in documents()}
+    assert "Secret" not in kinds  # the operator makes it (docs/security.md)

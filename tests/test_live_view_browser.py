@@ -136,10 +136,9 @@ def test_the_live_view_follows_a_slowed_server_and_a_control_plane_restart(
 def test_with_a_token_the_page_drains_an_endpoint_and_sets_a_split(
     demo_repo: Path, tmp_path: Path, browser: webdriver.Chrome
 ) -> None:
-    token = "a-long-enough-secret"
-    (tmp_path / "token").write_text(token + "\n")
-    flags = ("--admin-token-file", str(tmp_path / "token"))
-    with ComposeMesh(tmp_path / "mesh", demo_repo, plane_flags=flags) as mesh:
+    # compose.yaml gives both replicas .infermesh/admin.token (the harness makes it)
+    with ComposeMesh(tmp_path / "mesh", demo_repo) as mesh:
+        token = mesh.env["INFERMESH_ADMIN_TOKEN"]
         servers = {f"127.0.0.1:{port}" for port in mesh.server_ports.values()}
         browser.get(f"http://{mesh.admin}/ui")
         wait_for(lambda: set(rows(browser)) == servers, 30, "a row per endpoint")

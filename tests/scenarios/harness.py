@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from infermesh.secrets import ADMIN_TOKEN_FILE, ensure_local_credentials
 from tests.support import ROOT, post_json, stop_process, wait_for
 
 PORTS = ("8001", "8002", "8003")  # model servers, in compose.yaml and deploy/topology.yaml
@@ -92,9 +93,12 @@ class ComposeMesh:
         (self.workdir / "compose.yaml").write_text(compose)
         (self.workdir / "models").symlink_to(self.models)
         (self.workdir / "otel").symlink_to(ROOT / "otel")
+        ensure_local_credentials(self.workdir)  # what `infermesh up` would make there
         self.env = {
             **os.environ,
             **{f"INFERMESH_{name}_PORT": str(ports.pop()) for name in names},
+            # The CLI's admin token (it would read ./.infermesh/admin.token otherwise)
+            "INFERMESH_ADMIN_TOKEN": (self.workdir / ADMIN_TOKEN_FILE).read_text().strip(),
         }
         command = [
             sys.executable, "-m", "infermesh.cli", "up",

@@ -1,0 +1,104 @@
+"""``infermesh models index|load|unload``: model control for the whole pool, as an operator.
+
+Model control never goes through Envoy's public listener (it refuses it). This talks to each
+model server's own gRPC port, with the operator credential the servers require for their
+model-repository API (``--restricted-api``): by default the header ``infermesh-operator-key``
+with the key in ``.infermesh/operator.key``, which ``infermesh up`` creates. The servers are
+the ones the control plane knows (``/status``), or those given with ``--server``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from infermesh.secrets import (
+    OPERATOR_HEADER,
+    OPERATOR_KEY_FILE,
+    SecretError,
+    parse_header_secret,
+)
+
+DEFAULT_CREDENTIAL = f"{OPERATOR_HEADER}=@{OPERATOR_KEY_FILE}"
+
+
+def add_parser(commands: Any, admin_help: str, default_admin: str) -> None:
+    models = commands.add_parser(
+        "models", help="model control on every model server: index, load, unload"
+    )
+    models.add_argument("action", choices=("index", "load", "unload"))
+    models.add_argument("model", nargs="?", help="the model to load or unload")
+    models.add_argument("--config", help="load: Triton's JSON config override")
+    models.add_argument(
+        "--server",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a model server's gRPC address (repeatable); default: every endpoint the control "
+        "plane knows",
+    )
+    models.add_argument("--admin", default=default_admin, help=admin_help)
+    models.add_argument(
+        "--credential",
+        default=DEFAULT_CREDENTIAL,
+        metavar="HEADER=@FILE",
+        help="the servers' --restricted-api header and the file holding its credential",
+    )
+
+
+def servers_of(admins: str, fetch: Callable[[str, str], dict[str, Any] | None]) -> list[str]:
+    """The gRPC endpoints the first answering control-plane replica knows."""
+    for admin in (a.strip() for a in admins.split(",") if a.strip()):
+        status = fetch(admin, "/status")
+        if status is not None:
+            return sorted(status.get("endpoints", {}))
+    return []
+
+
+def run(args: argparse.Namespace, fetch: Callable[[str, str], dict[str, Any] | None]) -> int:
+    if args.action != "index" and not args.model:
+        print(f"infermesh: models {args.action} needs a model name", file=sys.stderr)
+        return 2
+    try:
+        header, value = parse_header_secret(args.credential, "--credential")
+    except SecretError as exc:
+        print(f"infermesh: {exc}", file=sys.stderr)
+        return 2
+    servers = args.server or servers_of(args.admin, fetch)
+    if not servers:
+        print("infermesh: no model servers: give --server or start the mesh", file=sys.stderr)
+        return 1
+    failed = 0
+    for server in servers:
+        try:
+            print(_on_server(server, args, {header: value}))
+        except InferenceServerException as exc:  # the server's own message, never the key
+            failed += 1
+            print(f"{server}: {exc.status()}: {exc.message()}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _on_server(server: str, args: argparse.Namespace, headers: dict[str, str]) -> str:
+    client = grpcclient.InferenceServerClient(server)
+    try:
+        if args.action == "index":
+            rows = client.get_model_repository_index(headers=headers).models
+            return (
+                "\n".join(
+                    f"{server}  {r.name} v{r.version or '-'}  {r.state} {r.reason}".rstrip()
+                    for r in rows
+                )
+                or f"{server}  (no models)"
+            )
+        if args.action == "load":
+            client.load_model(args.model, headers=headers, config=args.config)
+            return f"{server}  {args.model} loaded"
+        client.unload_model(args.model, headers=headers)
+        return f"{server}  {args.model} unloaded"
+    finally:
+        client.close()
