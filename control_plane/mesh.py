@@ -186,6 +186,20 @@ class ModelRoute:
 
 
 @dataclass(frozen=True)
+class ListenerLimits:
+    """What one client may hold or send at the public listener (control_plane.edge_limits)."""
+
+    max_request_headers_kb: int = 60
+    max_headers_count: int = 100
+    request_headers_timeout_s: float = 10.0
+    stream_idle_timeout_s: float = 300.0
+    max_stream_duration_s: float = 120.0  # unary requests; ModelStreamInfer routes are exempt
+    max_connection_duration_s: float = 3600.0
+    max_concurrent_streams: int = 100  # HTTP/2 streams per connection
+    per_connection_buffer_limit_kb: int = 1024
+
+
+@dataclass(frozen=True)
 class RestOptions:
     """KServe v2 REST through the listener: ``/v2/...`` paths go to each cluster's REST twin,
     whose endpoints are the gRPC ones with the port + ``port_offset`` (the model server's
@@ -232,6 +246,7 @@ class ListenerOptions:
     health_checks: str = "all"  # one of HEALTH_CHECK_SCOPES: "model" checks once per model
     # API groups the listener serves (control_plane.exposure); everything else is refused
     expose: tuple[str, ...] = ("inference", "metadata", "health")
+    limits: ListenerLimits = ListenerLimits()
 
 
 @dataclass(frozen=True)

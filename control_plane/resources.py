@@ -32,7 +32,7 @@ from envoy.type.v3 import range_pb2
 from google.protobuf.message import Message
 from google.protobuf.wrappers_pb2 import UInt32Value
 
-from control_plane import edge, exposure
+from control_plane import edge, edge_limits, exposure
 from control_plane.clusters import ads_source, build_assignment, build_cluster, socket_address
 from control_plane.envoy_values import duration, packed
 from control_plane.lanes import (
@@ -150,6 +150,7 @@ def build_listener(state: MeshState) -> listener_pb2.Listener:
         ),
     )  # fmt: skip
     exposure.harden(manager)
+    edge_limits.apply(manager, options.limits)
     manager.local_reply_config.mappers.extend(
         exposure.refusal_mappers(options.expose, edge.REST_ROOT)
     )
@@ -163,11 +164,15 @@ def build_listener(state: MeshState) -> listener_pb2.Listener:
     if options.access_log:
         manager.access_log.append(access_log(options.access_log))
     hcm = listener_components_pb2.Filter(name=HCM_FILTER, typed_config=packed(manager))
-    return listener_pb2.Listener(
+    listener = listener_pb2.Listener(
         name=LISTENER_NAME,
         address=socket_address(options.host, options.port),
         filter_chains=[listener_components_pb2.FilterChain(filters=[hcm])],
     )
+    listener.per_connection_buffer_limit_bytes.value = edge_limits.buffer_limit_bytes(
+        options.limits
+    )
+    return listener
 
 
 # --- routes ---------------------------------------------------------------------------------
@@ -289,6 +294,7 @@ def model_routes(
     stream_action.ClearField("retry_policy")
     stream_action.timeout.CopyFrom(duration(0))
     stream_action.idle_timeout.CopyFrom(duration(model.timeout_s))
+    edge_limits.exempt_stream(stream_action)
     stream = route(f"{name}:stream", stream_match, route=stream_action)
     return [protect(stream, model), protect(route(name, match, route=action), model)]
 

@@ -31,6 +31,15 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
       expose: [inference, metadata, health]   # API groups the listener serves (Envoy's RBAC
                                     # refuses the rest); also model-config, statistics,
                                     # repository-index. Model control is never exposed.
+      limits:                       # what one client may hold (control_plane.edge_limits)
+        max_request_headers_kb: 60  # 1..8192: all request headers together
+        max_headers_count: 100      # >= 1
+        request_headers_timeout_s: 10    # > 0: headers must arrive within it (slowloris)
+        stream_idle_timeout_s: 300       # > 0: a stream idle this long is reset
+        max_stream_duration_s: 120       # > 0: a unary request in all (streams are exempt)
+        max_connection_duration_s: 3600  # > 0: then the connection is drained
+        max_concurrent_streams: 100      # >= 1: HTTP/2 streams per connection
+        per_connection_buffer_limit_kb: 1024   # >= 1: read from a connection before pausing
     xds: {host: 127.0.0.1, port: 18000}      # where the control plane serves ADS
     admin: {host: 127.0.0.1, port: 19000}    # the control plane's status HTTP
     placement:                      # model server polling (control_plane.placement_poller)
@@ -105,7 +114,7 @@ from typing import Any
 
 import yaml
 
-from control_plane import edge, exposure, lanes
+from control_plane import edge, edge_limits, exposure, lanes
 from control_plane.canary import CanaryPolicy
 from control_plane.endpointslices import KubernetesEndpoint, parse_source
 from control_plane.mesh import EndpointAddress, ListenerOptions, ModelRoute
@@ -271,7 +280,7 @@ _LISTENER = {
     "health_checks": "health_checks", "connect_timeout_s": "positive", "max_retries": "count",
     "retry_budget_percent": "percent",
     "body_routing": "bool", "lb_policy": "lb_policy", "access_log": "path", "rest": "mapping",
-    "grpc_web": "bool", "cors": "mapping", "expose": "list",
+    "grpc_web": "bool", "cors": "mapping", "expose": "list", "limits": "mapping",
 }  # fmt: skip
 _BIND = {"host": "host", "port": "port"}
 _PLACEMENT = {
@@ -301,6 +310,7 @@ def _build(data: object, source: str, early_errors: list[str]) -> Topology:
     fields["rest"] = edge.parse_rest(c, nested.get("rest"), "listener.rest")
     fields["cors"] = edge.parse_cors(c, nested.get("cors"), "listener.cors")
     fields["expose"] = exposure.parse_expose(c, given.get("expose"), "listener.expose")
+    fields["limits"] = edge_limits.parse_limits(c, nested.get("limits"), "listener.limits")
     listener = ListenerOptions(**fields)
     xds = EndpointAddress(**c.section(root, "xds", _BIND, d.xds))
     admin = EndpointAddress(**c.section(root, "admin", _BIND, d.admin))

@@ -466,3 +466,59 @@ def test_envoy_accepts_rest_grpc_web_and_cors(tmp_path: Path, fallback: bool) ->
     command = [envoy_binary(), "--mode", "validate", "-c", str(path), "-l", "warning"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_listener_limits_reach_envoy_and_bad_ones_are_named() -> None:
+    text = (
+        "listener:\n  limits: {max_request_headers_kb: 32, max_concurrent_streams: 50,\n"
+        "           request_headers_timeout_s: 2.5, max_stream_duration_s: 30}\n"
+        "models: [{name: classifier, sla_p99_ms: 50, capacity_qps: 100}]\n"
+    )
+    listener = parse_topology_text(text).listener
+    built: Resources = build_resources(state(listener))
+    manager = manager_of(built)
+    assert manager.max_request_headers_kb.value == 32
+    assert manager.http2_protocol_options.max_concurrent_streams.value == 50
+    assert manager.request_headers_timeout.ToTimedelta().total_seconds() == 2.5
+    options = manager.common_http_protocol_options
+    assert options.max_stream_duration.seconds == 30 and options.max_headers_count.value == 100
+    assert manager.normalize_path.value and manager.merge_slashes
+    (envoy_listener,) = built[LISTENER_TYPE].values()
+    assert envoy_listener.per_connection_buffer_limit_bytes.value == 1024 * 1024
+    streams = [r for r in routes_of(built) if r.match.path.endswith("/ModelStreamInfer")]
+    assert streams and all(
+        r.route.max_stream_duration.max_stream_duration.ToTimedelta().total_seconds() == 0
+        for r in streams
+    )  # a generation may last longer than a unary request
+    bad = (
+        "listener:\n  limits: {max_request_headers_kb: 9000, max_concurrent_streams: 0,\n"
+        "           request_headers_timeout_s: -1, burst: 3}\n"
+        "models: [{name: classifier, sla_p99_ms: 50, capacity_qps: 100}]\n"
+    )
+    with pytest.raises(TopologyError) as caught:
+        parse_topology_text(bad)
+    errors = "\n".join(caught.value.errors)
+    for expected in (
+        "listener.limits.burst: unknown key",
+        "listener.limits.max_request_headers_kb: must be in 1..8192, got 9000",
+        "listener.limits.max_concurrent_streams: must be in 1..2147483647, got 0",
+        "listener.limits.request_headers_timeout_s: must be > 0, got -1",
+    ):
+        assert expected in errors, errors
+
+
+def test_expose_names_groups_and_refuses_model_control() -> None:
+    models = "models: [{name: classifier, sla_p99_ms: 50, capacity_qps: 100}]\n"
+    listener = parse_topology_text(
+        "listener: {expose: [inference, statistics]}\n" + models
+    ).listener
+    assert listener.expose == ("inference", "statistics")
+    assert parse_topology_text(models).listener.expose == ("inference", "metadata", "health")
+    with pytest.raises(TopologyError) as caught:
+        parse_topology_text("listener: {expose: [inference, model-repository, everything]}\n"
+                            + models)  # fmt: skip
+    errors = "\n".join(caught.value.errors)
+    assert "listener.expose[1]: is never exposed on the public listener" in errors
+    assert "listener.expose[2]: must be one of health, metadata, inference" in errors
+    with pytest.raises(TopologyError, match="must name at least one API group"):
+        parse_topology_text("listener: {expose: []}\n" + models)

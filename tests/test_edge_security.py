@@ -2,8 +2,9 @@
 control plane, no client can reach a model-control API, whatever path, method, header or body
 it sends, and headers a client must not control are gone before routing.
 
-The model servers here run in ``explicit`` mode with no restriction of their own, the worst
-case: anything that reached them would be obeyed. Their own counter
+The model servers here (tests/edge_mesh_support.py) run in ``explicit`` mode with no
+restriction of their own, the worst case: anything that reached them would be obeyed. Their
+own counter
 ``model_control_requests_total{call="load"|"unload"}`` proves that nothing did.
 """
 
@@ -12,15 +13,11 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import shutil
 import string
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
-import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
@@ -29,14 +26,10 @@ from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
-from tests.envoy_support import Envoy, free_port, free_port_pair
-from tests.mesh_support import ControlPlaneThread, start_plane_and_envoy, write_topology
+from tests.edge_mesh_support import EdgeMesh as Mesh
+from tests.edge_mesh_support import edge_mesh, image_input, rest
 from tests.support import (
-    EXPLICIT,
-    ServerProcess,
-    metric_value,
     post_faults,
-    start_server,
     wait_for,
 )
 
@@ -55,70 +48,10 @@ NEVER = (
 OPERATOR_ONLY = ("RepositoryIndex", "ModelStatistics", "ModelConfig")
 
 
-@dataclass
-class Mesh:
-    servers: list[ServerProcess]
-    plane: ControlPlaneThread
-    envoy: Envoy
-    port: int
-
-    @property
-    def url(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def control_calls(self) -> float:
-        """Loads and unloads the servers' services received, all of them (not the index:
-        the control plane's placement poller calls it all the time)."""
-        total = 0.0
-        for server in self.servers:
-            text = server.metrics()
-            for call in ("load", "unload"):
-                total += metric_value(text, "model_control_requests_total", call=call)
-        return total
-
-    def all_ready(self) -> bool:
-        return all(s.client().is_model_ready("classifier") for s in self.servers)
-
-
 @pytest.fixture(scope="module")
 def mesh(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    workdir = tmp_path_factory.mktemp("edge-security")
-    repo = workdir / "models"
-    shutil.copytree(demo_repo / "classifier", repo / "classifier")
-    with contextlib.ExitStack() as stops:
-        servers = []
-        for index in (1, 2):
-            port = free_port_pair(OFFSET)
-            server = start_server(
-                repo, workdir / f"s{index}", *EXPLICIT, "--port", str(port),
-                "--http-port", str(port + OFFSET), "--enable-fault-injection",
-            )  # fmt: skip
-            stops.callback(server.stop)
-            servers.append(server)
-        listener_port = free_port()
-        listener = {"host": "127.0.0.1", "port": listener_port, "health_check_interval_s": 0.5}
-        topology = write_topology(
-            workdir / "topology.yaml", listener_port, [s.url for s in servers],
-            top={"listener": listener},
-        )  # fmt: skip
-        plane, envoy = start_plane_and_envoy(stops, workdir, topology, listener_port, 4)
-        yield Mesh(servers, plane, envoy, listener_port)
-
-
-def image_input(module: Any = grpcclient) -> Any:
-    x = module.InferInput("input", [1, 3, 32, 32], "FP32")
-    x.set_data_from_numpy(np.zeros((1, 3, 32, 32), np.float32))
-    return x
-
-
-def rest(mesh: Mesh, method: str, path: str, body: bytes = b"", **headers: str) -> Any:
-    connection = http.client.HTTPConnection("127.0.0.1", mesh.port, timeout=30)
-    try:
-        connection.request(method, path, body=body, headers=headers)
-        response = connection.getresponse()
-        return response.status, dict(response.getheaders()), response.read()
-    finally:
-        connection.close()
+    with edge_mesh(demo_repo, tmp_path_factory.mktemp("edge-security"), {}) as the_mesh:
+        yield the_mesh
 
 
 # --- the findings of issue 25, each closed ------------------------------------------------------
@@ -160,7 +93,7 @@ def test_rest_repository_calls_through_the_edge_answer_403_json(mesh: Mesh, head
         "/v2/%72epository/models/classifier/unload",
         "/v2/repository/models/classifier/unload?x=1",
     ):
-        status, answer_headers, body = rest(mesh, "POST", path, b"{}", **headers)
+        status, answer_headers, body = rest(mesh, "POST", path, b"{}", headers)
         assert status == 403, (path, body)
         assert answer_headers["content-type"] == "application/json", path
         assert "is not exposed on this listener" in json.loads(body)["error"], path
@@ -319,7 +252,7 @@ def test_no_client_request_reaches_model_control(
                 channel.unary_unary(path)(body, metadata=metadata, timeout=10)
     else:
         with contextlib.suppress(http.client.HTTPException, OSError):
-            rest(mesh, method, path, body, **headers)
+            rest(mesh, method, path, body, headers)
     assert mesh.control_calls() == before, path
 
 
