@@ -18,7 +18,6 @@ import struct
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +32,10 @@ from tritonclient.utils import InferenceServerException
 from control_plane import edge
 from control_plane.mesh import model_cluster, rest_cluster
 from model_server.demo_models import build_identity_model, write_model
-from tests.envoy_support import Envoy, free_port, free_port_pair
-from tests.mesh_support import ControlPlaneThread, start_plane_and_envoy, write_topology
-from tests.support import ServerProcess, post_faults, start_server, wait_for
+from tests.edge_mesh_support import EdgeMesh
+from tests.envoy_support import free_port, free_port_pair
+from tests.mesh_support import start_plane_and_envoy, write_topology
+from tests.support import post_faults, start_server, wait_for
 
 pytestmark = pytest.mark.integration
 OFFSET = 3000  # not the default, so the test shows the option is applied
@@ -44,17 +44,7 @@ MAX_CONCURRENT = 6
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 
-@dataclass
-class Mesh:
-    servers: list[ServerProcess]
-    plane: ControlPlaneThread
-    envoy: Envoy
-    port: int
-
-    @property
-    def url(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
+class Mesh(EdgeMesh):
     def served(self) -> list[int]:
         """Classifier inferences each server has answered (its own statistics)."""
         counts = []

@@ -361,6 +361,8 @@ def test_bootstrap_uses_ads_and_only_a_static_xds_cluster() -> None:
     assert "listeners" not in sotw["static_resources"]
     admin = sotw["admin"]["address"]["socket_address"]
     assert admin == {"address": "127.0.0.1", "port_value": 9901}
+    edge, admin_layer = sotw["layered_runtime"]["layers"]  # abusive HTTP/2 clients
+    assert edge["static_layer"] == {"http.max_requests_per_io_cycle": 1} and admin_layer
 
 
 def test_checked_in_bootstrap_is_current() -> None:
