@@ -1,0 +1,341 @@
+"""Good traffic while hostile clients attack the edge: does the listener's protection hold?
+
+Two model servers, the control plane and Envoy (one worker, the listener's default limits:
+control_plane/edge_limits.py). Good traffic is h2load at a fixed rate (ModelInfer with the
+x-model-name header), alone ("quiet") and then beside each attacker, in rounds, alternating:
+
+- slowloris: 500 HTTP/1.1 connections, each sending a header byte a second, reopened when
+  Envoy closes them (request_headers_timeout_s);
+- header flood: requests with 200 headers each, back to back (431);
+- h2 streams: one HTTP/2 connection opening 10,000 streams without reading SETTINGS, again and
+  again (max_concurrent_streams);
+- oversized metadata: gRPC calls with a 100 KiB header, back to back;
+- slow body: 50 REST requests each sending its body a byte a second (max_stream_duration_s).
+
+Pass, for each attack: the good traffic has no failure (HTTP status from h2load, grpc-status
+from the servers' own inference_requests_total), its P99 is within 2x the quiet P99 of the same
+round, and Envoy's peak RSS stays under the overload manager's heap cap. Run it alone:
+
+    flock /tmp/infermesh-bench.lock .venv/bin/python bench/bench_hostile.py [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from contextlib import ExitStack, suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+import bench_mesh as bm
+import bench_model_server as bms
+import h2.config
+import h2.connection
+import h2.exceptions
+import numpy as np
+
+from control_plane.bootstrap import MAX_HEAP_BYTES
+from model_server.demo_models import build_demo_repository
+
+HOST = bm.HOST
+GOOD_CLIENTS, GOOD_RPS = 4, 50  # per client: 200 requests/s in all, far below saturation
+
+
+@dataclass
+class Run:
+    attack: str
+    requests: int
+    failed: int  # non-200 from h2load plus non-OK from the servers
+    p50_ms: float
+    p99_ms: float
+    envoy_peak_rss_mib: float
+    attack_sent: int  # what the attacker managed to send (connections, requests, streams)
+
+
+# --- attackers: each runs until ``stop`` is set; returns how much it sent ----------------------
+
+
+def slowloris(port: int, stop: threading.Event, connections: int = 500) -> int:
+    async def one(opened: list[int]) -> None:
+        while not stop.is_set():
+            try:
+                reader, writer = await asyncio.open_connection(HOST, port)
+            except OSError:
+                await asyncio.sleep(0.5)
+                continue
+            opened[0] += 1
+            writer.write(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n")
+            try:
+                while not stop.is_set() and not reader.at_eof():
+                    writer.write(b"X")  # a header that never ends
+                    await writer.drain()
+                    await asyncio.sleep(1.0)
+            except OSError:
+                pass
+            writer.close()
+
+    async def main() -> int:
+        opened = [0]
+        await asyncio.gather(*(one(opened) for _ in range(connections)))
+        return opened[0]
+
+    return asyncio.run(main())
+
+
+def _http1(port: int, request: bytes, stop: threading.Event) -> int:
+    sent = 0
+    while not stop.is_set():
+        with socket.create_connection((HOST, port), timeout=5) as sock:
+            sock.sendall(request)
+            with suppress(OSError):
+                sock.recv(4096)
+        sent += 1
+    return sent
+
+
+def header_flood(port: int, stop: threading.Event) -> int:
+    headers = b"".join(b"X-Flood-%d: %s\r\n" % (i, b"v" * 64) for i in range(200))
+    return _http1(port, b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n", stop)
+
+
+def _grpc_headers(port: int) -> list[tuple[str, str]]:
+    return [(":method", "POST"), (":scheme", "http"), (":path", bms.METHOD),
+            (":authority", f"{HOST}:{port}"), ("content-type", "application/grpc"),
+            ("te", "trailers"), ("x-model-name", bm.MODEL_NAME)]  # fmt: skip
+
+
+def h2_streams(port: int, stop: threading.Event, per_connection: int = 10_000) -> int:
+    sent = 0
+    while not stop.is_set():
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        try:
+            with socket.create_connection((HOST, port), timeout=5) as sock:
+                sock.sendall(conn.data_to_send())
+                for index in range(per_connection):
+                    conn.send_headers(1 + 2 * index, _grpc_headers(port))
+                    sent += 1
+                    if index % 500 == 499:
+                        sock.sendall(conn.data_to_send())
+                        if stop.is_set():
+                            break
+                sock.sendall(conn.data_to_send())
+        except (OSError, h2.exceptions.ProtocolError):
+            pass
+    return sent
+
+
+def oversized_metadata(port: int, stop: threading.Event, threads: int = 8) -> int:
+    """Calls with a 100 KiB header from ``threads`` connections at once, none waiting for an
+    answer (Envoy stops reading a connection that sent one: each thread gives a send 0.5 s,
+    then reconnects)."""
+    counts = [0] * threads
+    workers = [
+        threading.Thread(target=_oversized_calls, args=(port, stop, counts, i))
+        for i in range(threads)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return sum(counts)
+
+
+def _oversized_calls(
+    port: int, stop: threading.Event, counts: list[int], slot: int, per_connection: int = 20
+) -> None:
+    big = [*_grpc_headers(port), ("x-big", "v" * 100 * 1024)]
+    while not stop.is_set():
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        try:
+            with socket.create_connection((HOST, port), timeout=0.5) as sock:
+                for index in range(per_connection):
+                    conn.send_headers(1 + 2 * index, big, end_stream=True)
+                    sock.sendall(conn.data_to_send())
+                    counts[slot] += 1
+        except (OSError, h2.exceptions.ProtocolError):
+            pass
+
+
+def slow_body(port: int, stop: threading.Event, connections: int = 50) -> int:
+    async def one(opened: list[int]) -> None:
+        while not stop.is_set():
+            try:
+                reader, writer = await asyncio.open_connection(HOST, port)
+            except OSError:
+                await asyncio.sleep(0.5)
+                continue
+            opened[0] += 1
+            writer.write(
+                b"POST /v2/models/classifier/infer HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n"
+            )
+            try:
+                while not stop.is_set() and not reader.at_eof():
+                    writer.write(b" ")
+                    await writer.drain()
+                    await asyncio.sleep(1.0)
+            except OSError:
+                pass
+            writer.close()
+
+    async def main() -> int:
+        opened = [0]
+        await asyncio.gather(*(one(opened) for _ in range(connections)))
+        return opened[0]
+
+    return asyncio.run(main())
+
+
+ATTACKS: dict[str, Callable[[int, threading.Event], int] | None] = {
+    "quiet": None,
+    "slowloris (500 connections)": slowloris,
+    "header flood (200 headers)": header_flood,
+    "h2: 10,000 streams a connection": h2_streams,
+    "oversized metadata (100 KiB, 8 at once)": oversized_metadata,
+    "slow body (50, a byte a second)": slow_body,
+}
+
+
+# --- one run --------------------------------------------------------------------------------
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run_once(args: argparse.Namespace, exe: str, mesh: bm.Mesh, attack: str, workdir: Path) -> Run:
+    attacker = ATTACKS[attack]
+    stop, sent = threading.Event(), [0]
+    thread = None
+    if attacker is not None:
+        thread = threading.Thread(target=lambda: sent.__setitem__(0, attacker(mesh.listener, stop)))
+        thread.start()
+        time.sleep(args.ramp)  # the attack at full size before good traffic is measured
+    metrics = [f"http://{HOST}:{m}/metrics" for _, _, m in mesh.servers]
+    before = [bms.settled_counts(url) or {} for url in metrics]
+    peak = [rss_mib(mesh.envoy_pid)]
+    sampling = threading.Event()
+
+    def sample() -> None:
+        while not sampling.wait(0.25):
+            peak.append(rss_mib(mesh.envoy_pid))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    rows = h2load(exe, mesh.listener, workdir, args.duration)
+    sampling.set()
+    sampler.join()
+    stop.set()
+    if thread is not None:
+        thread.join(timeout=30)
+    after = [bms.settled_counts(url) or {} for url in metrics]
+    non_ok = sum(sum(a.values()) - sum(b.values()) for a, b in zip(after, before, strict=True))
+    lat = np.array([float(r[2]) / 1e3 for r in rows if r[1] == "200"])
+    return Run(
+        attack, len(lat), len(rows) - len(lat) + int(non_ok),
+        float(np.percentile(lat, 50)) if len(lat) else float("nan"),
+        float(np.percentile(lat, 99)) if len(lat) else float("nan"),
+        max(peak), sent[0],
+    )  # fmt: skip
+
+
+def h2load(exe: str, port: int, workdir: Path, seconds: float) -> list[list[str]]:
+    frame, log = workdir / "frame.bin", workdir / "h2load.log"
+    log.unlink(missing_ok=True)
+    cmd = [exe, "-c", str(GOOD_CLIENTS), "-m", "1", "-t", "1", f"--rps={GOOD_RPS}",
+           "-D", f"{round(seconds * 1000)}ms", "-d", str(frame),
+           "-H", "content-type: application/grpc", "-H", "te: trailers",
+           "-H", f"{bm.HEADER[0]}: {bm.HEADER[1]}", "--log-file", str(log),
+           f"http://{HOST}:{port}{bms.METHOD}"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        sys.exit(f"h2load failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return [line.split("\t") for line in log.read_text().splitlines() if line.strip()]
+
+
+def report(runs: list[Run], rounds: int) -> int:
+    print("\n| attack | good P50 ms | good P99 ms (median, range) | P99 / quiet (median, worst) "
+          "| good failures | Envoy peak RSS MiB | attacker sent | pass |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    quiet = {i: r for i, r in enumerate(r for r in runs if r.attack == "quiet")}
+    failed = 0
+    for attack in ATTACKS:
+        mine = [r for r in runs if r.attack == attack]
+        ratios = [r.p99_ms / quiet[i].p99_ms for i, r in enumerate(mine)]
+        p99s = [r.p99_ms for r in mine]
+        bad = sum(r.failed for r in mine)
+        peak = max(r.envoy_peak_rss_mib for r in mine)
+        ok = bad == 0 and max(ratios) <= 2.0 and peak * 2**20 < MAX_HEAP_BYTES
+        failed += not ok
+        print(f"| {attack} | {np.median([r.p50_ms for r in mine]):.2f} | "
+              f"{np.median(p99s):.2f} ({min(p99s):.2f}-{max(p99s):.2f}) | "
+              f"{np.median(ratios):.2f} ({max(ratios):.2f}) | {bad} of "
+              f"{sum(r.requests + r.failed for r in mine):,} | {peak:.0f} | "
+              f"{int(np.median([r.attack_sent for r in mine])):,} | "
+              f"{'yes' if ok or attack == 'quiet' else 'NO'} |")  # fmt: skip
+    return failed
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "infermesh-bench")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds of good traffic a run")
+    p.add_argument("--ramp", type=float, default=3.0, help="seconds of attack before measuring")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    load_avg = os.getloadavg()[0]
+    build_demo_repository(args.models)
+    exe = bms.ensure_h2load()
+    _, req = bms.make_request(1)
+    payload = req.SerializeToString()
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory(prefix="bench-hostile-") as tmp, ExitStack() as stack:
+        workdir = Path(tmp)
+        (workdir / "frame.bin").write_bytes(b"\0" + len(payload).to_bytes(4, "big") + payload)
+        spec = bms.server_specs(args.models)[0]
+        servers = [stack.enter_context(bms.start_server(spec, workdir / f"s{i}.log"))
+                   for i in (1, 2)]  # fmt: skip
+        listener = bm.free_port()
+        topology = bm.write_topology(workdir / "topology.yaml", listener,
+                                     [f"{HOST}:{port}" for _, port, _ in servers])  # fmt: skip
+        cp_cmd = [sys.executable, "-m", "control_plane", "--topology", str(topology),
+                  "--xds-port", "0", "--admin-port", "0"]  # fmt: skip
+        cp = bms.ServerSpec("control plane", cp_cmd, bm.CP_RE)
+        _, xds_port, cp_admin = stack.enter_context(bms.start_server(cp, workdir / "cp.log"))
+        envoy_pid, envoy_admin = stack.enter_context(bm.start_envoy(workdir, xds_port))
+        mesh = bm.Mesh(servers, envoy_pid, envoy_admin, cp_admin or 0, listener)
+        envoy = bm.Admin(envoy_admin)
+        bm.wait_for(lambda: envoy.call("/ready").strip() == "LIVE", 30, "Envoy /ready")
+        bm.wait_for(lambda: envoy.call("/clusters").count("::health_flags::healthy") >= 4, 30,
+                    "healthy hosts")  # fmt: skip
+        bm.grpc_check(f"{HOST}:{listener}", req, True, None)
+        for rnd in range(args.rounds):
+            for attack in ATTACKS:
+                runs.append(run := run_once(args, exe, mesh, attack, workdir))
+                print(f"round {rnd + 1} {attack}: P99 {run.p99_ms:.2f} ms, failed "
+                      f"{run.failed}, Envoy RSS {run.envoy_peak_rss_mib:.0f} MiB, attacker "
+                      f"sent {run.attack_sent:,}", flush=True)  # fmt: skip
+    print(f"\n## Good traffic under hostile clients: commit {bm.commit()}, nproc "
+          f"{os.cpu_count()}, load average at start {load_avg:.2f}")  # fmt: skip
+    print(f"h2load -c {GOOD_CLIENTS} --rps {GOOD_RPS} (ModelInfer, batch 1, x-model-name), "
+          f"{args.duration:g} s a run after a {args.ramp:g} s ramp of the attack; {args.rounds} "
+          f"rounds, attacks alternating; Envoy --concurrency 1, 2 model servers, default "
+          f"listener limits; ratios against the same round's quiet run")  # fmt: skip
+    return 1 if report(runs, args.rounds) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
