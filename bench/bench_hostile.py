@@ -58,6 +58,8 @@ class Run:
     p99_ms: float
     envoy_peak_rss_mib: float
     attack_sent: int  # what the attacker managed to send (connections, requests, streams)
+    envoy_cores: float  # Envoy's CPU over the timed window / its length
+    attacker_cores: float  # this process's CPU (the attacker's threads, mostly) likewise
 
 
 # --- attackers: each runs until ``stop`` is set; returns how much it sent ----------------------
@@ -235,7 +237,15 @@ def run_once(args: argparse.Namespace, exe: str, mesh: bm.Mesh, attack: str, wor
 
     sampler = threading.Thread(target=sample)
     sampler.start()
+    envoy0, own0, wall0 = (
+        bms.cpu_seconds(mesh.envoy_pid) or 0.0,
+        time.process_time(),
+        time.monotonic(),
+    )
     rows = h2load(exe, mesh.listener, workdir, args.duration)
+    wall = time.monotonic() - wall0
+    envoy_cores = ((bms.cpu_seconds(mesh.envoy_pid) or 0.0) - envoy0) / wall
+    attacker_cores = (time.process_time() - own0) / wall
     sampling.set()
     sampler.join()
     stop.set()
@@ -248,7 +258,7 @@ def run_once(args: argparse.Namespace, exe: str, mesh: bm.Mesh, attack: str, wor
         attack, len(lat), len(rows) - len(lat) + int(non_ok),
         float(np.percentile(lat, 50)) if len(lat) else float("nan"),
         float(np.percentile(lat, 99)) if len(lat) else float("nan"),
-        max(peak), sent[0],
+        max(peak), sent[0], envoy_cores, attacker_cores,
     )  # fmt: skip
 
 
@@ -284,6 +294,8 @@ def report(runs: list[Run], rounds: int) -> int:
               f"{np.median(p99s):.2f} ({min(p99s):.2f}-{max(p99s):.2f}) | "
               f"{np.median(ratios):.2f} ({max(ratios):.2f}) | {bad} of "
               f"{sum(r.requests + r.failed for r in mine):,} | {peak:.0f} | "
+              f"{np.median([r.envoy_cores for r in mine]):.2f} | "
+              f"{np.median([r.attacker_cores for r in mine]):.2f} | "
               f"{int(np.median([r.attack_sent for r in mine])):,} | "
               f"{'yes' if ok or attack == 'quiet' else 'NO'} |")  # fmt: skip
     return failed
@@ -326,7 +338,8 @@ def main() -> int:
             for attack in ATTACKS:
                 runs.append(run := run_once(args, exe, mesh, attack, workdir))
                 print(f"round {rnd + 1} {attack}: P99 {run.p99_ms:.2f} ms, failed "
-                      f"{run.failed}, Envoy RSS {run.envoy_peak_rss_mib:.0f} MiB, attacker "
+                      f"{run.failed}, Envoy RSS {run.envoy_peak_rss_mib:.0f} MiB, Envoy "
+                      f"{run.envoy_cores:.2f} cores, attacker {run.attacker_cores:.2f} cores, "
                       f"sent {run.attack_sent:,}", flush=True)  # fmt: skip
     print(f"\n## Good traffic under hostile clients: commit {bm.commit()}, nproc "
           f"{os.cpu_count()}, load average at start {load_avg:.2f}")  # fmt: skip
