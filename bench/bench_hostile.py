@@ -9,7 +9,8 @@ x-model-name header), alone ("quiet") and then beside each attacker, in rounds, 
 - header flood: requests with 200 headers each, back to back (431);
 - h2 streams: one HTTP/2 connection opening 10,000 streams without reading SETTINGS, again and
   again (max_concurrent_streams);
-- oversized metadata: gRPC calls with a 100 KiB header, back to back;
+- oversized metadata: gRPC calls with a 100 KiB header, 20 a connection, 8 connections at once;
+  (both HTTP/2 attackers replay bytes encoded once, so their CPU goes to sending)
 - slow body: 50 REST requests each sending its body a byte a second (max_stream_duration_s).
 
 Pass, for each attack: the good traffic has no failure (HTTP status from h2load, grpc-status
@@ -114,58 +115,51 @@ def _grpc_headers(port: int) -> list[tuple[str, str]]:
             ("te", "trailers"), ("x-model-name", bm.MODEL_NAME)]  # fmt: skip
 
 
-def h2_streams(port: int, stop: threading.Event, per_connection: int = 10_000) -> int:
-    sent = 0
+def h2_frames(port: int, streams: int, extra: list[tuple[str, str]], end: bool) -> bytes:
+    """A connection's bytes, preface and SETTINGS included, opening ``streams`` streams. Made
+    once and replayed on every connection (HPACK state starts afresh with each one), so the
+    attacker spends its CPU on sending, not on encoding, as a real one would."""
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    headers = [*_grpc_headers(port), *extra]
+    for index in range(streams):
+        conn.send_headers(1 + 2 * index, headers, end_stream=end)
+    return conn.data_to_send()
+
+
+def _replay(port: int, stop: threading.Event, payload: bytes, timeout_s: float) -> int:
+    """Connections sending ``payload`` over and over; how many were opened."""
+    opened = 0
     while not stop.is_set():
-        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-        conn.initiate_connection()
         try:
-            with socket.create_connection((HOST, port), timeout=5) as sock:
-                sock.sendall(conn.data_to_send())
-                for index in range(per_connection):
-                    conn.send_headers(1 + 2 * index, _grpc_headers(port))
-                    sent += 1
-                    if index % 500 == 499:
-                        sock.sendall(conn.data_to_send())
-                        if stop.is_set():
-                            break
-                sock.sendall(conn.data_to_send())
-        except (OSError, h2.exceptions.ProtocolError):
-            pass
-    return sent
+            with socket.create_connection((HOST, port), timeout=timeout_s) as sock:
+                opened += 1
+                sock.sendall(payload)
+        except OSError:
+            pass  # Envoy closed it or stopped reading: the next one
+    return opened
+
+
+def h2_streams(port: int, stop: threading.Event, per_connection: int = 10_000) -> int:
+    """One connection at a time opening 10,000 streams (no body: they stay open)."""
+    payload = h2_frames(port, per_connection, [], end=False)
+    return _replay(port, stop, payload, 5.0) * per_connection
 
 
 def oversized_metadata(port: int, stop: threading.Event, threads: int = 8) -> int:
-    """Calls with a 100 KiB header from ``threads`` connections at once, none waiting for an
-    answer (Envoy stops reading a connection that sent one: each thread gives a send 0.5 s,
-    then reconnects)."""
+    """Calls with a 100 KiB header, 20 a connection, from ``threads`` connections at once."""
+    payload = h2_frames(port, 20, [("x-big", "v" * 100 * 1024)], end=True)
     counts = [0] * threads
-    workers = [
-        threading.Thread(target=_oversized_calls, args=(port, stop, counts, i))
-        for i in range(threads)
-    ]
+
+    def one(slot: int) -> None:
+        counts[slot] = _replay(port, stop, payload, 0.5) * 20
+
+    workers = [threading.Thread(target=one, args=(i,)) for i in range(threads)]
     for worker in workers:
         worker.start()
     for worker in workers:
         worker.join()
     return sum(counts)
-
-
-def _oversized_calls(
-    port: int, stop: threading.Event, counts: list[int], slot: int, per_connection: int = 20
-) -> None:
-    big = [*_grpc_headers(port), ("x-big", "v" * 100 * 1024)]
-    while not stop.is_set():
-        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-        conn.initiate_connection()
-        try:
-            with socket.create_connection((HOST, port), timeout=0.5) as sock:
-                for index in range(per_connection):
-                    conn.send_headers(1 + 2 * index, big, end_stream=True)
-                    sock.sendall(conn.data_to_send())
-                    counts[slot] += 1
-        except (OSError, h2.exceptions.ProtocolError):
-            pass
 
 
 def slow_body(port: int, stop: threading.Event, connections: int = 50) -> int:
