@@ -44,8 +44,6 @@ HEADER = """\
 #                    ({api_type}), which also carries routes (RDS) and endpoints (EDS).
 # static_resources:  only xds_cluster, the HTTP/2 connection to the control plane.
 # overload_manager:  caps downstream connections (Envoy warns at start-up without a cap).
-# layered_runtime:   one request per connection per I/O cycle (http.max_requests_per_io_cycle),
-#                    so a connection flooding streams cannot starve the others.
 """
 
 
@@ -131,14 +129,6 @@ def render_bootstrap(
         "static_resources": {
             "clusters": [
                 xds_cluster(xds_host, [xds_port] if isinstance(xds_port, int) else xds_port)
-            ]
-        },
-        # Envoy's advice for edges facing abusive HTTP/2 clients (the "rapid reset" fix): a
-        # connection's requests beyond one are handled in later I/O cycles, so others progress.
-        "layered_runtime": {
-            "layers": [
-                {"name": "edge", "static_layer": {"http.max_requests_per_io_cycle": 1}},
-                {"name": "admin", "admin_layer": {}},
             ]
         },
         "overload_manager": {

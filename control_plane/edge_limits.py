@@ -16,7 +16,12 @@ to defaults that change between releases:
   this long, so no client holds one forever and load spreads after scale-ups;
 - ``max_concurrent_streams``: HTTP/2 streams one connection may have open; more are refused;
 - ``per_connection_buffer_limit_kb``: what Envoy reads from a connection before it stops
-  reading (backpressure instead of memory).
+  reading (backpressure instead of memory);
+- ``max_new_connections_per_s``: connections the listener takes in a second (a token bucket,
+  Envoy's network local_ratelimit filter, before any HTTP parsing); the ones over it are
+  closed at once. Against a client that opens connections as fast as it can, each full of
+  streams or oversized headers, so that Envoy's one worker spends itself refusing them
+  (measured by bench/bench_hostile.py).
 
 The overload manager of the bootstrap (heap and connection caps) stays behind all of these.
 """
@@ -25,12 +30,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from envoy.config.listener.v3 import listener_components_pb2
 from envoy.config.route.v3 import route_components_pb2 as rc_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
+from envoy.extensions.filters.network.local_ratelimit.v3 import local_rate_limit_pb2
+from envoy.type.v3 import token_bucket_pb2
 
-from control_plane.envoy_values import duration
+from control_plane.envoy_values import duration, packed
 from control_plane.mesh import ListenerLimits
 from control_plane.schema import Checker
 
@@ -39,11 +47,13 @@ KINDS = {
     "request_headers_timeout_s": "positive", "stream_idle_timeout_s": "positive",
     "max_stream_duration_s": "positive", "max_connection_duration_s": "positive",
     "max_concurrent_streams": "count", "per_connection_buffer_limit_kb": "count",
+    "max_new_connections_per_s": "count",
 }  # fmt: skip
 # Envoy's own bounds: max_request_headers_kb is 1..8192, a header count and a stream count >= 1.
 BOUNDS = {
     "max_request_headers_kb": (1, 8192), "max_headers_count": (1, 1 << 20),
     "max_concurrent_streams": (1, (1 << 31) - 1), "per_connection_buffer_limit_kb": (1, 1 << 22),
+    "max_new_connections_per_s": (1, 1 << 20),
 }  # fmt: skip
 
 
@@ -57,6 +67,22 @@ def apply(manager: hcm_pb2.HttpConnectionManager, limits: ListenerLimits) -> Non
     manager.request_headers_timeout.CopyFrom(duration(limits.request_headers_timeout_s))
     manager.stream_idle_timeout.CopyFrom(duration(limits.stream_idle_timeout_s))
     manager.http2_protocol_options.max_concurrent_streams.value = limits.max_concurrent_streams
+
+
+CONNECTION_LIMIT_FILTER = "envoy.filters.network.local_ratelimit"
+
+
+def connection_rate_filter(limits: ListenerLimits) -> listener_components_pb2.Filter:
+    """The token bucket on new connections, first in the filter chain (refills every second,
+    holds a second's worth)."""
+    bucket = token_bucket_pb2.TokenBucket(
+        max_tokens=limits.max_new_connections_per_s, fill_interval=duration(1.0)
+    )
+    bucket.tokens_per_fill.value = limits.max_new_connections_per_s
+    config = local_rate_limit_pb2.LocalRateLimit(
+        stat_prefix="edge_connections", token_bucket=bucket
+    )
+    return listener_components_pb2.Filter(name=CONNECTION_LIMIT_FILTER, typed_config=packed(config))
 
 
 def buffer_limit_bytes(limits: ListenerLimits) -> int:

@@ -167,7 +167,11 @@ def build_listener(state: MeshState) -> listener_pb2.Listener:
     listener = listener_pb2.Listener(
         name=LISTENER_NAME,
         address=socket_address(options.host, options.port),
-        filter_chains=[listener_components_pb2.FilterChain(filters=[hcm])],
+        filter_chains=[
+            listener_components_pb2.FilterChain(
+                filters=[edge_limits.connection_rate_filter(options.limits), hcm]
+            )
+        ],
     )
     listener.per_connection_buffer_limit_bytes.value = edge_limits.buffer_limit_bytes(
         options.limits

@@ -18,6 +18,7 @@ from envoy.extensions.filters.http.cors.v3 import cors_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
+from envoy.extensions.filters.network.local_ratelimit.v3 import local_rate_limit_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2 as http_pb2
 from google.protobuf import json_format
 
@@ -104,7 +105,7 @@ def routes_of(built: Resources) -> list[rc_pb2.Route]:
 def manager_of(built: Resources) -> hcm_pb2.HttpConnectionManager:
     manager = hcm_pb2.HttpConnectionManager()
     listener = built[LISTENER_TYPE][LISTENER_NAME]
-    assert listener.filter_chains[0].filters[0].typed_config.Unpack(manager)
+    assert listener.filter_chains[0].filters[-1].typed_config.Unpack(manager)
     return manager
 
 
@@ -435,10 +436,10 @@ def static_bootstrap(built: Resources, admin_port: int) -> dict[str, Any]:
         listener = listener_pb2.Listener()
         listener.CopyFrom(source)
         manager = hcm_pb2.HttpConnectionManager()
-        listener.filter_chains[0].filters[0].typed_config.Unpack(manager)
+        listener.filter_chains[0].filters[-1].typed_config.Unpack(manager)
         manager.ClearField("rds")
         manager.route_config.CopyFrom(built[ROUTE_TYPE][ROUTE_CONFIG_NAME])
-        listener.filter_chains[0].filters[0].typed_config.Pack(manager)
+        listener.filter_chains[0].filters[-1].typed_config.Pack(manager)
         listeners.append(json_format.MessageToDict(listener, preserving_proto_field_name=True))
     clusters = []
     for name, source in built[CLUSTER_TYPE].items():
@@ -485,6 +486,10 @@ def test_listener_limits_reach_envoy_and_bad_ones_are_named() -> None:
     assert manager.normalize_path.value and manager.merge_slashes
     (envoy_listener,) = built[LISTENER_TYPE].values()
     assert envoy_listener.per_connection_buffer_limit_bytes.value == 1024 * 1024
+    first = envoy_listener.filter_chains[0].filters[0]  # new connections, before any HTTP
+    bucket = local_rate_limit_pb2.LocalRateLimit()
+    assert first.name == "envoy.filters.network.local_ratelimit"
+    assert first.typed_config.Unpack(bucket) and bucket.token_bucket.max_tokens == 1000
     streams = [r for r in routes_of(built) if r.match.path.endswith("/ModelStreamInfer")]
     assert streams and all(
         r.route.max_stream_duration.max_stream_duration.ToTimedelta().total_seconds() == 0

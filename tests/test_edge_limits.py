@@ -25,7 +25,7 @@ from tests.edge_mesh_support import EdgeMesh, edge_mesh, image_input, rest
 from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
-HEADERS_KB, HEADERS_COUNT, STREAMS = 16, 40, 20
+HEADERS_KB, HEADERS_COUNT, STREAMS, CONNECTIONS_PER_S = 16, 40, 20, 50
 HEADERS_TIMEOUT_S, DURATION_S = 1.0, 3.0
 LIMITS = {
     "max_request_headers_kb": HEADERS_KB,
@@ -33,6 +33,7 @@ LIMITS = {
     "request_headers_timeout_s": HEADERS_TIMEOUT_S,
     "max_stream_duration_s": DURATION_S,
     "max_concurrent_streams": STREAMS,
+    "max_new_connections_per_s": CONNECTIONS_PER_S,
 }
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 
@@ -216,3 +217,35 @@ def test_streams_are_exempt_from_the_request_duration(mesh: EdgeMesh) -> None:
 
 def _answered(results: list[object], count: int) -> bool:
     return len(results) >= count
+
+
+def test_connections_over_the_rate_are_closed_at_once(mesh: EdgeMesh) -> None:
+    """A burst of new connections beyond max_new_connections_per_s: the ones over it are
+    closed before any byte of HTTP is read; once the bucket refills, new clients are served."""
+    started = time.monotonic()
+    sockets = [socket.create_connection(("127.0.0.1", mesh.port), timeout=5) for _ in range(200)]
+    # The bucket holds a second's worth and refills each second while the burst is made.
+    admitted_at_most = CONNECTIONS_PER_S * (2 + int(time.monotonic() - started))
+    closed = 0
+    try:
+        for sock in sockets:
+            sock.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
+        for sock in sockets:
+            try:
+                answer = sock.recv(4096)
+            except OSError:
+                answer = b""
+            closed += answer == b""
+    finally:
+        for sock in sockets:
+            sock.close()
+    assert 200 - admitted_at_most <= closed < 200, (closed, admitted_at_most)
+    wait_for(lambda: _serves(mesh), 10, "new connections served again")
+
+
+def _serves(mesh: EdgeMesh) -> bool:
+    try:
+        good(mesh)
+    except InferenceServerException:
+        return False
+    return True

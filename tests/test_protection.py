@@ -73,7 +73,7 @@ def test_rate_limited_routes_and_the_filter_order() -> None:
     resources: Resources = build_resources(protected_state())
     (listener,) = resources[LISTENER_TYPE].values()
     manager = hcm_pb2.HttpConnectionManager()
-    listener.filter_chains[0].filters[0].typed_config.Unpack(manager)
+    listener.filter_chains[0].filters[-1].typed_config.Unpack(manager)
     names = [f.name for f in manager.http_filters]
     edge = ["envoy.filters.http.grpc_web"]  # gRPC-Web is on by default (tests/test_edge.py)
     assert names == [
@@ -99,7 +99,7 @@ def test_no_rate_limit_no_filter() -> None:
     listener: Any
     (listener,) = build_resources(state)[LISTENER_TYPE].values()
     manager = hcm_pb2.HttpConnectionManager()
-    listener.filter_chains[0].filters[0].typed_config.Unpack(manager)
+    listener.filter_chains[0].filters[-1].typed_config.Unpack(manager)
     assert RATE_LIMIT_FILTER not in [f.name for f in manager.http_filters]
 
 
