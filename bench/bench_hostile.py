@@ -212,8 +212,23 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def settle(pid: int, idle_cores: float = 0.2, deadline_s: float = 90.0) -> float:
+    """Waits until Envoy is idle again (under ``idle_cores`` over half a second), so one
+    attack's backlog is not charged to the next run; returns the seconds it took."""
+    started = time.monotonic()
+    while time.monotonic() - started < deadline_s:
+        before = bms.cpu_seconds(pid) or 0.0
+        time.sleep(0.5)
+        if ((bms.cpu_seconds(pid) or 0.0) - before) / 0.5 < idle_cores:
+            break
+    return time.monotonic() - started
+
+
 def run_once(args: argparse.Namespace, exe: str, mesh: bm.Mesh, attack: str, workdir: Path) -> Run:
     attacker = ATTACKS[attack]
+    settled_s = settle(mesh.envoy_pid)
+    if settled_s > 1.0:
+        print(f"  (Envoy took {settled_s:.1f} s to go idle after the previous run)", flush=True)
     stop, sent = threading.Event(), [0]
     thread = None
     if attacker is not None:
