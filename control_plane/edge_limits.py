@@ -17,11 +17,12 @@ to defaults that change between releases:
 - ``max_concurrent_streams``: HTTP/2 streams one connection may have open; more are refused;
 - ``per_connection_buffer_limit_kb``: what Envoy reads from a connection before it stops
   reading (backpressure instead of memory);
-- ``max_new_connections_per_s``: connections the listener takes in a second (a token bucket,
-  Envoy's network local_ratelimit filter, before any HTTP parsing); the ones over it are
-  closed at once. Against a client that opens connections as fast as it can, each full of
-  streams or oversized headers, so that Envoy's one worker spends itself refusing them
-  (measured by bench/bench_hostile.py).
+- ``max_new_connections_per_s`` (off by default): connections the listener takes in a second
+  (a token bucket, Envoy's network local_ratelimit filter, before any HTTP parsing); the ones
+  over it are closed at once. It bounds connection churn, but the bucket is the listener's, not
+  a client's: one client flooding connections then keeps new good clients out too (measured by
+  bench/bench_hostile.py: at 1,000/s a header flood made good clients' new connections fail),
+  so it is for deployments where a front load balancer spreads clients, or as a last resort.
 
 The overload manager of the bootstrap (heap and connection caps) stays behind all of these.
 """
@@ -53,7 +54,7 @@ KINDS = {
 BOUNDS = {
     "max_request_headers_kb": (1, 8192), "max_headers_count": (1, 1 << 20),
     "max_concurrent_streams": (1, (1 << 31) - 1), "per_connection_buffer_limit_kb": (1, 1 << 22),
-    "max_new_connections_per_s": (1, 1 << 20),
+    "max_new_connections_per_s": (0, 1 << 20),
 }  # fmt: skip
 
 
@@ -70,6 +71,11 @@ def apply(manager: hcm_pb2.HttpConnectionManager, limits: ListenerLimits) -> Non
 
 
 CONNECTION_LIMIT_FILTER = "envoy.filters.network.local_ratelimit"
+
+
+def connection_filters(limits: ListenerLimits) -> list[listener_components_pb2.Filter]:
+    """The network filters before the HTTP connection manager (none unless a rate is set)."""
+    return [connection_rate_filter(limits)] if limits.max_new_connections_per_s else []
 
 
 def connection_rate_filter(limits: ListenerLimits) -> listener_components_pb2.Filter:

@@ -40,6 +40,7 @@ from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
 from envoy.type.matcher.v3 import path_pb2, regex_pb2, string_pb2
 
 from control_plane.envoy_values import packed
+from control_plane.mesh import ListenerOptions
 from control_plane.schema import Checker
 
 RBAC_FILTER = "envoy.filters.http.rbac"
@@ -93,7 +94,7 @@ EXPOSABLE: dict[str, tuple[PathRule, ...]] = {
     "statistics": (*_grpc("ModelStatistics"), PathRule(exact="/v2/models/stats"), _model("/stats")),
     "repository-index": (*_grpc("RepositoryIndex"), PathRule(exact="/v2/repository/index")),
 }
-DEFAULT_EXPOSE = ("inference", "metadata", "health")
+DEFAULT_EXPOSE = ListenerOptions().expose  # inference, metadata, health
 # Never at the public listener, whatever the topology says (named in the refusal).
 NEVER_EXPOSED = ("model-repository", "shared-memory", "trace", "logging")
 # Triton's GET /v2/models/stats would also match the metadata path of a model named "stats".

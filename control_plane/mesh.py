@@ -197,7 +197,8 @@ class ListenerLimits:
     max_connection_duration_s: float = 3600.0
     max_concurrent_streams: int = 100  # HTTP/2 streams per connection
     per_connection_buffer_limit_kb: int = 1024
-    max_new_connections_per_s: int = 1000  # accepted by the listener; more are closed at once
+    # New connections the listener takes a second (0: no limit); more are closed at once
+    max_new_connections_per_s: int = 0
 
 
 @dataclass(frozen=True)

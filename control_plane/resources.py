@@ -169,7 +169,7 @@ def build_listener(state: MeshState) -> listener_pb2.Listener:
         address=socket_address(options.host, options.port),
         filter_chains=[
             listener_components_pb2.FilterChain(
-                filters=[edge_limits.connection_rate_filter(options.limits), hcm]
+                filters=[*edge_limits.connection_filters(options.limits), hcm]
             )
         ],
     )

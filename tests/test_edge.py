@@ -486,10 +486,15 @@ def test_listener_limits_reach_envoy_and_bad_ones_are_named() -> None:
     assert manager.normalize_path.value and manager.merge_slashes
     (envoy_listener,) = built[LISTENER_TYPE].values()
     assert envoy_listener.per_connection_buffer_limit_bytes.value == 1024 * 1024
-    first = envoy_listener.filter_chains[0].filters[0]  # new connections, before any HTTP
+    assert len(envoy_listener.filter_chains[0].filters) == 1  # no connection bucket by default
+    with_rate = dataclasses.replace(
+        listener, limits=dataclasses.replace(listener.limits, max_new_connections_per_s=300)
+    )
+    rated: Any = build_resources(state(with_rate))[LISTENER_TYPE][LISTENER_NAME]
+    first = rated.filter_chains[0].filters[0]  # new connections, before any HTTP
     bucket = local_rate_limit_pb2.LocalRateLimit()
     assert first.name == "envoy.filters.network.local_ratelimit"
-    assert first.typed_config.Unpack(bucket) and bucket.token_bucket.max_tokens == 1000
+    assert first.typed_config.Unpack(bucket) and bucket.token_bucket.max_tokens == 300
     streams = [r for r in routes_of(built) if r.match.path.endswith("/ModelStreamInfer")]
     assert streams and all(
         r.route.max_stream_duration.max_stream_duration.ToTimedelta().total_seconds() == 0
