@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.infermesh-installed
 MODELS ?= models
 
-.PHONY: run test lint typecheck doctor models bench clean
+.PHONY: run test test-fast lint typecheck doctor models bench clean
 
 $(STAMP): pyproject.toml tools/install.sh
 	bash tools/install.sh
@@ -30,6 +30,10 @@ typecheck: $(STAMP)
 
 test: lint typecheck
 	$(VENV)/bin/python -m pytest -q
+
+# The fast tier: lint, types and every test that starts no server process (about a minute).
+test-fast: lint typecheck
+	$(VENV)/bin/python -m pytest -q -x -m "not integration"
 
 bench: models
 	$(PY) bench/bench_model_server.py --models $(MODELS)
