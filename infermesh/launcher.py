@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infermesh.compose import Service, load_services
-from infermesh.secrets import ensure_local_credentials
+from infermesh.secrets import ADMIN_TOKEN_FILE, OPERATOR_KEY_FILE, ensure_local_credentials
 
 POLL_S = 0.2
 
@@ -169,6 +169,9 @@ def up(compose: Path, root: Path, log_dir: Path) -> int:
             f"infermesh: mesh is up. Envoy listens on 127.0.0.1:{envoy_port}\n"
             f"  call it:  {sys.executable} examples/classify.py --url 127.0.0.1:{envoy_port}\n"
             f"  status:   infermesh status   (control plane admin on 127.0.0.1:{admin_port})\n"
+            "  models:   infermesh models index   (as an operator, on the servers' own ports)\n"
+            f"  credentials: {root / OPERATOR_KEY_FILE} (operator key), "
+            f"{root / ADMIN_TOKEN_FILE} (admin token)\n"
             "  Ctrl-C stops the mesh (model servers drain first).",
             flush=True,
         )
