@@ -231,28 +231,33 @@ def cors_filter() -> hcm_pb2.HttpFilter:
     return hcm_pb2.HttpFilter(name=CORS_FILTER, typed_config=packed(cors_pb2.Cors()))
 
 
-def _json_error(message: str = "%LOCAL_REPLY_BODY%") -> Any:
+def json_error(message: str = "%LOCAL_REPLY_BODY%") -> Any:
+    """A local reply body ``{"error": message}``."""
     fmt = substitution_format_string_pb2.SubstitutionFormatString()
     fmt.json_format.update({"error": message})
     return fmt
 
 
-def _rest_request(status: int | None = None) -> accesslog_pb2.AccessLogFilter:
-    path = rc_pb2.HeaderMatcher(
-        name=":path", string_match=string_pb2.StringMatcher(prefix=REST_ROOT)
-    )
-    on_path = accesslog_pb2.AccessLogFilter(header_filter=accesslog_pb2.HeaderFilter(header=path))
-    if status is None:
-        return on_path
+def status_filter(status: int) -> accesslog_pb2.AccessLogFilter:
+    """A reply with HTTP status ``status``."""
     code = accesslog_pb2.StatusCodeFilter(
         comparison=accesslog_pb2.ComparisonFilter(
             op=accesslog_pb2.ComparisonFilter.EQ,
             value=_runtime_uint(status),
         )
     )
-    both = accesslog_pb2.AndFilter(
-        filters=[on_path, accesslog_pb2.AccessLogFilter(status_code_filter=code)]
+    return accesslog_pb2.AccessLogFilter(status_code_filter=code)
+
+
+def rest_request(status: int | None = None) -> accesslog_pb2.AccessLogFilter:
+    """A reply to a REST request (a ``/v2`` path), with HTTP status ``status`` if given."""
+    path = rc_pb2.HeaderMatcher(
+        name=":path", string_match=string_pb2.StringMatcher(prefix=REST_ROOT)
     )
+    on_path = accesslog_pb2.AccessLogFilter(header_filter=accesslog_pb2.HeaderFilter(header=path))
+    if status is None:
+        return on_path
+    both = accesslog_pb2.AndFilter(filters=[on_path, status_filter(status)])
     return accesslog_pb2.AccessLogFilter(and_filter=both)
 
 
@@ -260,13 +265,13 @@ def _runtime_uint(value: int) -> Any:
     return base_pb2.RuntimeUInt32(default_value=value, runtime_key="infermesh_unused")
 
 
-def local_reply_config() -> hcm_pb2.LocalReplyConfig:
+def rest_reply_mappers() -> list[hcm_pb2.ResponseMapper]:
     """Envoy's own replies to REST requests as ``{"error": ...}`` JSON (status unchanged)."""
     limited = hcm_pb2.ResponseMapper(
-        filter=_rest_request(429), body_format_override=_json_error(RATE_LIMITED_MESSAGE)
+        filter=rest_request(429), body_format_override=json_error(RATE_LIMITED_MESSAGE)
     )
-    other = hcm_pb2.ResponseMapper(filter=_rest_request(), body_format_override=_json_error())
-    return hcm_pb2.LocalReplyConfig(mappers=[limited, other])
+    other = hcm_pb2.ResponseMapper(filter=rest_request(), body_format_override=json_error())
+    return [limited, other]
 
 
 def cors_policy(options: CorsOptions) -> Any:

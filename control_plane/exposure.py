@@ -39,6 +39,7 @@ from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
 )
 from envoy.type.matcher.v3 import path_pb2, regex_pb2, string_pb2
 
+from control_plane import edge
 from control_plane.envoy_values import packed
 from control_plane.mesh import ListenerOptions
 from control_plane.schema import Checker
@@ -146,45 +147,29 @@ def _path_header(matcher: string_pb2.StringMatcher, invert: bool) -> accesslog_p
 def refused_request(expose: tuple[str, ...]) -> accesslog_pb2.AccessLogFilter:
     """A request whose path RBAC refuses (the policy's own condition, over ``:path``)."""
     unexposed = [_path_header(r.matcher(query=True), invert=True) for r in exposed_rules(expose)]
-    refused = accesslog_pb2.AccessLogFilter(and_filter=accesslog_pb2.AndFilter(filters=unexposed))
+    refused = _all(unexposed)
     if not _stats_hidden(expose):
         return refused
     stats = _path_header(STATS.matcher(query=True), invert=False)
     return accesslog_pb2.AccessLogFilter(or_filter=accesslog_pb2.OrFilter(filters=[refused, stats]))
 
 
-def refusal_mappers(expose: tuple[str, ...], rest_prefix: str) -> list[hcm_pb2.ResponseMapper]:
+def refusal_mappers(expose: tuple[str, ...]) -> list[hcm_pb2.ResponseMapper]:
     """The local reply mappers that word a refusal: JSON for REST paths, plain text (which
     Envoy sends as grpc-message, with grpc-status PERMISSION_DENIED) for everything else."""
     message = refusal_message(expose)
-    fmt_json = substitution_format_string_pb2.SubstitutionFormatString()
-    fmt_json.json_format.update({"error": message})
-    fmt_text = substitution_format_string_pb2.SubstitutionFormatString()
-    fmt_text.text_format_source.inline_string = message
-    rest = rc_pb2.HeaderMatcher(
-        name=":path", string_match=string_pb2.StringMatcher(prefix=rest_prefix)
-    )
-    on_rest = accesslog_pb2.AccessLogFilter(header_filter=accesslog_pb2.HeaderFilter(header=rest))
-    refused = refused_request(expose)
-
-    def both(extra: accesslog_pb2.AccessLogFilter | None) -> accesslog_pb2.AccessLogFilter:
-        filters = [_status(403), refused] + ([extra] if extra is not None else [])
-        return accesslog_pb2.AccessLogFilter(and_filter=accesslog_pb2.AndFilter(filters=filters))
-
+    text = substitution_format_string_pb2.SubstitutionFormatString()
+    text.text_format_source.inline_string = message
+    refused = [edge.status_filter(403), refused_request(expose)]
+    on_rest = [*refused, edge.rest_request()]
     return [
-        hcm_pb2.ResponseMapper(filter=both(on_rest), body_format_override=fmt_json),
-        hcm_pb2.ResponseMapper(filter=both(None), body_format_override=fmt_text),
+        hcm_pb2.ResponseMapper(filter=_all(on_rest), body_format_override=edge.json_error(message)),
+        hcm_pb2.ResponseMapper(filter=_all(refused), body_format_override=text),
     ]
 
 
-def _status(code: int) -> accesslog_pb2.AccessLogFilter:
-    value = accesslog_pb2.ComparisonFilter(
-        op=accesslog_pb2.ComparisonFilter.EQ,
-        value={"default_value": code, "runtime_key": "infermesh_unused"},
-    )
-    return accesslog_pb2.AccessLogFilter(
-        status_code_filter=accesslog_pb2.StatusCodeFilter(comparison=value)
-    )
+def _all(filters: list[accesslog_pb2.AccessLogFilter]) -> accesslog_pb2.AccessLogFilter:
+    return accesslog_pb2.AccessLogFilter(and_filter=accesslog_pb2.AndFilter(filters=filters))
 
 
 def harden(manager: hcm_pb2.HttpConnectionManager) -> None:

@@ -151,11 +151,9 @@ def build_listener(state: MeshState) -> listener_pb2.Listener:
     )  # fmt: skip
     exposure.harden(manager)
     edge_limits.apply(manager, options.limits)
-    manager.local_reply_config.mappers.extend(
-        exposure.refusal_mappers(options.expose, edge.REST_ROOT)
-    )
+    manager.local_reply_config.mappers.extend(exposure.refusal_mappers(options.expose))
     if options.rest.enabled:
-        manager.local_reply_config.mappers.extend(edge.local_reply_config().mappers)
+        manager.local_reply_config.mappers.extend(edge.rest_reply_mappers())
     if options.body_routing:
         # On HTTP/2 the stream window bounds a body a filter buffers (16 MiB by default, then
         # 413 "Payload Too Large"): lift it to what the model servers accept.
