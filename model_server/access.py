@@ -149,11 +149,9 @@ def parse_restriction(text: str) -> Restriction:
     return parse_restriction_spec(text).load()
 
 
-def restriction_table(
-    restrictions: Sequence[Restriction] | Sequence[RestrictionSpec],
-) -> dict[str, Any]:
+def restriction_table(restrictions: Sequence[Restriction]) -> dict[str, Restriction]:
     """Group -> its restriction; a group named by two flags is a configuration error."""
-    table: dict[str, Any] = {}
+    table: dict[str, Restriction] = {}
     for item in restrictions:
         for group in item.groups:
             if group in table:

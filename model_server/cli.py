@@ -239,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.repository_poll_interval is not None and args.model_control_mode != "poll":
         parser.error("--repository-poll-interval needs --model-control-mode poll")
     try:
-        restriction_table(args.restrictions)
         restrictions = tuple(spec.load() for spec in args.restrictions)
+        restriction_table(restrictions)  # a group named twice is an error before start
     except RestrictionError as exc:
         parser.error(str(exc))
     configure_logging(args.log_level)
