@@ -208,14 +208,9 @@ def main() -> int:
         listener = bm.free_port()
         topology = write_topology(workdir / "topology.yaml", listener,
                                   [f"{HOST}:{port}" for _, port, _ in servers])  # fmt: skip
-        cp_cmd = [sys.executable, "-m", "control_plane", "--topology", str(topology),
-                  "--xds-port", "0", "--admin-port", "0"]  # fmt: skip
-        cp_spec = bms.ServerSpec("control plane", cp_cmd, bm.CP_RE)
-        _, xds_port, cp_admin = stack.enter_context(bms.start_server(cp_spec, workdir / "cp.log"))
-        envoy_pid, envoy_admin = stack.enter_context(bm.start_envoy(workdir, xds_port))
-        mesh = bm.Mesh(servers, envoy_pid, envoy_admin, cp_admin or 0, listener)
+        cp_admin, envoy_pid, envoy_admin = bm.start_plane_and_envoy(stack, workdir, topology)
+        mesh = bm.Mesh(servers, envoy_pid, envoy_admin, cp_admin, listener)
         envoy = bm.Admin(envoy_admin)
-        bm.wait_for(lambda: envoy.call("/ready").strip() == "LIVE", 30, "Envoy /ready")
         for cluster in (bm.CLUSTER, f"rest:{bm.CLUSTER}"):
             healthy = re.compile(f"^{cluster}::.*::health_flags::healthy$", re.M)
 

@@ -42,6 +42,7 @@ import h2.config
 import h2.connection
 import h2.exceptions
 import numpy as np
+from scale.harness import memory
 
 from control_plane.bootstrap import MAX_HEAP_BYTES
 from model_server.demo_models import build_demo_repository
@@ -69,7 +70,10 @@ class Run:
 # --- attackers: each runs until ``stop`` is set; returns how much it sent ----------------------
 
 
-def slowloris(port: int, stop: threading.Event, connections: int = 500) -> int:
+def _trickle(port: int, stop: threading.Event, connections: int, head: bytes, byte: bytes) -> int:
+    """``connections`` HTTP/1.1 connections, each sending ``head`` and then ``byte`` once a
+    second until Envoy closes it (then another opens); how many were opened."""
+
     async def one(opened: list[int]) -> None:
         while not stop.is_set():
             try:
@@ -78,10 +82,10 @@ def slowloris(port: int, stop: threading.Event, connections: int = 500) -> int:
                 await asyncio.sleep(0.5)
                 continue
             opened[0] += 1
-            writer.write(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n")
+            writer.write(head)
             try:
                 while not stop.is_set() and not reader.at_eof():
-                    writer.write(b"X")  # a header that never ends
+                    writer.write(byte)
                     await writer.drain()
                     await asyncio.sleep(1.0)
             except OSError:
@@ -94,6 +98,12 @@ def slowloris(port: int, stop: threading.Event, connections: int = 500) -> int:
         return opened[0]
 
     return asyncio.run(main())
+
+
+def slowloris(port: int, stop: threading.Event) -> int:
+    """500 connections, each a header that never ends."""
+    head = b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n"
+    return _trickle(port, stop, 500, head, b"X")
 
 
 def _http1(port: int, request: bytes, stop: threading.Event) -> int:
@@ -165,34 +175,13 @@ def oversized_metadata(port: int, stop: threading.Event, threads: int = 8) -> in
     return sum(counts)
 
 
-def slow_body(port: int, stop: threading.Event, connections: int = 50) -> int:
-    async def one(opened: list[int]) -> None:
-        while not stop.is_set():
-            try:
-                reader, writer = await asyncio.open_connection(HOST, port)
-            except OSError:
-                await asyncio.sleep(0.5)
-                continue
-            opened[0] += 1
-            writer.write(
-                b"POST /v2/models/classifier/infer HTTP/1.1\r\nHost: x\r\n"
-                b"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n"
-            )
-            try:
-                while not stop.is_set() and not reader.at_eof():
-                    writer.write(b" ")
-                    await writer.drain()
-                    await asyncio.sleep(1.0)
-            except OSError:
-                pass
-            writer.close()
-
-    async def main() -> int:
-        opened = [0]
-        await asyncio.gather(*(one(opened) for _ in range(connections)))
-        return opened[0]
-
-    return asyncio.run(main())
+def slow_body(port: int, stop: threading.Event) -> int:
+    """50 REST requests, each a 1 MB body sent a byte a second."""
+    head = (
+        b"POST /v2/models/classifier/infer HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n"
+    )
+    return _trickle(port, stop, 50, head, b" ")
 
 
 ATTACKS: dict[str, Callable[[int, threading.Event], int] | None] = {
@@ -209,10 +198,7 @@ ATTACKS: dict[str, Callable[[int, threading.Event], int] | None] = {
 
 
 def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    return memory(pid)[0] / 2**20
 
 
 def settle(pid: int, idle_cores: float = 0.2, deadline_s: float = 90.0) -> float:
@@ -299,8 +285,9 @@ def h2load(exe: str, port: int, workdir: Path, seconds: float) -> list[list[str]
 
 def report(runs: list[Run], rounds: int) -> int:
     print("\n| attack | good P50 ms | good P99 ms (median, range) | P99 / quiet (median, worst) "
-          "| good failures | Envoy peak RSS MiB | attacker sent | pass |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| good failures | Envoy peak RSS MiB | Envoy cores | attacker cores | attacker sent "
+          "| pass |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     quiet = dict(enumerate(r for r in runs if r.attack == "quiet"))
     failed = 0
     for attack in ATTACKS:
@@ -350,14 +337,9 @@ def main() -> int:
         listener = bm.free_port()
         topology = bm.write_topology(workdir / "topology.yaml", listener,
                                      [f"{HOST}:{port}" for _, port, _ in servers])  # fmt: skip
-        cp_cmd = [sys.executable, "-m", "control_plane", "--topology", str(topology),
-                  "--xds-port", "0", "--admin-port", "0"]  # fmt: skip
-        cp = bms.ServerSpec("control plane", cp_cmd, bm.CP_RE)
-        _, xds_port, cp_admin = stack.enter_context(bms.start_server(cp, workdir / "cp.log"))
-        envoy_pid, envoy_admin = stack.enter_context(bm.start_envoy(workdir, xds_port))
-        mesh = bm.Mesh(servers, envoy_pid, envoy_admin, cp_admin or 0, listener)
+        cp_admin, envoy_pid, envoy_admin = bm.start_plane_and_envoy(stack, workdir, topology)
+        mesh = bm.Mesh(servers, envoy_pid, envoy_admin, cp_admin, listener)
         envoy = bm.Admin(envoy_admin)
-        bm.wait_for(lambda: envoy.call("/ready").strip() == "LIVE", 30, "Envoy /ready")
         bm.wait_for(lambda: envoy.call("/clusters").count("::health_flags::healthy") >= 4, 30,
                     "healthy hosts")  # fmt: skip
         bm.grpc_check(f"{HOST}:{listener}", req, True, None)

