@@ -53,7 +53,7 @@ GROUP_OF_METHOD: Mapping[str, str] = {
 }
 
 
-def rest_group(method: str, path: str) -> str | None:
+def rest_group(path: str) -> str | None:
     """The API group of a KServe v2 REST path (None: not a KServe path, so no group)."""
     parts = [part for part in path.split("/") if part]
     if not parts or parts[0] != "v2":

@@ -96,7 +96,7 @@ def restricted_middleware(table: Mapping[str, Restriction]) -> Any:
 
     @web.middleware
     async def restricted(request: web.Request, handler: Handler) -> web.StreamResponse:
-        group = rest_group(request.method, request.path)
+        group = rest_group(request.path)
         if group in table:
             headers = [(k.lower(), v) for k, v in request.headers.items()]
             refused = check_metadata(table, group, headers)

@@ -266,5 +266,5 @@ def test_every_grpc_method_and_rest_path_has_triton_s_group() -> None:
         ("GET", "/v2/logging"): "logging",
     }
     for (method, path), group in paths.items():
-        assert rest_group(method, path) == group, path
-    assert rest_group("GET", "/metrics") is None
+        assert rest_group(path) == group, (method, path)
+    assert rest_group("/metrics") is None
