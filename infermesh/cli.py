@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     models.add_parser(commands, ADMIN_HELP, default_admin)
     args = parser.parse_args(argv)
     if args.command == "models":
-        return models.run(args, _fetch)
+        return models.run(args, _replicas(args.admin), _fetch)
     if args.command == "canary":
         return _canary(args.admin, args)
     if args.command == "split":

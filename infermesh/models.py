@@ -51,16 +51,21 @@ def add_parser(commands: Any, admin_help: str, default_admin: str) -> None:
     )
 
 
-def servers_of(admins: str, fetch: Callable[[str, str], dict[str, Any] | None]) -> list[str]:
+def servers_of(admins: list[str], fetch: Callable[[str, str], dict[str, Any] | None]) -> list[str]:
     """The gRPC endpoints the first answering control-plane replica knows."""
-    for admin in (a.strip() for a in admins.split(",") if a.strip()):
+    for admin in admins:
         status = fetch(admin, "/status")
         if status is not None:
             return sorted(status.get("endpoints", {}))
     return []
 
 
-def run(args: argparse.Namespace, fetch: Callable[[str, str], dict[str, Any] | None]) -> int:
+def run(
+    args: argparse.Namespace,
+    admins: list[str],
+    fetch: Callable[[str, str], dict[str, Any] | None],
+) -> int:
+    """``admins``: the control-plane replicas to ask for the servers (without --server)."""
     if args.action != "index" and not args.model:
         print(f"infermesh: models {args.action} needs a model name", file=sys.stderr)
         return 2
@@ -69,7 +74,7 @@ def run(args: argparse.Namespace, fetch: Callable[[str, str], dict[str, Any] | N
     except SecretError as exc:
         print(f"infermesh: {exc}", file=sys.stderr)
         return 2
-    servers = args.server or servers_of(args.admin, fetch)
+    servers = args.server or servers_of(admins, fetch)
     if not servers:
         print("infermesh: no model servers: give --server or start the mesh", file=sys.stderr)
         return 1
