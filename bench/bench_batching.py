@@ -378,7 +378,8 @@ def write_topology(path: Path, listener: int, endpoint: str, access_log: Path, s
                    protection: dict[str, Any]) -> None:  # fmt: skip
     model = {"name": MODEL_NAME, "sla_p99_ms": sla_ms, "capacity_qps": 1000, **protection}
     data = {
-        "listener": {"host": HOST, "port": listener, "health_check_interval_s": 0.5,
+        "listener": {"auth": {"mode": "off"}, "host": HOST, "port": listener,
+                     "health_check_interval_s": 0.5,
                      "access_log": str(access_log)},
         "placement": {"poll_interval_s": 0.5, "timeout_s": 1.0},
         "models": [model],

@@ -147,7 +147,8 @@ def run_once(args: argparse.Namespace, exe: str, mesh: bm.Mesh, setup: str, c: i
 
 def write_topology(path: Path, listener: int, endpoints: list[str]) -> Path:
     data = {
-        "listener": {"host": HOST, "port": listener, "health_check_interval_s": 0.5,
+        "listener": {"auth": {"mode": "off"}, "host": HOST, "port": listener,
+                     "health_check_interval_s": 0.5,
                      "rest": {"enabled": True, "port_offset": REST_OFFSET}},
         "placement": {"poll_interval_s": 0.2, "timeout_s": 1.0},
         "models": [{"name": MODEL_NAME, "sla_p99_ms": 100, "capacity_qps": 1000}],

@@ -129,7 +129,12 @@ def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
 
 def write_topology(path: Path, listener: int, endpoints: list[str]) -> Path:
     data = {
-        "listener": {"host": HOST, "port": listener, "health_check_interval_s": 0.5},
+        "listener": {
+            "auth": {"mode": "off"},
+            "host": HOST,
+            "port": listener,
+            "health_check_interval_s": 0.5,
+        },
         "placement": {"poll_interval_s": 0.2, "timeout_s": 1.0},
         "models": [{"name": MODEL_NAME, "sla_p99_ms": 100, "capacity_qps": 1000}],
         "endpoints": [{"address": e} for e in endpoints],

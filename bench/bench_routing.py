@@ -170,7 +170,8 @@ def write_topology(path: Path, args: argparse.Namespace, mode: str, listener: in
     if mode == "infermesh":
         model["routing"] = merged_routing(args.policy)
     data = {
-        "listener": {"host": HOST, "port": listener, "health_check_interval_s": 0.5,
+        "listener": {"auth": {"mode": "off"}, "host": HOST, "port": listener,
+                     "health_check_interval_s": 0.5,
                      "lb_policy": "round_robin" if mode == "round_robin" else "least_request"},
         "placement": {"poll_interval_s": 0.2, "timeout_s": 1.0},
         "telemetry": {"host": HOST, "port": otlp, "window_s": args.window},

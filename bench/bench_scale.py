@@ -91,6 +91,7 @@ def stages(admin: int, pool: str, t0: float, t_all: float, log: str) -> dict[str
 def write_topology(path: Path, args: argparse.Namespace, endpoints: list[str]) -> None:
     data = {
         "listener": {
+            "auth": {"mode": "off"},  # benches measure routing; bench_edge --auth measures auth
             "host": HOST,
             "port": free_port(),
             "health_check_interval_s": args.hc_interval,

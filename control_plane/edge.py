@@ -62,7 +62,10 @@ REST_HEALTH_PATH = "/v2/health/ready"
 REST_RETRY_ON = "reset,connect-failure,refused-stream,retriable-status-codes"
 REST_RETRY_STATUS = 503
 REST_NOT_FOUND_MESSAGE = "model not found in the mesh"
-RATE_LIMITED_MESSAGE = "rate limited: the model's request rate in the mesh is over its limit"
+RATE_LIMITED_MESSAGE = (
+    "rate limited: over the request rate of the model, or of your tenant on it, in the mesh; "
+    "retry after the seconds in retry-after (x-infermesh-rate-limited says which limit)"
+)
 CORS_METHODS = "GET, POST, OPTIONS"
 MAX_PORT = 65535
 
@@ -145,6 +148,7 @@ def _derived(name: str, match: rc_pb2.RouteMatch, grpc: rc_pb2.Route) -> rc_pb2.
     for key, config in grpc.typed_per_filter_config.items():  # rate limit, Lua off
         item.typed_per_filter_config[key].CopyFrom(config)
     item.request_headers_to_add.extend(grpc.request_headers_to_add)  # the fallback header
+    item.metadata.CopyFrom(grpc.metadata)  # the model, for the tenant rate limit
     return item
 
 
@@ -249,6 +253,11 @@ def status_filter(status: int) -> accesslog_pb2.AccessLogFilter:
     return accesslog_pb2.AccessLogFilter(status_code_filter=code)
 
 
+def all_of(filters: list[accesslog_pb2.AccessLogFilter]) -> accesslog_pb2.AccessLogFilter:
+    """A reply every one of ``filters`` matches."""
+    return accesslog_pb2.AccessLogFilter(and_filter=accesslog_pb2.AndFilter(filters=filters))
+
+
 def rest_request(status: int | None = None) -> accesslog_pb2.AccessLogFilter:
     """A reply to a REST request (a ``/v2`` path), with HTTP status ``status`` if given."""
     path = rc_pb2.HeaderMatcher(
@@ -257,8 +266,7 @@ def rest_request(status: int | None = None) -> accesslog_pb2.AccessLogFilter:
     on_path = accesslog_pb2.AccessLogFilter(header_filter=accesslog_pb2.HeaderFilter(header=path))
     if status is None:
         return on_path
-    both = accesslog_pb2.AndFilter(filters=[on_path, status_filter(status)])
-    return accesslog_pb2.AccessLogFilter(and_filter=both)
+    return all_of([on_path, status_filter(status)])
 
 
 def _runtime_uint(value: int) -> Any:
@@ -272,6 +280,13 @@ def rest_reply_mappers() -> list[hcm_pb2.ResponseMapper]:
     )
     other = hcm_pb2.ResponseMapper(filter=rest_request(), body_format_override=json_error())
     return [limited, other]
+
+
+def grpc_rate_limited_mapper() -> hcm_pb2.ResponseMapper:
+    """The gRPC message of a rate-limited call (Envoy's own is "local_rate_limited")."""
+    text = substitution_format_string_pb2.SubstitutionFormatString()
+    text.text_format_source.inline_string = RATE_LIMITED_MESSAGE
+    return hcm_pb2.ResponseMapper(filter=status_filter(429), body_format_override=text)
 
 
 def cors_policy(options: CorsOptions) -> Any:

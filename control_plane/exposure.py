@@ -147,7 +147,7 @@ def _path_header(matcher: string_pb2.StringMatcher, invert: bool) -> accesslog_p
 def refused_request(expose: tuple[str, ...]) -> accesslog_pb2.AccessLogFilter:
     """A request whose path RBAC refuses (the policy's own condition, over ``:path``)."""
     unexposed = [_path_header(r.matcher(query=True), invert=True) for r in exposed_rules(expose)]
-    refused = _all(unexposed)
+    refused = edge.all_of(unexposed)
     if not _stats_hidden(expose):
         return refused
     stats = _path_header(STATS.matcher(query=True), invert=False)
@@ -163,13 +163,11 @@ def refusal_mappers(expose: tuple[str, ...]) -> list[hcm_pb2.ResponseMapper]:
     refused = [edge.status_filter(403), refused_request(expose)]
     on_rest = [*refused, edge.rest_request()]
     return [
-        hcm_pb2.ResponseMapper(filter=_all(on_rest), body_format_override=edge.json_error(message)),
-        hcm_pb2.ResponseMapper(filter=_all(refused), body_format_override=text),
+        hcm_pb2.ResponseMapper(
+            filter=edge.all_of(on_rest), body_format_override=edge.json_error(message)
+        ),
+        hcm_pb2.ResponseMapper(filter=edge.all_of(refused), body_format_override=text),
     ]
-
-
-def _all(filters: list[accesslog_pb2.AccessLogFilter]) -> accesslog_pb2.AccessLogFilter:
-    return accesslog_pb2.AccessLogFilter(and_filter=accesslog_pb2.AndFilter(filters=filters))
 
 
 def harden(manager: hcm_pb2.HttpConnectionManager) -> None:

@@ -99,6 +99,7 @@ def build_frame(
         "window_s": telemetry.get("window_s"),  # QPS, P99 and share are over this window
         "snapshot": status.get("snapshot"),
         "topology_error": status.get("topology", {}).get("error"),
+        "warnings": status.get("warnings", []),
         "pools": pools,
         "decisions": timeline(status),
         "nodes": status.get("nodes", []),

@@ -230,6 +230,78 @@ class CorsOptions:
 
 
 @dataclass(frozen=True)
+class ApiKey:
+    """One API key as the edge stores it: ``TENANT.KEYID`` and the SHA-1 of the secret
+    (base64, htpasswd's ``{SHA}`` form; the secret itself is never stored)."""
+
+    key_id: str  # TENANT.KEYID, the user name the client sends with HTTP Basic
+    tenant: str
+    sha1_b64: str
+
+
+@dataclass(frozen=True)
+class JwtAuth:
+    """JWTs verified by Envoy's jwt_authn against a local JWKS (``jwks``: its JSON text)."""
+
+    issuer: str
+    audiences: tuple[str, ...]
+    jwks: str
+    tenant_claim: str = "sub"
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    """What one tenant may do at the edge. ``models``: the models it may use ("*": all);
+    ``rate_limit``: its token bucket on each model, unless ``model_rate_limits`` names the
+    model; ``may_set_priority`` / ``may_pick_version``: whether it may set a request priority
+    or choose a model version (otherwise such a request is refused). The tenant ``other``
+    applies to every authenticated identity not listed."""
+
+    name: str
+    models: tuple[str, ...] = ("*",)
+    rate_limit: RateLimit | None = None
+    model_rate_limits: tuple[tuple[str, RateLimit], ...] = ()
+    may_set_priority: bool = False
+    may_pick_version: bool = False
+
+    def may_use(self, model: str) -> bool:
+        return "*" in self.models or model in self.models
+
+    def limit_for(self, model: str) -> RateLimit | None:
+        return dict(self.model_rate_limits).get(model, self.rate_limit)
+
+
+OTHER_TENANT = "other"  # the policy (and metrics label) of identities not listed
+AUTH_MODES = ("api_keys", "jwt", "off")
+
+
+@dataclass(frozen=True)
+class EdgeAuth:
+    """Who may call the public listener (control_plane.identity). ``mode`` "off" serves
+    everyone, and the control plane then warns in /status; a topology must say so explicitly.
+    ``tenants``: the configured tenants' policies (with ``other``, if given, last)."""
+
+    mode: str = "off"
+    api_keys: tuple[ApiKey, ...] = ()
+    api_keys_file: str = ""
+    jwt: JwtAuth | None = None
+    tenants: tuple[TenantPolicy, ...] = (TenantPolicy(OTHER_TENANT),)
+
+    def tenant(self, name: str) -> TenantPolicy | None:
+        return next((t for t in self.tenants if t.name == name), None)
+
+    @property
+    def rate_limited(self) -> bool:
+        """Whether any tenant has a rate limit (the listener then names every model)."""
+        return any(t.rate_limit or t.model_rate_limits for t in self.tenants)
+
+    @property
+    def named_tenants(self) -> tuple[TenantPolicy, ...]:
+        """The tenants listed by name (``other`` excluded): the only metrics labels."""
+        return tuple(t for t in self.tenants if t.name != OTHER_TENANT)
+
+
+@dataclass(frozen=True)
 class ListenerOptions:
     """The Envoy listener and the cluster options that apply to every model cluster."""
 
@@ -249,6 +321,7 @@ class ListenerOptions:
     # API groups the listener serves (control_plane.exposure); everything else is refused
     expose: tuple[str, ...] = ("inference", "metadata", "health")
     limits: ListenerLimits = ListenerLimits()
+    auth: EdgeAuth = EdgeAuth()  # client identity and tenants (control_plane.identity)
 
 
 @dataclass(frozen=True)

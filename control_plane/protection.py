@@ -44,7 +44,7 @@ NO_SPILL_OVERPROVISIONING = 100_000
 UNLIMITED = 1_000_000  # effectively no limit: the retry budget bounds retries
 
 
-def _percent(value: float) -> base_pb2.RuntimeFractionalPercent:
+def percent_of(value: float) -> base_pb2.RuntimeFractionalPercent:
     return base_pb2.RuntimeFractionalPercent(
         default_value=percent_pb2.FractionalPercent(
             numerator=int(value), denominator=percent_pb2.FractionalPercent.HUNDRED
@@ -70,26 +70,33 @@ def token_bucket(limit: RateLimit) -> token_bucket_pb2.TokenBucket:
     )
 
 
-def route_rate_limit(model: str, limit: RateLimit) -> any_pb2.Any:
-    """The per-route configuration of the rate limit filter for one model's route."""
-    bucket = token_bucket(limit)
-    retry_after = max(1, math.ceil(bucket.fill_interval.ToTimedelta().total_seconds()))
+def enforced_bucket(
+    stat_prefix: str, bucket: token_bucket_pb2.TokenBucket, retry_after_s: int, limited_by: str
+) -> local_rate_limit_pb2.LocalRateLimit:
+    """A local rate limit that refuses with RESOURCE_EXHAUSTED / 429, ``retry-after`` and
+    ``x-infermesh-rate-limited: limited_by`` (the model, or "tenant")."""
     headers = [
         base_pb2.HeaderValueOption(
             header=base_pb2.HeaderValue(key=key, value=value),
             append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
         )
-        for key, value in (("retry-after", str(retry_after)), (RATE_LIMITED_HEADER, model))
+        for key, value in (("retry-after", str(retry_after_s)), (RATE_LIMITED_HEADER, limited_by))
     ]
-    config = local_rate_limit_pb2.LocalRateLimit(
-        stat_prefix="model_rate_limit",
+    return local_rate_limit_pb2.LocalRateLimit(
+        stat_prefix=stat_prefix,
         token_bucket=bucket,
-        filter_enabled=_percent(100),
-        filter_enforced=_percent(100),
+        filter_enabled=percent_of(100),
+        filter_enforced=percent_of(100),
         response_headers_to_add=headers,
         rate_limited_as_resource_exhausted=True,
     )
-    return packed(config)
+
+
+def route_rate_limit(model: str, limit: RateLimit) -> any_pb2.Any:
+    """The per-route configuration of the rate limit filter for one model's route."""
+    bucket = token_bucket(limit)
+    retry_after = max(1, math.ceil(bucket.fill_interval.ToTimedelta().total_seconds()))
+    return packed(enforced_bucket("model_rate_limit", bucket, retry_after, model))
 
 
 def circuit_breakers(

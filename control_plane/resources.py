@@ -32,7 +32,7 @@ from envoy.type.v3 import range_pb2
 from google.protobuf.message import Message
 from google.protobuf.wrappers_pb2 import UInt32Value
 
-from control_plane import edge, edge_limits, exposure
+from control_plane import edge, edge_limits, exposure, identity
 from control_plane.clusters import ads_source, build_assignment, build_cluster, socket_address
 from control_plane.envoy_values import duration, packed
 from control_plane.lanes import (
@@ -49,6 +49,7 @@ from control_plane.mesh import (
     ROUTE_CONFIG_NAME,
     SERVERS_CLUSTER,
     VERSION_HEADER,
+    EdgeAuth,
     MeshState,
     ModelRoute,
     SlaClass,
@@ -89,6 +90,8 @@ GRPC_INVALID_ARGUMENT = 3
 # (64 MiB of tensors) plus their 16 MiB gRPC headroom.
 BODY_BUFFER_LIMIT_BYTES = 80 * 1024 * 1024
 
+NO_AUTH = EdgeAuth()  # auth "off": unit tests' and benches' meshes built without a topology
+
 # --- listener -------------------------------------------------------------------------------
 
 
@@ -98,21 +101,28 @@ def http_filters(
     grpc_web: bool = False,
     cors: bool = False,
     expose: tuple[str, ...] = exposure.DEFAULT_EXPOSE,
+    auth: EdgeAuth = NO_AUTH,
+    models: tuple[str, ...] = (),
 ) -> list[hcm_pb2.HttpFilter]:
     """RBAC (only the exposed APIs, before anything reads a body), [gRPC-Web, so Lua reads
-    gRPC], [Lua body routing], [CORS, the rate limit: after Lua so they see the re-selected
-    route], router."""
-    filters = [hcm_pb2.HttpFilter(name=ROUTER_FILTER, typed_config=packed(router_pb2.Router()))]
-    if rate_limits:
-        filters.insert(0, rate_limit_filter())
-    if cors:
-        filters.insert(0, edge.cors_filter())
+    gRPC], [authentication: before Lua buffers a body], [Lua body routing], [the tenants'
+    rules, CORS, the rate limits: after Lua so they see the model and the re-selected route],
+    router."""
+    filters = [exposure.rbac_filter(expose)]
+    if grpc_web:
+        filters.append(edge.grpc_web_filter())
+    filters += identity.authentication_filters(auth)
     if body_routing:
         lua = lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=lua_source()))
-        filters.insert(0, hcm_pb2.HttpFilter(name=LUA_FILTER, typed_config=packed(lua)))
-    if grpc_web:
-        filters.insert(0, edge.grpc_web_filter())
-    filters.insert(0, exposure.rbac_filter(expose))
+        filters.append(hcm_pb2.HttpFilter(name=LUA_FILTER, typed_config=packed(lua)))
+    tenants = identity.tenant_filters(auth, models)
+    filters += [f for f in tenants if f.name != identity.TENANT_RATE_LIMIT_FILTER]
+    if cors:
+        filters.append(edge.cors_filter())
+    if rate_limits:
+        filters.append(rate_limit_filter())
+    filters += [f for f in tenants if f.name == identity.TENANT_RATE_LIMIT_FILTER]
+    filters.append(hcm_pb2.HttpFilter(name=ROUTER_FILTER, typed_config=packed(router_pb2.Router())))
     return filters
 
 
@@ -131,9 +141,9 @@ ACCESS_LOG_FIELDS = {
 }
 
 
-def access_log(path: str) -> accesslog_pb2.AccessLog:
+def access_log(path: str, auth: EdgeAuth = NO_AUTH) -> accesslog_pb2.AccessLog:
     fmt = substitution_format_string_pb2.SubstitutionFormatString()
-    fmt.json_format.update(ACCESS_LOG_FIELDS)
+    fmt.json_format.update({**ACCESS_LOG_FIELDS, **identity.access_log_fields(auth)})
     config = file_pb2.FileAccessLog(path=path, log_format=fmt)
     return accesslog_pb2.AccessLog(name="envoy.access_loggers.file", typed_config=packed(config))
 
@@ -146,21 +156,24 @@ def build_listener(state: MeshState) -> listener_pb2.Listener:
         rds=hcm_pb2.Rds(route_config_name=ROUTE_CONFIG_NAME, config_source=ads_source()),
         http_filters=http_filters(
             options.body_routing, any(m.rate_limit for m in state.models), options.grpc_web,
-            options.cors is not None, options.expose,
+            options.cors is not None, options.expose, options.auth,
+            tuple(m.name for m in state.models),
         ),
     )  # fmt: skip
     exposure.harden(manager)
     edge_limits.apply(manager, options.limits)
     manager.local_reply_config.mappers.extend(exposure.refusal_mappers(options.expose))
+    manager.local_reply_config.mappers.extend(identity.refusal_mappers(options.auth))
     if options.rest.enabled:
         manager.local_reply_config.mappers.extend(edge.rest_reply_mappers())
+    manager.local_reply_config.mappers.append(edge.grpc_rate_limited_mapper())
     if options.body_routing:
         # On HTTP/2 the stream window bounds a body a filter buffers (16 MiB by default, then
         # 413 "Payload Too Large"): lift it to what the model servers accept.
         window = manager.http2_protocol_options.initial_stream_window_size
         window.value = BODY_BUFFER_LIMIT_BYTES
     if options.access_log:
-        manager.access_log.append(access_log(options.access_log))
+        manager.access_log.append(access_log(options.access_log, options.auth))
     hcm = listener_components_pb2.Filter(name=HCM_FILTER, typed_config=packed(manager))
     listener = listener_pb2.Listener(
         name=LISTENER_NAME,
@@ -302,7 +315,9 @@ def model_routes(
 
 
 def protect(item: rc_pb2.Route, model: ModelRoute) -> rc_pb2.Route:
-    """Adds the model's rate limit and fallback header to one of its routes."""
+    """Adds the model's name (route metadata), rate limit and fallback header to one of its
+    routes."""
+    identity.mark_model(item, model.name)
     if model.rate_limit is not None:
         item.typed_per_filter_config[RATE_LIMIT_FILTER].CopyFrom(
             route_rate_limit(model.name, model.rate_limit)
@@ -366,12 +381,15 @@ def build_route_config(state: MeshState) -> route_pb2.RouteConfiguration:
     if state.listener.rest.enabled:  # /v2 paths only: first, or x-model-name would take them
         routes = edge.rest_routes(routes, to_servers) + routes
     if state.listener.cors is not None:  # preflights need a route with an action, to any
-        routes.insert(0, edge.preflight_route(to_servers))
+        routes.insert(0, identity.unauthenticated(edge.preflight_route(to_servers)))
     if not state.listener.body_routing:
         for item in routes:
             if LUA_FILTER in item.typed_per_filter_config:  # no Lua filter to configure
                 del item.typed_per_filter_config[LUA_FILTER]
     host = rc_pb2.VirtualHost(name=LISTENER_NAME, domains=["*"], routes=routes)
+    added, removed = identity.upstream_headers(state.listener.auth)
+    host.request_headers_to_add.extend(added)
+    host.request_headers_to_remove.extend(removed)
     if state.listener.cors is not None:
         host.typed_per_filter_config[edge.CORS_FILTER].CopyFrom(
             edge.cors_policy(state.listener.cors)
@@ -474,7 +492,12 @@ def build_resources(state: MeshState, made: Make = fresh) -> dict[str, dict[str,
 
     clusters = {name: cluster(name) for name in names}
     clusters.update({name: aggregate(name, pair) for name, pair in fallbacks.items()})
-    listener_key = (state.listener, any(m.rate_limit for m in state.models))
+    listener_key = (
+        state.listener,
+        any(m.rate_limit for m in state.models),
+        # The tenant rate limit has a bucket per tenant and model.
+        tuple(m.name for m in state.models) if state.listener.auth.rate_limited else (),
+    )
     listener = made(LISTENER_TYPE, LISTENER_NAME, listener_key, lambda: build_listener(state))
     return {
         LISTENER_TYPE: {LISTENER_NAME: listener},

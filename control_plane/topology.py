@@ -40,6 +40,11 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
         max_connection_duration_s: 3600  # > 0: then the connection is drained
         max_concurrent_streams: 100      # >= 1: HTTP/2 streams per connection
         per_connection_buffer_limit_kb: 1024   # >= 1: read from a connection before pausing
+      auth:                         # REQUIRED in a topology file: who may call the listener
+        mode: api_keys              # api_keys | jwt | off (control_plane.tenants has the rest)
+        api_keys_file: ../.infermesh/api-keys   # hashed keys, relative to this file
+    tenants:                        # optional: what each tenant may do (control_plane.tenants)
+      team-a: {models: [classifier], rate_limit: {requests_per_s: 50}}
     xds: {host: 127.0.0.1, port: 18000}      # where the control plane serves ADS
     admin: {host: 127.0.0.1, port: 19000}    # the control plane's status HTTP
     placement:                      # model server polling (control_plane.placement_poller)
@@ -92,7 +97,9 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
                                     # a Service's ready pods, watched through its EndpointSlices
                                     # (control_plane.endpointslices); namespace: the pod's own
 
-Unknown keys, duplicate keys, duplicate model names and duplicate endpoints are errors.
+Unknown keys, duplicate keys, duplicate model names and duplicate endpoints are errors. A file
+(``load_topology``) must say ``listener.auth``, even ``mode: off``; a topology built in code
+(``parse_topology``) is "off" without it.
 Versions are decimal numbers ("1" or 1). Static addresses must be IP literals (Envoy does not
 resolve EDS endpoint addresses): use ``dns:`` for names. ``load_topology`` and
 ``topology_fingerprint`` block (async callers use ``asyncio.to_thread``); a watcher takes the
@@ -114,7 +121,7 @@ from typing import Any
 
 import yaml
 
-from control_plane import edge, edge_limits, exposure, lanes
+from control_plane import edge, edge_limits, exposure, lanes, tenants
 from control_plane.canary import CanaryPolicy
 from control_plane.endpointslices import KubernetesEndpoint, parse_source
 from control_plane.mesh import EndpointAddress, ListenerOptions, ModelRoute
@@ -255,11 +262,14 @@ def load_topology(path: str | os.PathLike[str]) -> Topology:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise TopologyError(str(path), [f"cannot read the file: {exc}"]) from exc
-    return parse_topology_text(text, str(path))
+    return parse_topology_text(text, str(path), require_auth=True)
 
 
-def parse_topology_text(text: str, source: str = "<topology>") -> Topology:
-    """Parses YAML text and validates it. Raises TopologyError."""
+def parse_topology_text(
+    text: str, source: str = "<topology>", require_auth: bool = False
+) -> Topology:
+    """Parses YAML text and validates it. Raises TopologyError. ``require_auth``: a missing
+    ``listener.auth`` is an error (every file the control plane loads), not "off"."""
     loader = UniqueKeyLoader(text)
     try:
         data = loader.get_single_data()
@@ -267,7 +277,7 @@ def parse_topology_text(text: str, source: str = "<topology>") -> Topology:
         raise TopologyError(source, [f"invalid YAML: {exc}"]) from exc
     finally:
         loader.dispose()
-    return _build(data, source, loader.duplicate_keys)
+    return _build(data, source, loader.duplicate_keys, require_auth)
 
 
 def parse_topology(data: object, source: str = "<topology>") -> Topology:
@@ -281,6 +291,7 @@ _LISTENER = {
     "retry_budget_percent": "percent",
     "body_routing": "bool", "lb_policy": "lb_policy", "access_log": "path", "rest": "mapping",
     "grpc_web": "bool", "cors": "mapping", "expose": "list", "limits": "mapping",
+    "auth": "mapping",
 }  # fmt: skip
 _BIND = {"host": "host", "port": "port"}
 _PLACEMENT = {
@@ -293,10 +304,20 @@ _TELEMETRY = {
     "shards": "count", "push_tolerance": "fraction", "shard_nice": "nice",
     "scrape_interval_s": "positive",
 }  # fmt: skip
-_TOP = ("listener", "xds", "admin", "placement", "telemetry", "models", "endpoints")
+_TOP = (
+    "listener", "xds", "admin", "placement", "telemetry", "models", "endpoints", "tenants",
+)  # fmt: skip
 
 
-def _build(data: object, source: str, early_errors: list[str]) -> Topology:
+def _folder(source: str) -> Path:
+    """Where a topology's relative paths start: its file's folder (else the working one)."""
+    path = Path(source)
+    return path.parent if path.is_file() else Path.cwd()
+
+
+def _build(
+    data: object, source: str, early_errors: list[str], require_auth: bool = False
+) -> Topology:
     c = Checker(list(early_errors))
     root = c.mapping(data, "")
     if root is None:
@@ -311,6 +332,7 @@ def _build(data: object, source: str, early_errors: list[str]) -> Topology:
     fields["cors"] = edge.parse_cors(c, nested.get("cors"), "listener.cors")
     fields["expose"] = exposure.parse_expose(c, given.get("expose"), "listener.expose")
     fields["limits"] = edge_limits.parse_limits(c, nested.get("limits"), "listener.limits")
+    fields["auth"] = tenants.parse_auth(c, given, "listener.auth", _folder(source), require_auth)
     listener = ListenerOptions(**fields)
     xds = EndpointAddress(**c.section(root, "xds", _BIND, d.xds))
     admin = EndpointAddress(**c.section(root, "admin", _BIND, d.admin))
@@ -328,6 +350,9 @@ def _build(data: object, source: str, early_errors: list[str]) -> Topology:
     models, capacity, policies, canaries = (
         parse_models(c, root["models"]) if "models" in root else ((), (), (), ())
     )
+    policies_by_tenant = tenants.parse_tenants(c, root.get("tenants"), {m.name for m in models})
+    auth = dataclasses.replace(listener.auth, tenants=policies_by_tenant)
+    listener = dataclasses.replace(listener, auth=auth)
     # What a shard does not resend, routing must not need: no more than any pool ignores.
     lowest = min((p.recompute_tolerance for _, p in policies), default=telemetry.push_tolerance)
     if lowest < telemetry.push_tolerance:

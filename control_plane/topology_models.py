@@ -82,7 +82,7 @@ def parse_models(
         )  # fmt: skip
         routes.append(
             ModelRoute(
-                name, sla, timeout, split, _rate_limit(c, m, path), _breaker(c, m, path),
+                name, sla, timeout, split, parse_rate_limit(c, m, path), _breaker(c, m, path),
                 c.value(m, path, "fallback", "name", None), sla_classes=classes,
                 large_inputs=large,
             )
@@ -132,16 +132,19 @@ def _placement(c: Checker, m: dict[str, Any], path: str, policy: PoolPolicy) -> 
     )  # fmt: skip
 
 
-def _rate_limit(c: Checker, m: dict[str, Any], path: str) -> RateLimit | None:
-    if "rate_limit" not in m:
+def parse_rate_limit(
+    c: Checker, m: dict[str, Any], path: str, key: str = "rate_limit"
+) -> RateLimit | None:
+    """``m[key]`` as a token bucket (None when absent); the default burst is one second's."""
+    if key not in m:
         return None
-    fields = c.section(m, "rate_limit", _RATE_LIMIT, RateLimit(1.0, 0), path)
-    given = m["rate_limit"] if isinstance(m["rate_limit"], dict) else {}
+    fields = c.section(m, key, _RATE_LIMIT, RateLimit(1.0, 0), path)
+    given = m[key] if isinstance(m[key], dict) else {}
+    where = f"{path}.{key}" if key else path
     if "requests_per_s" not in given:
-        c.errors.append(f"{path}.rate_limit.requests_per_s: required")
+        c.errors.append(f"{where}.requests_per_s: required")
     if "burst" in given and fields["burst"] == 0:
-        c.errors.append(f"{path}.rate_limit.burst: must be >= 1, got 0")
-    # The default burst is one second's worth.
+        c.errors.append(f"{where}.burst: must be >= 1, got 0")
     return RateLimit(
         fields["requests_per_s"], fields["burst"] or math.ceil(fields["requests_per_s"])
     )

@@ -17,8 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from infermesh.api_keys import API_KEY_FILE, ensure_local_credentials
 from infermesh.compose import Service, load_services
-from infermesh.secrets import ADMIN_TOKEN_FILE, OPERATOR_KEY_FILE, ensure_local_credentials
+from infermesh.secrets import ADMIN_TOKEN_FILE, OPERATOR_KEY_FILE
 
 POLL_S = 0.2
 
@@ -170,8 +171,9 @@ def up(compose: Path, root: Path, log_dir: Path) -> int:
             f"  call it:  {sys.executable} examples/classify.py --url 127.0.0.1:{envoy_port}\n"
             f"  status:   infermesh status   (control plane admin on 127.0.0.1:{admin_port})\n"
             "  models:   infermesh models index   (as an operator, on the servers' own ports)\n"
-            f"  credentials: {root / OPERATOR_KEY_FILE} (operator key), "
-            f"{root / ADMIN_TOKEN_FILE} (admin token)\n"
+            f"  credentials: {root / API_KEY_FILE} (your API key: the examples send it; "
+            f'curl -u "$(cat {root / API_KEY_FILE})"), {root / OPERATOR_KEY_FILE} (operator '
+            f"key), {root / ADMIN_TOKEN_FILE} (admin token)\n"
             "  Ctrl-C stops the mesh (model servers drain first).",
             flush=True,
         )

@@ -70,8 +70,9 @@ OPERATOR_KEY_FILE = STATE_DIR / "operator.key"
 ADMIN_TOKEN_FILE = STATE_DIR / "admin.token"  # the control planes' admin write token
 
 
-def ensure_local_credentials(root: Path) -> list[Path]:
-    """The operator key and admin token of a local mesh under ``root``; the files it made."""
+def ensure_operator_credentials(root: Path) -> list[Path]:
+    """The operator key and admin token of a local mesh under ``root``; the files it made
+    (``infermesh.api_keys.ensure_local_credentials`` adds the client's API key)."""
     made = []
     for relative in (OPERATOR_KEY_FILE, ADMIN_TOKEN_FILE):
         if ensure_secret_file(root / relative):

@@ -38,6 +38,13 @@ class ServerMetrics:
             ["model", "version", "code"],
             registry=r,
         )
+        self.tenant_requests = Counter(
+            "inference_tenant_requests",
+            "Inference requests answered, by the tenant the edge authenticated: a tenant the "
+            "topology names, 'other', or 'anonymous' (no authenticating edge)",
+            ["model", "tenant", "code"],
+            registry=r,
+        )
         self.control_requests = Counter(
             "model_control_requests",
             "Model-repository calls (index, load, unload) that reached the service, over gRPC "

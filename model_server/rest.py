@@ -261,7 +261,7 @@ class RestServer:
                 decoded = decode_infer(body, length, name, version)
             except InferenceError as exc:  # counted as the gRPC path counts its refusals
                 routed = request.headers.get(ROUTED_VERSION_HEADER, "")
-                self.service.record_rejected(name, version or routed, exc.code)
+                self.service.record_rejected(name, version or routed, exc.code, metadata)
                 raise
             response = await self.service.infer(decoded.request, metadata)
             payload, json_length = encode_infer(response, decoded)

@@ -33,6 +33,14 @@ from model_server.metrics import ServerMetrics
 from model_server.model_config import parse_config_override
 from model_server.repository import IndexEntry, ModelRepository
 from model_server.statistics import add_statistics
+from model_server.tenancy import (
+    ANONYMOUS_IDENTITY,
+    EdgeIdentity,
+    TenantLabels,
+    check_model_header,
+    check_priority,
+    edge_identity,
+)
 from model_server.tracing import Tracing
 from model_server.validation import decode_request, encode_response, request_scheduling
 
@@ -70,6 +78,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.on_repository_change = on_repository_change
         self.faults = faults or FaultInjector(enabled=False)
         self.tracing = tracing or Tracing(None, "")
+        self.tenant_labels = TenantLabels()
 
     # -- health and metadata ------------------------------------------------------------------
     async def ServerLive(self, request: object, context: grpc.aio.ServicerContext) -> object:
@@ -249,13 +258,19 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         metrics. Raises InferenceError with the status to answer."""
         routed = _routed_version(metadata)
         generative = self._generative(request, routed)
+        identity = edge_identity(metadata, self.tenant_labels)
         with self.tracing.span(metadata) as span:
+            if span is not None and identity.tenant:
+                span.set_attribute("infermesh.tenant", identity.tenant)
             try:
+                check_model_header(metadata, request.model_name)
                 if generative is not None:  # the whole completion in one answer
-                    responses = [r async for r in self._generate(request, generative)]
+                    responses = [r async for r in self._generate(request, generative, identity)]
                     response = join_text(responses)
                 else:
-                    response = await self._infer(request, routed, span, metadata, time_remaining_s)
+                    response = await self._infer(
+                        request, routed, span, metadata, time_remaining_s, identity
+                    )
             except InferenceError as exc:
                 self.tracing.finish(span, exc.code, exc.message)
                 raise
@@ -270,18 +285,20 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         """Each request on the stream gets one response (or an error message) in order."""
         metadata = context.invocation_metadata() or ()
         routed = _routed_version(metadata)
+        identity = edge_identity(metadata, self.tenant_labels)
         async for request in request_iterator:
             generative = self._generative(request, routed)
             if generative is not None:  # decoupled: one response per token, the last final
                 try:
-                    async for token in self._generate(request, generative):
+                    check_model_header(metadata, request.model_name)
+                    async for token in self._generate(request, generative, identity):
                         yield service_pb2.ModelStreamInferResponse(infer_response=token)
                 except InferenceError as exc:
                     yield service_pb2.ModelStreamInferResponse(error_message=exc.message)
                 continue
             with self.tracing.span(metadata) as span:
                 try:
-                    response = await self._infer(request, routed, span, metadata)
+                    response = await self._infer(request, routed, span, metadata, identity=identity)
                 except InferenceError as exc:
                     self.tracing.finish(span, exc.code, exc.message)
                     yield service_pb2.ModelStreamInferResponse(error_message=exc.message)
@@ -296,14 +313,16 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         span: Any = None,
         metadata: Sequence[tuple[str, Any]] = (),
         time_remaining_s: float | None = None,
+        identity: EdgeIdentity = ANONYMOUS_IDENTITY,
     ) -> service_pb2.ModelInferResponse:
         started = time.monotonic_ns()
         version: ModelVersion | None = None
         code = grpc.StatusCode.OK
         try:
+            check_model_header(metadata, request.model_name)
             self.gate.enter()
         except InferenceError as exc:
-            self._record(None, exc.code, 0)
+            self._record(None, exc.code, 0, identity.label)
             raise
         try:
             wanted = request.model_version or routed_version
@@ -321,6 +340,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 assert version.spec is not None
                 decoded = decode_request(request, version.spec, self.max_request_bytes)
                 priority, timeout_s = request_scheduling(request, metadata, time_remaining_s)
+                check_priority(identity, priority)
                 if span is not None:
                     span.set_attribute("infermesh.model", version.name)
                     span.set_attribute("infermesh.model.version", str(version.version))
@@ -355,7 +375,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         finally:
             elapsed = time.monotonic_ns() - started
             self.gate.leave()
-            self._record(version, code, elapsed)
+            self._record(version, code, elapsed, identity.label)
 
     def _generative(
         self, request: service_pb2.ModelInferRequest, routed: str
@@ -369,7 +389,10 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         return version if version.engine is not None else None
 
     async def _generate(
-        self, request: service_pb2.ModelInferRequest, version: ModelVersion
+        self,
+        request: service_pb2.ModelInferRequest,
+        version: ModelVersion,
+        identity: EdgeIdentity = ANONYMOUS_IDENTITY,
     ) -> AsyncIterator[service_pb2.ModelInferResponse]:
         """One response per generated token; the last carries the final flag."""
         started = time.monotonic_ns()
@@ -396,9 +419,13 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         finally:
             version.end_request()
             self.gate.leave()
-            self._record(version, code, time.monotonic_ns() - started)
+            self._record(version, code, time.monotonic_ns() - started, identity.label)
 
-    def _record(self, version: ModelVersion | None, code: grpc.StatusCode, elapsed_ns: int) -> None:
+    def _record(
+        self, version: ModelVersion | None, code: grpc.StatusCode, elapsed_ns: int, tenant: str
+    ) -> None:
+        model = version.name if version is not None else UNKNOWN_MODEL_LABEL
+        self.metrics.tenant_requests.labels(model, tenant, code.name).inc()
         if version is None:
             self.metrics.requests.labels(UNKNOWN_MODEL_LABEL, "", code.name).inc()
             return
@@ -407,14 +434,16 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         outcome = version.stats.success if code is grpc.StatusCode.OK else version.stats.fail
         outcome.add(elapsed_ns)
 
-    def record_rejected(self, name: str, version: str, code: grpc.StatusCode) -> None:
+    def record_rejected(
+        self, name: str, version: str, code: grpc.StatusCode, metadata: Sequence[tuple[str, Any]]
+    ) -> None:
         """Counts a request its transport refused before ``infer`` (a REST body that does not
         convert), under the labels the same refusal gets over gRPC from the validation."""
         try:
             resolved: ModelVersion | None = self.repository.resolve(name, version)
         except InferenceError:
             resolved = None
-        self._record(resolved, code, 0)
+        self._record(resolved, code, 0, edge_identity(metadata, self.tenant_labels).label)
 
 
 async def _or_abort(

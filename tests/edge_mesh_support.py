@@ -16,7 +16,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from tests.envoy_support import Envoy, free_port, free_port_pair
-from tests.mesh_support import ControlPlaneThread, start_plane_and_envoy, write_topology
+from tests.mesh_support import NO_AUTH, ControlPlaneThread, start_plane_and_envoy, write_topology
 from tests.support import EXPLICIT, ServerProcess, metric_value, start_server
 
 OFFSET = 2000
@@ -43,6 +43,14 @@ class EdgeMesh:
                 total += metric_value(text, "model_control_requests_total", call=call)
         return total
 
+    def served_for(self, tenant: str, model: str = "classifier") -> float:
+        """Requests the servers answered OK for ``tenant`` (their own counters)."""
+        return sum(
+            metric_value(s.metrics(), "inference_tenant_requests_total", model=model,
+                         tenant=tenant, code="OK")
+            for s in self.servers
+        )  # fmt: skip
+
     def all_ready(self) -> bool:
         return all(s.client().is_model_ready("classifier") for s in self.servers)
 
@@ -52,9 +60,21 @@ class EdgeMesh:
 
 
 @contextlib.contextmanager
-def edge_mesh(demo_repo: Path, workdir: Path, listener: dict[str, Any]) -> Iterator[EdgeMesh]:
+def edge_mesh(
+    demo_repo: Path,
+    workdir: Path,
+    listener: dict[str, Any],
+    top: dict[str, Any] | None = None,
+    copies: tuple[str, ...] = (),
+) -> Iterator[EdgeMesh]:
+    """``top``: more topology sections (``tenants``); ``copies``: more models on the servers
+    and in the topology, each a copy of the classifier under that name."""
     repo = workdir / "models"
     shutil.copytree(demo_repo / "classifier", repo / "classifier")
+    for name in copies:
+        shutil.copytree(demo_repo / "classifier", repo / name)
+        config = repo / name / "config.pbtxt"
+        config.write_text(config.read_text().replace('name: "classifier"', f'name: "{name}"'))
     with contextlib.ExitStack() as stops:
         servers = []
         for index in (1, 2):
@@ -66,10 +86,14 @@ def edge_mesh(demo_repo: Path, workdir: Path, listener: dict[str, Any]) -> Itera
             stops.callback(server.stop)
             servers.append(server)
         listener_port = free_port()
-        options = {"host": "127.0.0.1", "port": listener_port, "health_check_interval_s": 0.5}
+        options = {
+            "host": "127.0.0.1", "port": listener_port, "health_check_interval_s": 0.5,
+            "auth": NO_AUTH,
+        }  # fmt: skip
         topology = write_topology(
             workdir / "topology.yaml", listener_port, [s.url for s in servers],
-            top={"listener": {**options, **listener}},
+            top={"listener": {**options, **listener}, **(top or {})},
+            more_models=[{"name": n, "sla_p99_ms": 100, "capacity_qps": 1000} for n in copies],
         )  # fmt: skip
         plane, envoy = start_plane_and_envoy(stops, workdir, topology, listener_port, 4)
         yield EdgeMesh(servers, plane, envoy, listener_port)

@@ -24,6 +24,8 @@ from tests.envoy_support import Envoy, free_port, start_envoy
 from tests.support import post_json, wait_for
 
 T = TypeVar("T")
+# Tests of routing, not of identity, serve anyone (tests/test_edge_tenants.py tests identity).
+NO_AUTH = {"mode": "off"}
 
 
 class ControlPlaneThread:
@@ -71,9 +73,15 @@ def write_topology(
     **model: Any,
 ) -> Path:
     """The classifier (``model`` overrides its fields), ``more_models`` after it, and ``top``
-    sections (e.g. ``telemetry``) over the defaults."""
+    sections (e.g. ``telemetry``) over the defaults; ``top["listener"]``'s keys over the
+    default listener's (authentication off unless it says ``auth``)."""
     data: dict[str, Any] = {
-        "listener": {"host": "127.0.0.1", "port": listener_port, "health_check_interval_s": 0.5},
+        "listener": {
+            "host": "127.0.0.1",
+            "port": listener_port,
+            "health_check_interval_s": 0.5,
+            "auth": NO_AUTH,
+        },
         "xds": {"host": "127.0.0.1", "port": 18000},
         "admin": {"host": "127.0.0.1", "port": 19000},
         "placement": {"poll_interval_s": 0.2, "timeout_s": 1.0},
@@ -84,6 +92,7 @@ def write_topology(
         "endpoints": [{"address": e} for e in endpoints],
         **(top or {}),
     }
+    data["listener"] = {"auth": NO_AUTH, **data["listener"]}
     path.write_text(yaml.safe_dump(data))
     return path
 

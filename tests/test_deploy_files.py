@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import yaml
 
 from control_plane.cli import build_parser as control_plane_parser
 from control_plane.topology import load_topology
+from infermesh.api_keys import ensure_local_credentials
 from infermesh.compose import interpolate, load_services
 from model_server.cli import build_parser as model_server_parser
 from tests.support import ROOT
@@ -20,9 +22,14 @@ def services() -> dict[str, tuple[str, ...]]:
     return {s.name: s.command for s in load_services(ROOT / "compose.yaml", env={})}
 
 
-def test_compose_commands_parse_with_the_real_command_lines() -> None:
+def test_compose_commands_parse_with_the_real_command_lines(tmp_path: Path) -> None:
     commands = services()
-    topology = load_topology(ROOT / "deploy" / "topology.yaml")
+    # As the mesh reads it: beside the .infermesh/ that `infermesh up` makes.
+    (tmp_path / "deploy").mkdir()
+    shutil.copy(ROOT / "deploy" / "topology.yaml", tmp_path / "deploy")
+    ensure_local_credentials(tmp_path)
+    topology = load_topology(tmp_path / "deploy" / "topology.yaml")
+    assert topology.listener.auth.mode == "api_keys" and len(topology.listener.auth.api_keys) == 1
     endpoints = {e.address.key for e in topology.endpoints}  # type: ignore[union-attr]
     servers = [c for name, c in commands.items() if name.startswith("model-server")]
     assert len(servers) >= 2

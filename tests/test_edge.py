@@ -198,8 +198,11 @@ def test_rest_off_builds_the_grpc_mesh_only() -> None:
     built: Resources = build_resources(state(ListenerOptions(rest=RestOptions(enabled=False))))
     assert not any(is_rest_cluster(n) for n in built[CLUSTER_TYPE])
     assert not any(r.name.startswith("rest:") for r in routes_of(built))
-    mappers = manager_of(built).local_reply_config.mappers  # the refusals' only
+    *mappers, on_grpc = manager_of(built).local_reply_config.mappers  # no REST JSON
     assert len(mappers) == 2 and all("not exposed" in str(m.body_format_override) for m in mappers)
+    assert (
+        on_grpc.body_format_override.text_format_source.inline_string == edge.RATE_LIMITED_MESSAGE
+    )
 
 
 # --- clusters -------------------------------------------------------------------------------
@@ -306,10 +309,12 @@ def test_listener_filters_and_json_local_replies_for_rest() -> None:
         RBAC_FILTER, edge.GRPC_WEB_FILTER, LUA_FILTER, edge.CORS_FILTER,  # CORS after Lua
         "envoy.filters.http.local_ratelimit", "envoy.filters.http.router",
     ]  # fmt: skip
-    *refusals, limited, other = manager.local_reply_config.mappers
+    *refusals, limited, other, on_grpc = manager.local_reply_config.mappers
     assert len(refusals) == 2  # control_plane.exposure's, first
     assert limited.body_format_override.json_format["error"] == edge.RATE_LIMITED_MESSAGE
     assert other.body_format_override.json_format["error"] == "%LOCAL_REPLY_BODY%"
+    text = on_grpc.body_format_override.text_format_source.inline_string
+    assert text == edge.RATE_LIMITED_MESSAGE  # after REST's: gRPC calls only
     assert other.filter.header_filter.header.string_match.prefix == "/v2"  # gRPC untouched
     off = manager_of(build_resources(state(ListenerOptions(grpc_web=False))))
     assert edge.GRPC_WEB_FILTER not in [f.name for f in off.http_filters]

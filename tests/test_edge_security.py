@@ -28,10 +28,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.edge_mesh_support import EdgeMesh as Mesh
 from tests.edge_mesh_support import edge_mesh, image_input, rest
-from tests.support import (
-    post_faults,
-    wait_for,
-)
+from tests.support import post_faults, wait_for
 
 pytestmark = pytest.mark.integration
 OFFSET = 2000
@@ -146,7 +143,9 @@ def test_the_default_exposure_serves_inference_metadata_and_health(mesh: Mesh) -
 
 def test_client_set_mesh_and_envoy_headers_are_stripped_at_the_edge(mesh: Mesh) -> None:
     """A client naming a fallback (x-infermesh-fallback) would be served a model it did not
-    ask for; a client setting x-envoy-upstream-rq-timeout-ms would choose Envoy's timeout."""
+    ask for, one naming its tenant (x-infermesh-tenant*) would be counted, and allowed, as
+    that tenant; a client setting x-envoy-upstream-rq-timeout-ms would choose Envoy's
+    timeout."""
     with grpc.insecure_channel(mesh.url) as channel:
         infer = channel.unary_unary(
             GRPC + "ModelInfer",
@@ -157,7 +156,16 @@ def test_client_set_mesh_and_envoy_headers_are_stripped_at_the_edge(mesh: Mesh) 
         metadata = (("x-model-name", "classifier"), ("x-infermesh-fallback", "classifier"))
         with pytest.raises(grpc.RpcError) as caught:
             infer(request, metadata=metadata, timeout=10)
-        assert caught.value.code() == grpc.StatusCode.NOT_FOUND  # not the classifier's answer
+        # Not the classifier's answer: the header and the body must name one model.
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    forged = {"x-infermesh-tenant": "forged", "x-infermesh-tenant-label": "forged",
+              "x-infermesh-priority": "allowed"}  # fmt: skip
+    grpcclient.InferenceServerClient(mesh.url).infer("classifier", [image_input()],
+                                                     headers=forged)  # fmt: skip
+
+    # Authentication is off here: the servers saw no tenant at all.
+    assert mesh.served_for("forged") == mesh.served_for("other") == 0
+    assert mesh.served_for("anonymous") >= 1
     try:
         for server in mesh.servers:
             post_faults(server, {"latency_ms": 300})

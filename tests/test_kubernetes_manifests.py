@@ -17,7 +17,8 @@ import yaml
 
 from control_plane.cli import build_parser as control_plane_parser
 from control_plane.endpointslices import KubernetesEndpoint
-from control_plane.topology import parse_topology_text
+from control_plane.topology import Topology, parse_topology_text
+from infermesh.api_keys import add_key, new_key
 from model_server.cli import build_parser as model_server_parser
 from tests.support import ROOT
 
@@ -80,6 +81,18 @@ def probes(c: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
             yield kind, c[kind]
 
 
+SECRET_MOUNT = "/etc/infermesh-credentials/"
+
+
+def configmap_topology(tmp_path: Path) -> Topology:
+    """The ConfigMap's topology as the control plane loads it, its Secret's api-keys (one
+    key, made here) in ``tmp_path``."""
+    add_key(tmp_path / "api-keys", new_key("team-a"))
+    text = named("ConfigMap", "infermesh-topology")["data"]["topology.yaml"]
+    text = text.replace(SECRET_MOUNT, f"{tmp_path}/")
+    return parse_topology_text(text, "ConfigMap infermesh-topology", require_auth=True)
+
+
 @pytest.mark.parametrize(
     "path,doc",
     documents(),
@@ -125,7 +138,7 @@ def test_model_server_drain_fits_in_the_grace_period() -> None:
     assert deployment["spec"]["replicas"] == 3
 
 
-def test_model_server_ports_probes_and_address() -> None:
+def test_model_server_ports_probes_and_address(tmp_path: Path) -> None:
     c = container("infermesh-model-server")
     args = model_server_parser().parse_args(expand(c["command"][1:], {"POD_IP": "10.1.2.3"}))
     assert args.host == "0.0.0.0"
@@ -134,8 +147,7 @@ def test_model_server_ports_probes_and_address() -> None:
     assert port_number(c, "metrics") == args.metrics_port
     assert port_number(c, "http") == args.http_port
     # Envoy reaches the REST port as the gRPC port + the topology's offset.
-    text = named("ConfigMap", "infermesh-topology")["data"]["topology.yaml"]
-    rest = parse_topology_text(text, "ConfigMap infermesh-topology").listener.rest
+    rest = configmap_topology(tmp_path).listener.rest
     assert rest.enabled and args.http_port == args.port + rest.port_offset
     readiness = c["readinessProbe"]["grpc"]  # grpc.health.v1, as model_server.server serves
     assert readiness["port"] == args.port and readiness.get("service", "") == ""
@@ -167,9 +179,8 @@ def test_pods_run_as_non_root_with_limits() -> None:
             assert {"cpu", "memory"} <= set(c["resources"]["limits"])
 
 
-def test_the_topology_watches_the_model_server_service() -> None:
-    text = named("ConfigMap", "infermesh-topology")["data"]["topology.yaml"]
-    topology = parse_topology_text(text, "ConfigMap infermesh-topology")
+def test_the_topology_watches_the_model_server_service(tmp_path: Path) -> None:
+    topology = configmap_topology(tmp_path)
     (source,) = topology.endpoints
     assert isinstance(source, KubernetesEndpoint)
     # The namespace defaults to the pod's own: the one the manifests deploy into.
@@ -233,9 +244,8 @@ def test_control_plane_service_ports_match_its_flags() -> None:
     assert flag["--otlp-port"] == ",".join(replicas)
 
 
-def test_envoy_listens_where_its_service_points() -> None:
-    text = named("ConfigMap", "infermesh-topology")["data"]["topology.yaml"]
-    listener = parse_topology_text(text).listener
+def test_envoy_listens_where_its_service_points(tmp_path: Path) -> None:
+    listener = configmap_topology(tmp_path).listener
     plane = control_plane_parser().parse_args(container("infermesh-control-plane")["command"][1:])
     port = plane.listener_port or listener.port
     c = container("infermesh-envoy")
@@ -245,15 +255,15 @@ def test_envoy_listens_where_its_service_points() -> None:
     assert port_number(c, grpc["targetPort"]) == port
 
 
-def test_the_manifests_ship_with_their_credentials_required() -> None:
+def test_the_manifests_ship_with_their_credentials_required(tmp_path: Path) -> None:
     """The admin binds 0.0.0.0, so the control plane needs both tokens (it refuses to start
     without them); the servers' model-repository API needs the operator key, which the
     control plane's poller sends; all of it from one Secret that is never committed."""
     plane = container("infermesh-control-plane")
     args = control_plane_parser().parse_args(plane["command"][1:])
-    topology = parse_topology_text(
-        named("ConfigMap", "infermesh-topology")["data"]["topology.yaml"]
-    )
+    topology = configmap_topology(tmp_path)
+    assert topology.listener.auth.mode == "api_keys"  # authentication on
+    assert topology.listener.auth.api_keys_file.startswith(str(tmp_path))
     assert topology.admin.host == "0.0.0.0"
     assert args.admin_token_file and args.admin_read_token_file
     server = model_server_parser().parse_args(

@@ -12,12 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from infermesh.secrets import (
-    ADMIN_TOKEN_FILE,
-    OPERATOR_HEADER,
-    OPERATOR_KEY_FILE,
-    ensure_local_credentials,
-)
+from infermesh.api_keys import API_KEY_FILE, API_KEYS_FILE, ensure_local_credentials
+from infermesh.secrets import ADMIN_TOKEN_FILE, OPERATOR_HEADER, OPERATOR_KEY_FILE
 from tests.support import EXPLICIT, ROOT, ServerProcess, start_server
 
 pytestmark = pytest.mark.integration
@@ -90,9 +86,13 @@ def test_a_wrong_key_is_refused_by_each_server_and_never_printed(
 
 def test_local_credentials_are_made_once_private_and_random(tmp_path: Path) -> None:
     made = ensure_local_credentials(tmp_path)
-    assert made == [tmp_path / OPERATOR_KEY_FILE, tmp_path / ADMIN_TOKEN_FILE]
+    files = (OPERATOR_KEY_FILE, ADMIN_TOKEN_FILE, API_KEY_FILE, API_KEYS_FILE)
+    assert made == [tmp_path / f for f in files]
     values = [path.read_text().strip() for path in made]
-    assert len(set(values)) == 2 and all(len(v) >= 40 for v in values)
+    assert len(set(values)) == 4 and all(len(v) >= 40 for v in values)
+    # The control plane's file holds the key's hash, never its secret.
+    key_id, secret = values[2].split(":")
+    assert secret not in values[3] and f"{key_id}:{{SHA}}" in values[3]
     assert all(stat.S_IMODE(path.stat().st_mode) == 0o600 for path in made)
     assert ensure_local_credentials(tmp_path) == []  # kept: services already read them
     assert [path.read_text().strip() for path in made] == values

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +19,14 @@ from hypothesis import strategies as st
 from control_plane.endpoint_resolver import EndpointResolver, resolve_endpoints
 from control_plane.mesh import (
     CircuitBreaker,
+    EdgeAuth,
     EndpointAddress,
     LargeInputs,
     ListenerOptions,
     ModelRoute,
     RateLimit,
     SlaClass,
+    TenantPolicy,
 )
 from control_plane.scoring.types import PoolPolicy
 from control_plane.topology import (
@@ -36,6 +40,7 @@ from control_plane.topology import (
     parse_topology_text,
     topology_fingerprint,
 )
+from infermesh.api_keys import ensure_local_credentials
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "topology.yaml"
@@ -54,10 +59,18 @@ def errors_of(data: object) -> list[str]:
     return list(info.value.errors)
 
 
-def test_example_file_loads() -> None:
-    topology = load_topology(EXAMPLE)
-    assert topology.source == str(EXAMPLE)
-    assert topology.listener == ListenerOptions()
+def test_example_file_loads(tmp_path: Path) -> None:
+    # Where `infermesh up` puts it: examples/ beside .infermesh/ with the local key.
+    example = tmp_path / "examples" / "topology.yaml"
+    example.parent.mkdir()
+    shutil.copy(EXAMPLE, example)
+    ensure_local_credentials(tmp_path)
+    topology = load_topology(example)
+    assert topology.source == str(example)
+    auth = topology.listener.auth
+    assert auth.mode == "api_keys" and [k.tenant for k in auth.api_keys] == ["local"]
+    assert auth.tenants == (TenantPolicy("local", may_set_priority=True, may_pick_version=True),)
+    assert dataclasses.replace(topology.listener, auth=EdgeAuth()) == ListenerOptions()
     limits = RateLimit(500.0, 500), CircuitBreaker(256, 64)
     classes = (SlaClass("interactive", 1.0, 2, 0.5), SlaClass("batch", 30.0, 0, None))
     large = LargeInputs(1048576, (("device_class", ("a100", "h100")),))
@@ -80,7 +93,7 @@ def test_example_file_loads() -> None:
     )
     # Its comments document the schema: the data alone parses to the same topology.
     data = yaml.safe_load(EXAMPLE.read_text())
-    assert parse_topology(data, str(EXAMPLE)) == topology
+    assert parse_topology(data, str(example)) == topology
 
 
 def test_defaults() -> None:
@@ -198,7 +211,7 @@ ERROR_CASES = [
     ("listener.health_check_interval_s", 0, "listener.health_check_interval_s: must be > 0, got 0"),
     ("listener.health_checks", "some", 'listener.health_checks: must be one of all, model, got "some"'),  # noqa: E501
     ("listener.connect_timeout_s", -0.1, "listener.connect_timeout_s: must be > 0, got -0.1"),
-    ("listener.prot", 1, "listener.prot: unknown key (expected one of: host, port, health_check_interval_s, health_checks, connect_timeout_s, max_retries, retry_budget_percent, body_routing, lb_policy, access_log, rest, grpc_web, cors, expose, limits)"),  # noqa: E501
+    ("listener.prot", 1, "listener.prot: unknown key (expected one of: host, port, health_check_interval_s, health_checks, connect_timeout_s, max_retries, retry_budget_percent, body_routing, lb_policy, access_log, rest, grpc_web, cors, expose, limits, auth)"),  # noqa: E501
     ("listener", [], "listener: must be a mapping with string keys, got []"),
     ("xds.port", 70000, "xds.port: must be a port in 1..65535, got 70000"),
     ("xds.host", "a b", 'xds.host: must be a host name or IP, got "a b"'),
@@ -208,7 +221,7 @@ ERROR_CASES = [
     ("telemetry.shard_nice", 20, "telemetry.shard_nice: must be an integer in 0..19, got 20"),
     ("telemetry.shard_nice", 2.5, "telemetry.shard_nice: must be an integer in 0..19, got 2.5"),
     ("telemetry.push_tolerance", 1.5, "telemetry.push_tolerance: must be in 0..1, got 1.5"),
-    ("endpoint", [], "endpoint: unknown key (expected one of: listener, xds, admin, placement, telemetry, models, endpoints)"),  # noqa: E501
+    ("endpoint", [], "endpoint: unknown key (expected one of: listener, xds, admin, placement, telemetry, models, endpoints, tenants)"),  # noqa: E501
     ("endpoints", {"address": "127.0.0.1:1"}, 'endpoints: must be a list, got {"address": "127.0.0.1:1"}'),  # noqa: E501
     ("endpoints", [{"address": "localhost:8001"}], "endpoints[0].address: must be an IP address and port (use 'dns:' for names), got \"localhost:8001\""),  # noqa: E501
     ("endpoints", [{"address": "127.0.0.1"}], 'endpoints[0].address: must be host:port with a port in 1..65535, got "127.0.0.1"'),  # noqa: E501
@@ -273,9 +286,13 @@ def test_many_errors_are_reported_at_once(tmp_path: Path) -> None:
         'line 3: duplicate key "xds" (first at line 2)',
         "listener.prot: unknown key (expected one of: host, port, health_check_interval_s, "
         "health_checks, connect_timeout_s, max_retries, retry_budget_percent, body_routing, "
-        "lb_policy, access_log, rest, grpc_web, cors, expose, limits)",
+        "lb_policy, access_log, rest, grpc_web, cors, expose, limits, auth)",
         "listener.port: must be a port in 1..65535, got 0",
         'listener.body_routing: must be true or false, got "maybe"',
+        # A file must say who may call the listener, even that anyone may.
+        "listener.auth: required: mode api_keys (with api_keys_file) or jwt (with jwt), or "
+        "mode: off to serve every caller unauthenticated (the control plane then warns in "
+        "/status)",
         "placement.poll_interval_s: must be > 0, got -1",
         'models[0].version_split: versions must be numbers like "1", got "two"',
         'models[1].name: duplicate model "classifier" (first at models[0])',
@@ -284,7 +301,7 @@ def test_many_errors_are_reported_at_once(tmp_path: Path) -> None:
         "endpoints[2].address: must be an IP address and port (use 'dns:' for names), "
         'got "model-server:8001"',
     )
-    assert str(info.value).startswith(f"{path}: 10 topology error(s):\n  - line 3: duplicate")
+    assert str(info.value).startswith(f"{path}: 11 topology error(s):\n  - line 3: duplicate")
 
 
 def test_unreadable_and_malformed_files(tmp_path: Path) -> None:

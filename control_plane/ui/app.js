@@ -204,6 +204,9 @@ function draw(frame) {
   const error = document.getElementById("topology-error");
   error.hidden = !frame.topology_error;
   error.textContent = frame.topology_error ? `topology error (the last good one is in force): ${frame.topology_error}` : "";
+  const warnings = document.getElementById("warnings");
+  warnings.hidden = !(frame.warnings || []).length;
+  warnings.textContent = (frame.warnings || []).map((w) => `warning: ${w}`).join("\n");
 }
 
 function setConnection(live) {

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infermesh.secrets import ADMIN_TOKEN_FILE, ensure_local_credentials
+from infermesh.api_keys import ensure_local_credentials
+from infermesh.secrets import ADMIN_TOKEN_FILE
 from tests.support import ROOT, post_json, stop_process, wait_for
 
 PORTS = ("8001", "8002", "8003")  # model servers, in compose.yaml and deploy/topology.yaml

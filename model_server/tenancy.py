@@ -1,0 +1,96 @@
+"""Who a request is for, as the edge proved it, and what that lets it do here.
+
+Envoy authenticates clients at the public listener (``control_plane.identity``) and sets three
+headers upstream, having removed any copy a client sent: ``x-infermesh-tenant`` (the identity),
+``x-infermesh-tenant-label`` (the tenant's name when the topology names it) and
+``x-infermesh-priority`` ("allowed" or "denied"). A request without them did not come through
+an authenticating edge (authentication off, or a caller on the server's own port: issue 26
+puts mutual TLS there); it is ``anonymous`` and keeps what it could always do.
+
+What the server enforces with them, since Envoy cannot read a request body:
+- a request priority (the "priority" parameter or ``x-priority``) from a tenant that may not
+  set one is refused with PERMISSION_DENIED;
+- ``x-model-name`` must name the model the body asks for (INVALID_ARGUMENT otherwise): Envoy
+  routes and authorises by the header, so a body naming another model would slip past both.
+
+Metrics carry the label, bounded: a label that is not a tenant name, or any beyond the first
+``MAX_LABELS`` seen, counts as ``other``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from model_server.errors import InferenceError, InvalidInput
+
+TENANT_HEADER = "x-infermesh-tenant"
+TENANT_LABEL_HEADER = "x-infermesh-tenant-label"
+PRIORITY_PERMISSION_HEADER = "x-infermesh-priority"
+MODEL_HEADER = "x-model-name"
+ANONYMOUS = "anonymous"
+OTHER = "other"
+MAX_LABELS = 64
+_LABEL = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+@dataclass(frozen=True)
+class EdgeIdentity:
+    tenant: str  # "" when the request did not come through an authenticating edge
+    label: str  # a named tenant, "other" or "anonymous"
+    may_set_priority: bool
+
+
+ANONYMOUS_IDENTITY = EdgeIdentity("", ANONYMOUS, True)
+
+
+def _header(metadata: Sequence[tuple[str, Any]], name: str) -> str:
+    return next((str(value) for key, value in metadata if key == name), "")
+
+
+class TenantLabels:
+    """The labels metrics may carry: at most ``MAX_LABELS`` distinct tenant names."""
+
+    def __init__(self, limit: int = MAX_LABELS) -> None:
+        self.limit = limit
+        self.seen: set[str] = set()
+
+    def bounded(self, label: str) -> str:
+        if label in self.seen or label in (OTHER, ANONYMOUS):
+            return label
+        if not _LABEL.fullmatch(label) or len(self.seen) >= self.limit:
+            return OTHER
+        self.seen.add(label)
+        return label
+
+
+def edge_identity(metadata: Sequence[tuple[str, Any]], labels: TenantLabels) -> EdgeIdentity:
+    tenant = _header(metadata, TENANT_HEADER)
+    if not tenant:
+        return ANONYMOUS_IDENTITY
+    label = labels.bounded(_header(metadata, TENANT_LABEL_HEADER) or OTHER)
+    allowed = _header(metadata, PRIORITY_PERMISSION_HEADER) == "allowed"
+    return EdgeIdentity(tenant, label, allowed)
+
+
+def check_model_header(metadata: Sequence[tuple[str, Any]], model_name: str) -> None:
+    """The routing header and the body name one model (a missing header is fine)."""
+    header = _header(metadata, MODEL_HEADER)
+    if header and header != model_name:
+        raise InvalidInput(
+            f"header {MODEL_HEADER}: names model {header!r} but the request is for "
+            f"{model_name!r}; send the same name in both (or no header)"
+        )
+
+
+def check_priority(identity: EdgeIdentity, priority: int) -> None:
+    if priority and not identity.may_set_priority:
+        raise InferenceError(
+            f"priority: tenant {identity.tenant!r} may not set a request priority (got "
+            f"{priority}); the topology's tenants.{identity.label}.may_set_priority allows it",
+            grpc.StatusCode.PERMISSION_DENIED,
+        )
