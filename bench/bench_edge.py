@@ -100,8 +100,12 @@ def check_rest(listener: int, body: bytes, headers: list[str], want: np.ndarray)
 
 
 def h2load(exe: str, setup: str, listener: int, c: int, seconds: float, workdir: Path,
-           log: Path, rest: dict[str, tuple[bytes, list[str]]]) -> list[list[str]]:  # fmt: skip
+           log: Path, rest: dict[str, tuple[bytes, list[str]]],
+           headers: tuple[str, ...] = ()) -> list[list[str]]:  # fmt: skip
+    """``headers``: more request headers ("name: value"), e.g. a credential."""
     cmd = [exe, "-c", str(c), "-m", "1", "-t", "1", "-D", f"{round(seconds * 1000)}ms"]
+    for header in headers:
+        cmd += ["-H", header]
     if setup == GRPC:
         cmd += ["-d", str(workdir / "frame.bin"), "-H", "content-type: application/grpc",
                 "-H", "te: trailers", "-H", f"x-model-name: {MODEL_NAME}"]  # fmt: skip
@@ -119,12 +123,16 @@ def h2load(exe: str, setup: str, listener: int, c: int, seconds: float, workdir:
 
 
 def run_once(args: argparse.Namespace, exe: str, mesh: bm.Mesh, setup: str, c: int,
-             workdir: Path, rest: dict[str, tuple[bytes, list[str]]]) -> Sample:  # fmt: skip
+             workdir: Path, rest: dict[str, tuple[bytes, list[str]]],
+             headers: tuple[str, ...] = (), label: str = "") -> Sample:  # fmt: skip
+    """One timed run of ``setup`` (after a warm-up); ``label`` names it in the sample."""
     metrics = [f"http://{HOST}:{m}/metrics" for _, _, m in mesh.servers]
     pids = [mesh.envoy_pid] + [pid for pid, _, _ in mesh.servers]
-    h2load(exe, setup, mesh.listener, c, args.warmup, workdir, workdir / "warmup.log", rest)
+    h2load(exe, setup, mesh.listener, c, args.warmup, workdir, workdir / "warmup.log", rest,
+           headers)  # fmt: skip
     before, cpu0 = bm.codes(metrics), [bms.cpu_seconds(p) or 0.0 for p in pids]
-    rows = h2load(exe, setup, mesh.listener, c, args.duration, workdir, workdir / "run.log", rest)
+    rows = h2load(exe, setup, mesh.listener, c, args.duration, workdir, workdir / "run.log", rest,
+                  headers)  # fmt: skip
     cpu = [(bms.cpu_seconds(p) or 0.0) - c0 for p, c0 in zip(pids, cpu0, strict=True)]
     after = bm.codes(metrics)
     lat_ms = np.array([float(r[2]) / 1e3 for r in rows if r[1] == "200"])
@@ -142,7 +150,7 @@ def run_once(args: argparse.Namespace, exe: str, mesh: bm.Mesh, setup: str, c: i
         cpu_ms_per_request=cpu[0] * 1e3 / ok if ok else None,
         server_cores=cpu[0] / args.duration,
     )  # fmt: skip
-    return Sample(setup, level, sum(cpu[1:]) * 1e3 / ok if ok else math.nan)
+    return Sample(label or setup, level, sum(cpu[1:]) * 1e3 / ok if ok else math.nan)
 
 
 def write_topology(path: Path, listener: int, endpoints: list[str]) -> Path:

@@ -45,6 +45,7 @@ import numpy as np
 from scale.harness import memory
 
 from control_plane.bootstrap import MAX_HEAP_BYTES
+from infermesh.api_keys import add_key, basic_authorization, new_key
 from model_server.demo_models import build_demo_repository
 
 HOST = bm.HOST
@@ -245,7 +246,7 @@ def run_once(args: argparse.Namespace, exe: str, mesh: bm.Mesh, attack: str, wor
         time.process_time(),
         time.monotonic(),
     )
-    rows = h2load(exe, mesh.listener, workdir, args.duration)
+    rows = h2load(exe, mesh.listener, workdir, args.duration, args.credential)
     wall = time.monotonic() - wall0
     envoy_cores = ((bms.cpu_seconds(mesh.envoy_pid) or 0.0) - envoy0) / wall
     attacker_cores = (time.process_time() - own0) / wall
@@ -269,12 +270,14 @@ def run_once(args: argparse.Namespace, exe: str, mesh: bm.Mesh, attack: str, wor
     )  # fmt: skip
 
 
-def h2load(exe: str, port: int, workdir: Path, seconds: float) -> list[list[str]]:
+def h2load(exe: str, port: int, workdir: Path, seconds: float, credential: str) -> list[list[str]]:
+    """The good traffic; ``credential``: its Authorization header ("" with auth off)."""
     frame, log = workdir / "frame.bin", workdir / "h2load.log"
     log.unlink(missing_ok=True)
+    auth = ["-H", f"authorization: {credential}"] if credential else []
     cmd = [exe, "-c", str(GOOD_CLIENTS), "-m", "1", "-t", "1", f"--rps={GOOD_RPS}",
            "-D", f"{round(seconds * 1000)}ms", "-d", str(frame),
-           "-H", "content-type: application/grpc", "-H", "te: trailers",
+           "-H", "content-type: application/grpc", "-H", "te: trailers", *auth,
            "-H", f"{bm.HEADER[0]}: {bm.HEADER[1]}", "--log-file", str(log),
            f"http://{HOST}:{port}{bms.METHOD}"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -315,6 +318,9 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=10.0, help="seconds of good traffic a run")
     p.add_argument("--ramp", type=float, default=3.0, help="seconds of attack before measuring")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--auth", choices=("api_keys", "off"), default="api_keys",
+                   help="the listener's auth: api_keys (shipped; the good traffic has a key, the "
+                   "attackers none) or off")  # fmt: skip
     p.add_argument("--attacks", default="", help="comma-separated names' first words "
                    "(slowloris,header,h2:,oversized,slow); default: all")  # fmt: skip
     args = p.parse_args()
@@ -335,14 +341,20 @@ def main() -> int:
         servers = [stack.enter_context(bms.start_server(spec, workdir / f"s{i}.log"))
                    for i in (1, 2)]  # fmt: skip
         listener = bm.free_port()
-        topology = bm.write_topology(workdir / "topology.yaml", listener,
-                                     [f"{HOST}:{port}" for _, port, _ in servers])  # fmt: skip
+        auth, args.credential = {"mode": "off"}, ""
+        if args.auth == "api_keys":
+            key = new_key("good")
+            add_key(workdir / "api-keys", key)
+            auth = {"mode": "api_keys", "api_keys_file": str(workdir / "api-keys")}
+            args.credential = basic_authorization(key)
+        endpoints = [f"{HOST}:{port}" for _, port, _ in servers]
+        topology = bm.write_topology(workdir / "topology.yaml", listener, endpoints, auth)
         cp_admin, envoy_pid, envoy_admin = bm.start_plane_and_envoy(stack, workdir, topology)
         mesh = bm.Mesh(servers, envoy_pid, envoy_admin, cp_admin, listener)
         envoy = bm.Admin(envoy_admin)
         bm.wait_for(lambda: envoy.call("/clusters").count("::health_flags::healthy") >= 4, 30,
                     "healthy hosts")  # fmt: skip
-        bm.grpc_check(f"{HOST}:{listener}", req, True, None)
+        bm.grpc_check(f"{HOST}:{listener}", req, True, None, args.credential)
         for rnd in range(args.rounds):
             for attack in ATTACKS:
                 runs.append(run := run_once(args, exe, mesh, attack, workdir))

@@ -127,10 +127,13 @@ def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
         sys.exit(f"timed out after {timeout:g} s waiting for {what}")
 
 
-def write_topology(path: Path, listener: int, endpoints: list[str]) -> Path:
+def write_topology(
+    path: Path, listener: int, endpoints: list[str], auth: dict[str, Any] | None = None
+) -> Path:
+    """``auth``: the listener's (default off: the benches measure routing)."""
     data = {
         "listener": {
-            "auth": {"mode": "off"},
+            "auth": auth or {"mode": "off"},
             "host": HOST,
             "port": listener,
             "health_check_interval_s": 0.5,
@@ -197,12 +200,15 @@ def run_envoy(config: Path, workdir: Path) -> Iterator[tuple[int, int]]:
 
 
 def grpc_check(target: str, req: service_pb2.ModelInferRequest, header: bool,
-               want: bytes | None) -> tuple[str, bytes]:  # fmt: skip
-    """One ModelInfer via grpcio: its status, and its output (must equal ``want`` if given)."""
+               want: bytes | None, credential: str = "") -> tuple[str, bytes]:  # fmt: skip
+    """One ModelInfer via grpcio: its status, and its output (must equal ``want`` if given);
+    ``credential``: an Authorization header to send."""
     with grpc.insecure_channel(target) as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         try:
-            metadata = [HEADER] if header else None
+            metadata = [HEADER] if header else []
+            if credential:
+                metadata.append(("authorization", credential))
             resp, call = stub.ModelInfer.with_call(req, metadata=metadata, timeout=30)
         except grpc.RpcError as exc:
             sys.exit(f"check via {target}: ModelInfer failed: {exc.code()} {exc.details()}")

@@ -247,6 +247,7 @@ class JwtAuth:
     audiences: tuple[str, ...]
     jwks: str
     tenant_claim: str = "sub"
+    jwks_file: str = ""  # where ``jwks`` was read (watched for changes)
 
 
 @dataclass(frozen=True)
@@ -286,6 +287,12 @@ class EdgeAuth:
     api_keys_file: str = ""
     jwt: JwtAuth | None = None
     tenants: tuple[TenantPolicy, ...] = (TenantPolicy(OTHER_TENANT),)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The files this configuration was read from (the control plane watches them)."""
+        found = (self.api_keys_file, self.jwt.jwks_file if self.jwt else "")
+        return tuple(f for f in found if f)
 
     def tenant(self, name: str) -> TenantPolicy | None:
         return next((t for t in self.tenants if t.name == name), None)

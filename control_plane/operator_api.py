@@ -15,22 +15,10 @@ from typing import TYPE_CHECKING, Any
 from control_plane.admin import AdminError
 from control_plane.live_view import build_frame
 from control_plane.mesh import EndpointAddress, EndpointHealth
-from control_plane.topology import Topology
+from control_plane.tenants import security_warnings
 
 if TYPE_CHECKING:
     from control_plane.server import ControlPlane
-
-
-def security_warnings(topology: Topology) -> list[str]:
-    """What an operator must know about how exposed the mesh is (shown by /status and /ui)."""
-    listener = topology.listener
-    if listener.auth.mode != "off":
-        return []
-    return [
-        f"authentication is off on the public listener {listener.host}:{listener.port} "
-        "(listener.auth.mode: off): every caller that reaches it may use every model, with no "
-        "tenant, rate limit or priority control; set mode api_keys or jwt (docs/security.md)"
-    ]
 
 
 class OperatorApi:
@@ -181,5 +169,5 @@ class OperatorApi:
                 m.name: dict(m.version_split) for m in self.plane.effective_topology().models
             },
             "nodes": self.plane.nodes.as_json(),
-            "warnings": security_warnings(self.plane.effective_topology()),
+            "warnings": security_warnings(self.plane.topology.listener),
         }

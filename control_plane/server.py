@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
@@ -49,7 +50,14 @@ from control_plane.telemetry import TelemetryStore
 from control_plane.telemetry_readings import TelemetryReadings
 from control_plane.telemetry_shards import TelemetryShards
 from control_plane.telemetry_values import VersionTelemetry
-from control_plane.topology import Topology, TopologyError, load_topology, topology_fingerprint
+from control_plane.tenants import security_warnings
+from control_plane.topology import (
+    Topology,
+    TopologyError,
+    TopologyFingerprint,
+    load_topology,
+    topology_fingerprint,
+)
 
 log = logging.getLogger("control_plane")
 TOPOLOGY_CHECK_INTERVAL_S = 1.0
@@ -112,8 +120,10 @@ class ControlPlane:
     def __init__(self, settings: ControlPlaneSettings) -> None:
         self.settings = settings
         self.topology: Topology = load_with_overrides(settings)
-        self.fingerprint = topology_fingerprint(settings.topology)
+        self.fingerprint = self._fingerprints()
         self.topology_error = ""
+        for warning in security_warnings(self.topology.listener):
+            log.warning("%s", warning)
         self.metrics = ControlPlaneMetrics()
         self.cache = SnapshotCache()
         self.nodes = NodeRegistry()
@@ -440,11 +450,19 @@ class ControlPlane:
         await self.poller.poll_once()
         self.rebuild(f"topology reloaded ({reason})")
 
+    def _fingerprints(self) -> tuple[TopologyFingerprint | None, ...]:
+        """The topology file's, then those of the files it names (API keys, JWKS): a key
+        added or revoked reaches Envoy without a restart."""
+        paths: tuple[str | os.PathLike[str], ...] = (
+            self.settings.topology, *self.topology.listener.auth.files,
+        )  # fmt: skip
+        return tuple(topology_fingerprint(path) for path in paths)
+
     async def _watch_topology(self) -> None:
         while True:
             await asyncio.sleep(TOPOLOGY_CHECK_INTERVAL_S)
-            fingerprint = await asyncio.to_thread(topology_fingerprint, self.settings.topology)
-            if fingerprint is not None and fingerprint != self.fingerprint:
+            fingerprint = await asyncio.to_thread(self._fingerprints)
+            if fingerprint[0] is not None and fingerprint != self.fingerprint:
                 self.fingerprint = fingerprint
                 await self.reload_topology("file changed")
 

@@ -42,6 +42,7 @@ from control_plane.mesh import (
     ApiKey,
     EdgeAuth,
     JwtAuth,
+    ListenerOptions,
     RateLimit,
     TenantPolicy,
 )
@@ -60,6 +61,17 @@ MISSING_AUTH = (
     "required: mode api_keys (with api_keys_file) or jwt (with jwt), or mode: off to serve "
     "every caller unauthenticated (the control plane then warns in /status)"
 )
+
+
+def security_warnings(listener: ListenerOptions) -> list[str]:
+    """What an operator must know about how exposed the mesh is (/status, /ui, the log)."""
+    if listener.auth.mode != "off":
+        return []
+    return [
+        f"authentication is off on the public listener {listener.host}:{listener.port} "
+        "(listener.auth.mode: off): every caller that reaches it may use every model, with no "
+        "tenant, rate limit or priority control; set mode api_keys or jwt (docs/security.md)"
+    ]
 
 
 def read_api_keys(path: Path) -> tuple[tuple[ApiKey, ...], list[str]]:
@@ -117,15 +129,16 @@ def _jwt(c: Checker, value: object, path: str, base: Path) -> JwtAuth | None:
     claim = m.get("tenant_claim", "sub")
     if not (isinstance(claim, str) and CLAIM_NAME.fullmatch(claim)):
         c.fail(f"{path}.tenant_claim", "must be a claim name", claim)
-    jwks = ""
+    jwks, file = "", ""
     if "jwks_file" in m:
         if isinstance(jwks_file, str) and jwks_file:
-            jwks = _read_jwks(c, _file(base, jwks_file), f"{path}.jwks_file")
+            file = str(_file(base, jwks_file))
+            jwks = _read_jwks(c, Path(file), f"{path}.jwks_file")
         else:
             c.fail(f"{path}.jwks_file", "must be a file path", jwks_file)
     if c.errors:
         return None
-    return JwtAuth(str(issuer), tuple(audiences or ()), jwks, str(claim))
+    return JwtAuth(str(issuer), tuple(audiences or ()), jwks, str(claim), file)
 
 
 def _read_jwks(c: Checker, file: Path, path: str) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from infermesh import models
+from infermesh import keys, models
 from infermesh.launcher import up
 from infermesh.secrets import ADMIN_TOKEN_FILE
 
@@ -43,6 +43,8 @@ def _print_status(status: dict[str, Any]) -> None:
     print(f"snapshot: {status.get('snapshot')}  last rebuild: {status.get('last_rebuild')}")
     if status["topology"]["error"]:
         print(f"topology error (last good one kept): {status['topology']['error']}")
+    for warning in status.get("warnings", ()):
+        print(f"WARNING: {warning}")
     print("endpoints:")
     for key, e in sorted(status["endpoints"].items()):
         state = "reachable" if e["reachable"] else f"UNREACHABLE ({e['error']})"
@@ -284,7 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     split.add_argument("--admin", default=default_admin, help=ADMIN_HELP)
     _add_canary_parser(commands, default_admin)
     models.add_parser(commands, ADMIN_HELP, default_admin)
+    keys.add_parser(commands, ROOT)
     args = parser.parse_args(argv)
+    if args.command == "keys":
+        return keys.run(args)
     if args.command == "models":
         return models.run(args, _replicas(args.admin), _fetch)
     if args.command == "canary":

@@ -24,6 +24,7 @@ from tritonclient.utils import InferenceServerException
 
 from infermesh.api_keys import add_key, basic_authorization, new_key
 from tests.edge_mesh_support import EdgeMesh, edge_mesh, image_input, rest
+from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -39,9 +40,10 @@ REST_BODY = json.dumps(
 
 
 class Tenants:
-    def __init__(self, mesh: EdgeMesh, keys: dict[str, str]) -> None:
+    def __init__(self, mesh: EdgeMesh, keys: dict[str, str], access_log: Path) -> None:
         self.mesh = mesh
         self.keys = keys
+        self.access_log = access_log
 
     def headers(self, who: str | None, **more: str) -> dict[str, str]:
         auth = {"authorization": basic_authorization(self.keys[who])} if who else {}
@@ -79,7 +81,10 @@ def tenants(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     }
     for key in keys.values():
         add_key(workdir / "api-keys", key)
-    listener = {"auth": {"mode": "api_keys", "api_keys_file": str(workdir / "api-keys")}}
+    listener = {
+        "auth": {"mode": "api_keys", "api_keys_file": str(workdir / "api-keys")},
+        "access_log": str(workdir / "access.log"),
+    }
     limit = {"requests_per_s": 0.2, "burst": 2}  # one token every 5 s: the third call waits
     top = {
         "tenants": {
@@ -89,7 +94,7 @@ def tenants(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         }
     }  # fmt: skip
     with edge_mesh(demo_repo, workdir, listener, top, copies=(RESTRICTED,)) as mesh:
-        yield Tenants(mesh, keys)
+        yield Tenants(mesh, keys, workdir / "access.log")
 
 
 def test_a_missing_or_wrong_key_is_unauthenticated_and_never_echoed(tenants: Tenants) -> None:
@@ -121,6 +126,14 @@ def test_the_tenant_reaches_the_servers_as_envoy_set_it(tenants: Tenants) -> Non
     assert status == 200, body
     assert tenants.served("team-a") == before_a + 3
     assert tenants.served("team-b") == before_b
+
+    def logged() -> list[dict[str, Any]]:
+        lines = tenants.access_log.read_text().splitlines() if tenants.access_log.exists() else []
+        return [json.loads(line) for line in lines if '"team-a"' in line]
+
+    wait_for(lambda: len(logged()) >= 3, 10, "team-a's calls in Envoy's access log")
+    entries = logged()
+    assert {(e["tenant"], e["tenant_label"]) for e in entries} == {("team-a", "team-a")}
 
 
 def test_a_tenant_is_refused_a_model_it_may_not_use(tenants: Tenants) -> None:
@@ -292,3 +305,16 @@ def test_a_bad_jwt_is_refused_saying_why(
                                {"authorization": f"Bearer {token}"} if token else {})  # fmt: skip
     assert status_code == (403 if status == "PERMISSION_DENIED" else 401)
     assert words in json.loads(body)["error"]
+
+
+def test_status_warns_only_while_authentication_is_off(
+    tenants: Tenants, demo_repo: Path, tmp_path: Path
+) -> None:
+    assert tenants.mesh.plane.admin_get("/status")["warnings"] == []
+    frame = tenants.mesh.plane.call(tenants.mesh.plane.plane.api.live_frame())
+    assert frame["warnings"] == []
+    with edge_mesh(demo_repo, tmp_path, {"auth": {"mode": "off"}}) as open_mesh:
+        (warning,) = open_mesh.plane.admin_get("/status")["warnings"]
+        assert "authentication is off on the public listener" in warning
+        frame = open_mesh.plane.call(open_mesh.plane.plane.api.live_frame())
+        assert frame["warnings"] == [warning]  # the live view's banner

@@ -477,6 +477,7 @@ def test_the_control_plane_follows_endpoint_slices(
     api.apply(endpoint_slice("a", {}, [{"name": "grpc", "port": port}]))
     topology = tmp_path / "topology.yaml"
     topology.write_text(
+        "listener: {auth: {mode: 'off'}}\n"
         "models: [{name: classifier, sla_p99_ms: 50, capacity_qps: 100}]\n"
         "endpoints: [{kubernetes: {service: model-server, namespace: test, port: grpc}}]\n"
     )

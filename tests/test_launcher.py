@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
+from infermesh.api_keys import client_headers
 from infermesh.compose import ComposeError, interpolate, load_services, parse_duration
 from tests.scenarios.harness import ComposeMesh
 from tests.support import wait_for
@@ -44,7 +46,11 @@ def test_up_runs_the_compose_mesh_and_stops_it_in_order(demo_repo: Path, tmp_pat
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{mesh.envoy_port}")
         tensor = grpcclient.InferInput("input", [1, 3, 32, 32], "FP32")
         tensor.set_data_from_numpy(np.zeros((1, 3, 32, 32), dtype=np.float32))
-        wait_for(lambda: _infers(client, tensor), 30, "inference through Envoy")
+        headers = client_headers(tmp_path)  # the key `infermesh up` made
+        assert headers, "infermesh up made no API key"
+        with pytest.raises(InferenceServerException, match="UNAUTHENTICATED"):
+            client.infer("classifier", [tensor])  # authentication is on in compose
+        wait_for(lambda: _infers(client, tensor, headers), 30, "inference through Envoy")
         status = mesh.cli("status")
         assert "model:classifier" in status, status
         assert "routing classifier: version split none" in status, status
@@ -59,9 +65,14 @@ def test_up_runs_the_compose_mesh_and_stops_it_in_order(demo_repo: Path, tmp_pat
         mesh.stop()
 
 
-def _infers(client: grpcclient.InferenceServerClient, tensor: grpcclient.InferInput) -> bool:
+def _infers(
+    client: grpcclient.InferenceServerClient,
+    tensor: grpcclient.InferInput,
+    headers: dict[str, str],
+) -> bool:
     try:
-        return client.infer("classifier", [tensor]).as_numpy("probs").shape == (1, 10)
+        result = client.infer("classifier", [tensor], headers=headers)
+        return bool(result.as_numpy("probs").shape == (1, 10))
     except Exception:
         return False
 

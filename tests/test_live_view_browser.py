@@ -19,8 +19,9 @@ from selenium import webdriver
 from selenium.webdriver.chrome.options import Options
 from selenium.webdriver.chrome.service import Service
 
+from tests.edge_mesh_support import edge_mesh
 from tests.scenarios.harness import ComposeMesh
-from tests.support import Traffic, wait_for
+from tests.support import wait_for
 
 pytestmark = [
     pytest.mark.integration,
@@ -86,7 +87,7 @@ def test_the_live_view_follows_a_slowed_server_and_a_control_plane_restart(
     flags = ("--enable-fault-injection",)
     with ComposeMesh(tmp_path / "mesh", demo_repo, server_flags=flags) as mesh:
         servers = {f"127.0.0.1:{port}": name for name, port in mesh.server_ports.items()}
-        with Traffic(f"127.0.0.1:{mesh.envoy_port}", clients=4, deadline_s=150) as traffic:
+        with mesh.traffic(clients=4, deadline_s=150) as traffic:
             traffic.wait_ok(100)
             browser.get(f"http://{mesh.admin}/ui")
             wait_for(lambda: set(rows(browser)) == set(servers), 30, "a row per endpoint")
@@ -163,3 +164,17 @@ def test_with_a_token_the_page_drains_an_endpoint_and_sets_a_split(
         wait_for(lambda: "v1 100%" in browser.execute_script(split), 20, "the split shown")
         assert mesh.admin_get("/status")["version_splits"]["classifier"] == {"1": 100}
         assert console_errors(browser) == []
+
+
+WARNINGS = """const e = document.getElementById('warnings');
+return e.hidden ? null : e.textContent;"""
+
+
+def test_the_page_warns_while_authentication_is_off(
+    browser: webdriver.Chrome, demo_repo: Path, tmp_path: Path
+) -> None:
+    with edge_mesh(demo_repo, tmp_path, {"auth": {"mode": "off"}}) as mesh:
+        browser.get(f"http://127.0.0.1:{mesh.plane.plane.admin_port}/ui")
+        shown = wait_for(lambda: browser.execute_script(WARNINGS), 30, "the warning banner")
+        assert "warning: authentication is off on the public listener" in shown
+        assert not console_errors(browser)

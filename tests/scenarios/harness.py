@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infermesh.api_keys import ensure_local_credentials
+from infermesh.api_keys import client_headers, ensure_local_credentials
 from infermesh.secrets import ADMIN_TOKEN_FILE
-from tests.support import ROOT, post_json, stop_process, wait_for
+from tests.support import ROOT, Traffic, post_json, stop_process, wait_for
 
 PORTS = ("8001", "8002", "8003")  # model servers, in compose.yaml and deploy/topology.yaml
 PLANES = ("control-plane-1", "control-plane-2")
@@ -119,6 +119,17 @@ class ComposeMesh:
         if launcher.poll() is not None:
             raise RuntimeError(f"the launcher exited:\n{self.log.read_text()[-3000:]}")
         return self
+
+    @property
+    def api_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The local API key (``infermesh up`` made it) as gRPC metadata: Envoy needs it."""
+        return tuple(client_headers(self.workdir).items())
+
+    def traffic(self, clients: int, deadline_s: float, **options: Any) -> Traffic:
+        """Steady load through Envoy, with the local API key."""
+        url = f"127.0.0.1:{self.envoy_port}"
+        metadata = (*self.api_metadata, *options.pop("metadata", ()))
+        return Traffic(url, clients, deadline_s=deadline_s, metadata=metadata, **options)
 
     def envoy_clusters(self) -> str:
         """Envoy's admin /clusters text ("" when the admin does not answer)."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.scenarios.harness import ComposeMesh
-from tests.support import Traffic, wait_for
+from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
 MiB = 1024 * 1024
@@ -29,7 +29,7 @@ def healthy_again(mesh: ComposeMesh, service: str) -> bool:
 
 
 def test_kill_9_of_a_model_server_under_load(mesh: ComposeMesh) -> None:
-    with Traffic(f"127.0.0.1:{mesh.envoy_port}", clients=4, deadline_s=120) as traffic:
+    with mesh.traffic(clients=4, deadline_s=120) as traffic:
         traffic.wait_ok(100)
         victim = mesh.pids()["model-server-2"]
         killed_at = time.monotonic()
@@ -51,7 +51,7 @@ def test_control_plane_lost_and_restarted_under_load(mesh: ComposeMesh) -> None:
     """kill -9 of the replica Envoy follows: Envoy moves its ADS stream to the other replica
     and keeps serving; the killed one restarts, and both see the mesh again."""
     wait_for(lambda: mesh.followed_plane() is not None, 30, "Envoy to follow a replica")
-    with Traffic(f"127.0.0.1:{mesh.envoy_port}", clients=4, deadline_s=120) as traffic:
+    with mesh.traffic(clients=4, deadline_s=120) as traffic:
         traffic.wait_ok(100)
         followed = mesh.followed_plane()
         assert followed is not None
@@ -88,7 +88,7 @@ def test_memory_pressure_ejects_a_server_before_it_runs_out(
     with ComposeMesh(tmp_path, demo_repo, server_flags=flags) as mesh:
         servers = len(mesh.server_ports)
         wait_for(lambda: mesh.envoy_healthy() == servers, 30, "every server routed")
-        with Traffic(f"127.0.0.1:{mesh.envoy_port}", clients=4, deadline_s=120) as traffic:
+        with mesh.traffic(clients=4, deadline_s=120) as traffic:
             traffic.wait_ok(100)
             mesh.post_faults("model-server-2", {"ballast_bytes": 560 * MiB})
             pressed = time.monotonic()

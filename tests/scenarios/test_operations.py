@@ -17,7 +17,7 @@ import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from tests.scenarios.harness import ComposeMesh
-from tests.support import Traffic, classifier_request, wait_for
+from tests.support import classifier_request, wait_for
 
 pytestmark = pytest.mark.integration
 SERVERS = ("model-server-1", "model-server-2", "model-server-3")
@@ -36,7 +36,7 @@ def restarted(mesh: ComposeMesh, server: str, starts_before: int) -> bool:
 
 def test_rolling_restart_of_every_model_server_under_load(mesh: ComposeMesh) -> None:
     started = time.monotonic()
-    with Traffic(f"127.0.0.1:{mesh.envoy_port}", clients=4, deadline_s=240) as traffic:
+    with mesh.traffic(clients=4, deadline_s=240) as traffic:
         traffic.wait_ok(100)
         for server in SERVERS:  # one at a time: SIGTERM drains it, the launcher restarts it
             before = mesh.starts(server)
@@ -83,13 +83,13 @@ def test_hostile_inputs_through_envoy_get_their_codes_and_disturb_nothing(
 ) -> None:
     seen: dict[str, grpc.StatusCode] = {}
     options = [("grpc.max_send_message_length", 200 * 1024 * 1024)]
-    with Traffic(f"127.0.0.1:{mesh.envoy_port}", clients=2, deadline_s=120) as traffic:
+    with mesh.traffic(clients=2, deadline_s=120) as traffic:
         traffic.wait_ok(50)
         with grpc.insecure_channel(f"127.0.0.1:{mesh.envoy_port}", options=options) as channel:
             stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
             for _ in range(20):
                 for name, request, _code in bad_requests():
-                    metadata = (("x-model-name", request.model_name),)
+                    metadata = (("x-model-name", request.model_name), *mesh.api_metadata)
                     with pytest.raises(grpc.RpcError) as raised:
                         stub.ModelInfer(request, timeout=30, metadata=metadata)
                     seen[name] = raised.value.code()

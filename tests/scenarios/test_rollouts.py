@@ -111,7 +111,7 @@ def test_canary_rolls_a_bad_v2_back_by_itself_and_promotes_a_good_one_under_load
     with ComposeMesh(tmp_path, demo_repo, server_flags=("--enable-fault-injection",)) as mesh:
         wait_for(lambda: mesh.envoy_healthy() == len(mesh.server_ports), 30, "all servers routed")
         assert '"1": 100' in mesh.cli("split", "classifier", "1=100", "2=0")
-        with Traffic(f"127.0.0.1:{mesh.envoy_port}", clients=4, deadline_s=150) as traffic:
+        with mesh.traffic(clients=4, deadline_s=150) as traffic:
             wait_for(lambda: only_version(traffic, "1"), 20, "every request on v1")
             clean_until = time.monotonic()
             assert not traffic.errors, traffic.errors[:5]
@@ -273,7 +273,7 @@ def test_a_slow_warm_up_gets_no_traffic_before_ready_under_load(
         # they were (the servers do not poll the repository).
         config = repo / "classifier" / "config.pbtxt"
         config.write_text(config.read_text() + SLOW_WARMUP)
-        with Traffic(f"127.0.0.1:{mesh.envoy_port}", clients=4, deadline_s=150) as traffic:
+        with mesh.traffic(clients=4, deadline_s=150) as traffic:
             traffic.wait_ok(100)
             old_pid, starts = mesh.pids()[victim], mesh.starts(victim)
             with Watch(mesh, victim, old_pid) as watch:
@@ -343,7 +343,7 @@ def test_a_slow_server_loses_its_share_and_p99_recovers_under_load(
         slow = servers[-1]
         address = host(mesh, slow)
         wait_for(lambda: mesh.envoy_healthy() == len(servers), 30, "all servers routed")
-        with Traffic(f"127.0.0.1:{mesh.envoy_port}", clients=4, deadline_s=150) as traffic:
+        with mesh.traffic(clients=4, deadline_s=150) as traffic:
             traffic.wait_ok(100)
             before_at, before = time.monotonic(), mesh.envoy_hosts()
             traffic.wait_ok(400)

@@ -1,0 +1,164 @@
+"""What client identity costs at the edge: the same mesh with ``listener.auth`` off, API keys
+and JWTs, switched by rewriting the topology (the control plane reloads it and pushes the new
+listener), alternating within each round; medians of the rounds, ratios to "off".
+
+gRPC ModelInfer with ``x-model-name`` (no Lua), h2load with one worker, two model servers, the
+control plane, Envoy with one worker. Every setup sends the same credential headers, so the
+bytes on the wire are the same; with auth on, one tenant (rate limit none) is configured, and
+each run checks that Envoy refused nothing (its basic_auth / jwt_authn "denied" counters).
+
+    flock /tmp/infermesh-bench.lock .venv/bin/python bench/bench_auth.py \
+        [--duration 8 --rounds 3 --concurrency 1,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import bench_edge as be
+import bench_mesh as bm
+import bench_model_server as bms
+import jwt
+import yaml
+from cryptography.hazmat.primitives.asymmetric import rsa
+from jwt.algorithms import RSAAlgorithm
+
+from infermesh.api_keys import add_key, basic_authorization, new_key
+from model_server.demo_models import MODEL_NAME, build_demo_repository
+
+HOST = bms.HOST
+OFF, KEYS, JWT = "auth off", "API key (basic_auth)", "JWT (jwt_authn, RS256)"
+ISSUER, AUDIENCE = "https://issuer.bench", "infermesh"
+DENIED = ("http.infermesh.basic_auth.denied", "http.infermesh.jwt_authn.denied")
+
+
+def credentials(workdir: Path) -> dict[str, tuple[dict[str, Any], str]]:
+    """Each setup's listener.auth and the Authorization header a client sends with it."""
+    key = new_key("bench")
+    add_key(workdir / "api-keys", key)
+    signing = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    public = json.loads(RSAAlgorithm.to_jwk(signing.public_key()))
+    (workdir / "jwks.json").write_text(json.dumps({"keys": [{**public, "kid": "k"}]}))
+    claims = {"iss": ISSUER, "aud": AUDIENCE, "sub": "bench", "exp": time.time() + 86400}
+    token = jwt.encode(claims, signing, algorithm="RS256", headers={"kid": "k"})
+    jwt_auth = {"issuer": ISSUER, "audiences": [AUDIENCE], "jwks_file": str(workdir / "jwks.json")}
+    return {
+        OFF: ({"mode": "off"}, basic_authorization(key)),
+        KEYS: ({"mode": "api_keys", "api_keys_file": str(workdir / "api-keys")},
+               basic_authorization(key)),
+        JWT: ({"mode": "jwt", "jwt": jwt_auth}, f"Bearer {token}"),
+    }  # fmt: skip
+
+
+def write_topology(path: Path, listener: int, endpoints: list[str], auth: dict[str, Any]) -> None:
+    data = {
+        "listener": {"auth": auth, "host": HOST, "port": listener, "health_check_interval_s": 0.5},
+        "placement": {"poll_interval_s": 0.2, "timeout_s": 1.0},
+        "models": [{"name": MODEL_NAME, "sla_p99_ms": 100, "capacity_qps": 1000}],
+        "endpoints": [{"address": e} for e in endpoints],
+        "tenants": {"bench": {"may_set_priority": True}, "other": {}},
+    }
+    path.write_text(yaml.safe_dump(data))
+
+
+def listener_has(envoy: bm.Admin, setup: str) -> bool:
+    """Envoy's listener config is the one for ``setup`` (its auth filter, or none)."""
+    dump = envoy.call("/config_dump?resource=dynamic_listeners")
+    found = tuple(f"envoy.filters.http.{name}" in dump for name in ("basic_auth", "jwt_authn"))
+    return found == {OFF: (False, False), KEYS: (True, False), JWT: (False, True)}[setup]
+
+
+def denied(envoy: bm.Admin) -> int:
+    stats = envoy.call("/stats?filter=(basic_auth|jwt_authn).denied")
+    return sum(int(line.rpartition(":")[2]) for line in stats.splitlines() if ":" in line)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description="listener.auth off vs API keys vs JWTs")
+    p.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "infermesh-bench")
+    p.add_argument("--concurrency", default="1,16", help="comma-separated client counts")
+    p.add_argument("--duration", type=float, default=8.0, help="seconds per timed run")
+    p.add_argument("--warmup", type=float, default=2.0, help="discarded seconds before each run")
+    p.add_argument("--rounds", type=int, default=3, help="runs per setup and level, alternating")
+    args = p.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    load_avg = os.getloadavg()[0]
+    build_demo_repository(args.models)
+    exe = bms.ensure_h2load()
+    _, req = bms.make_request(1)
+    payload = req.SerializeToString()
+    setups = (OFF, KEYS, JWT)
+    with tempfile.TemporaryDirectory(prefix="bench-auth-") as tmp, ExitStack() as stack:
+        workdir = Path(tmp)
+        (workdir / "frame.bin").write_bytes(b"\0" + len(payload).to_bytes(4, "big") + payload)
+        auth = credentials(workdir)
+        spec = bms.server_specs(args.models)[0]
+        servers = []
+        for i in (1, 2):
+            port = be.free_pair()
+            cmd = [*spec.cmd, "--port", str(port), "--http-port", str(port + be.REST_OFFSET)]
+            server = bms.ServerSpec(f"model server {i}", cmd, spec.listen, spec.ready)
+            servers.append(stack.enter_context(bms.start_server(server, workdir / f"s{i}.log")))
+        listener = bm.free_port()
+        endpoints = [f"{HOST}:{port}" for _, port, _ in servers]
+        topology = workdir / "topology.yaml"
+        write_topology(topology, listener, endpoints, auth[OFF][0])
+        cp_admin, envoy_pid, envoy_admin = bm.start_plane_and_envoy(stack, workdir, topology)
+        mesh = bm.Mesh(servers, envoy_pid, envoy_admin, cp_admin, listener)
+        envoy = bm.Admin(envoy_admin)
+        samples = []
+        for rnd, c, setup in itertools.product(range(args.rounds), levels, setups):
+            write_topology(topology, listener, endpoints, auth[setup][0])
+
+            def applied(s: str = setup) -> bool:
+                return listener_has(envoy, s)
+
+            bm.wait_for(applied, 30, f"Envoy's listener for {setup}")
+            bm.wait_for(lambda: "::health_flags::healthy" in envoy.call("/clusters"), 30,
+                        "a healthy endpoint")  # fmt: skip
+            before = denied(envoy)
+            header = (f"authorization: {auth[setup][1]}",)
+            run = be.run_once(args, exe, mesh, be.GRPC, c, workdir, {}, header, setup)
+            if denied(envoy) != before:
+                raise SystemExit(f"{setup}: Envoy refused requests of the benchmark")
+            samples.append(run)
+            print(f"round {rnd + 1} c{c} {setup}: {bms.fmt_row(run.level)}", flush=True)
+    print(
+        f"\n## listener.auth through Envoy: commit {bm.commit()}, nproc {os.cpu_count()}, "
+        f"load average at start {load_avg:.2f}"
+    )
+    print(
+        f"h2load -m 1 -t 1, gRPC with x-model-name, {args.duration:g} s per run after a "
+        f"{args.warmup:g} s warm-up; {args.rounds} rounds, setups alternating; medians; Envoy "
+        "--concurrency 1, 2 servers"
+    )
+    print("\n| c | setup | QPS | p50 ms | p99 ms | non-OK | Envoy CPU ms/request | Envoy cores "
+          "| servers CPU ms/request | QPS / off | p50 / off | Envoy CPU / off |\n"
+          + "| --- " * 12 + "|")  # fmt: skip
+    for c in levels:
+        runs = {
+            s: [x for x in samples if x.setup == s and x.level.concurrency == c] for s in setups
+        }
+        base = bms.median_level([x.level for x in runs[OFF]])
+        for setup in setups:
+            m = bms.median_level([x.level for x in runs[setup]])
+            cpu = (m.cpu_ms_per_request or 0) / (base.cpu_ms_per_request or 1)
+            print(
+                f"| {c} | {setup} | {bms.fmt_row(m)} | "
+                f"{bms.median([x.server_cpu_ms for x in runs[setup]]):.2f} | "
+                f"{m.qps / base.qps:.2f} | {m.p50_ms / base.p50_ms:.2f} | {cpu:.2f} |"
+            )
+    bad = sum(sum(x.level.non_ok.values()) + x.level.failed for x in samples)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

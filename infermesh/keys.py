@@ -1,0 +1,60 @@
+"""``infermesh keys add|list|revoke``: the listener's API keys, in the control plane's key file.
+
+``add TENANT`` makes a key, appends its hash and prints the key once (it is stored nowhere
+else: hand it to the tenant). ``list`` prints the key ids (never a hash). ``revoke KEYID``
+removes one. The control plane re-reads the file when it changes, so Envoy's keys follow within
+its topology watch interval; no restart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from infermesh.api_keys import API_KEYS_FILE, add_key, new_key, revoke_key
+from infermesh.secrets import SecretError
+
+
+def add_parser(commands: Any, root: Path) -> None:
+    keys = commands.add_parser("keys", help="API keys of the public listener: add, list, revoke")
+    keys.add_argument("action", choices=("add", "list", "revoke"))
+    keys.add_argument("name", nargs="?", help="add: the tenant; revoke: the key id")
+    keys.add_argument(
+        "--file", type=Path, default=root / API_KEYS_FILE,
+        help="the control plane's key file (listener.auth.api_keys_file)",
+    )  # fmt: skip
+
+
+def key_ids(path: Path) -> list[str]:
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [line.split(":", 1)[0] for line in lines if line and not line.startswith("#")]
+
+
+def run(args: argparse.Namespace) -> int:
+    path: Path = args.file
+    if args.action == "list":
+        for key_id in key_ids(path):
+            print(key_id)
+        return 0
+    if not args.name:
+        what = "tenant" if args.action == "add" else "key id"
+        print(f"infermesh keys {args.action}: needs a {what}", file=sys.stderr)
+        return 2
+    if args.action == "revoke":
+        if not revoke_key(path, args.name):
+            print(f"infermesh keys revoke: no key {args.name!r} in {path}", file=sys.stderr)
+            return 1
+        print(f"infermesh: revoked {args.name} (the control plane reloads {path})")
+        return 0
+    try:
+        key = new_key(args.name)
+    except SecretError as exc:
+        print(f"infermesh keys add: {exc}", file=sys.stderr)
+        return 2
+    key_id = add_key(path, key)
+    print(f"infermesh: added {key_id} to {path}; the key, shown once (send it as HTTP Basic, "
+          "curl -u KEY):", file=sys.stderr)  # fmt: skip
+    print(key)
+    return 0
