@@ -83,11 +83,7 @@ def denied(envoy: bm.Admin) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description="listener.auth off vs API keys vs JWTs")
-    p.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "infermesh-bench")
-    p.add_argument("--concurrency", default="1,16", help="comma-separated client counts")
-    p.add_argument("--duration", type=float, default=8.0, help="seconds per timed run")
-    p.add_argument("--warmup", type=float, default=2.0, help="discarded seconds before each run")
-    p.add_argument("--rounds", type=int, default=3, help="runs per setup and level, alternating")
+    be.add_run_arguments(p, rounds=3)
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     load_avg = os.getloadavg()[0]
@@ -100,13 +96,7 @@ def main() -> int:
         workdir = Path(tmp)
         (workdir / "frame.bin").write_bytes(b"\0" + len(payload).to_bytes(4, "big") + payload)
         auth = credentials(workdir)
-        spec = bms.server_specs(args.models)[0]
-        servers = []
-        for i in (1, 2):
-            port = be.free_pair()
-            cmd = [*spec.cmd, "--port", str(port), "--http-port", str(port + be.REST_OFFSET)]
-            server = bms.ServerSpec(f"model server {i}", cmd, spec.listen, spec.ready)
-            servers.append(stack.enter_context(bms.start_server(server, workdir / f"s{i}.log")))
+        servers = be.start_servers(stack, args.models, workdir)
         listener = bm.free_port()
         endpoints = [f"{HOST}:{port}" for _, port, _ in servers]
         topology = workdir / "topology.yaml"

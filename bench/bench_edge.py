@@ -187,13 +187,34 @@ def report(samples: list[Sample], levels: list[int]) -> None:
                   + ", ".join(f"{r:.2f}" for r in per_round) + " |")  # fmt: skip
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description="REST vs gRPC through Envoy, 2 model servers.")
+def add_run_arguments(p: argparse.ArgumentParser, rounds: int) -> None:
+    """The options of a bench that alternates setups at each concurrency level."""
     p.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "infermesh-bench")
     p.add_argument("--concurrency", default="1,16", help="comma-separated client counts")
     p.add_argument("--duration", type=float, default=8.0, help="seconds per timed run")
     p.add_argument("--warmup", type=float, default=2.0, help="discarded seconds before each run")
-    p.add_argument("--rounds", type=int, default=2, help="runs per setup and level, alternating")
+    p.add_argument(
+        "--rounds", type=int, default=rounds, help="runs per setup and level, alternating"
+    )
+
+
+def start_servers(
+    stack: ExitStack, models: Path, workdir: Path
+) -> list[tuple[int, int, int | None]]:
+    """Two model servers, each with its REST port at gRPC + REST_OFFSET, stopped by ``stack``."""
+    spec = bms.server_specs(models)[0]
+    servers = []
+    for i in (1, 2):
+        port = free_pair()
+        cmd = [*spec.cmd, "--port", str(port), "--http-port", str(port + REST_OFFSET)]
+        server = bms.ServerSpec(f"model server {i}", cmd, spec.listen, spec.ready)
+        servers.append(stack.enter_context(bms.start_server(server, workdir / f"s{i}.log")))
+    return servers
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description="REST vs gRPC through Envoy, 2 model servers.")
+    add_run_arguments(p, rounds=2)
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     load_avg = os.getloadavg()[0]
@@ -207,13 +228,7 @@ def main() -> int:
         (workdir / "frame.bin").write_bytes(b"\0" + len(payload).to_bytes(4, "big") + payload)
         for setup, (body, _) in rest.items():
             (workdir / f"{SETUPS.index(setup)}.body").write_bytes(body)
-        spec = bms.server_specs(args.models)[0]
-        servers = []
-        for i in (1, 2):
-            port = free_pair()
-            cmd = [*spec.cmd, "--port", str(port), "--http-port", str(port + REST_OFFSET)]
-            server = bms.ServerSpec(f"model server {i}", cmd, spec.listen, spec.ready)
-            servers.append(stack.enter_context(bms.start_server(server, workdir / f"s{i}.log")))
+        servers = start_servers(stack, args.models, workdir)
         listener = bm.free_port()
         topology = write_topology(workdir / "topology.yaml", listener,
                                   [f"{HOST}:{port}" for _, port, _ in servers])  # fmt: skip
