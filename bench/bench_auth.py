@@ -131,8 +131,8 @@ def main() -> int:
         "--concurrency 1, 2 servers"
     )
     print("\n| c | setup | QPS | p50 ms | p99 ms | non-OK | Envoy CPU ms/request | Envoy cores "
-          "| servers CPU ms/request | QPS / off | p50 / off | Envoy CPU / off |\n"
-          + "| --- " * 12 + "|")  # fmt: skip
+          "| servers CPU ms/request | QPS / off | p50 / off | Envoy CPU / off "
+          "| QPS / off per round |\n" + "| --- " * 13 + "|")  # fmt: skip
     for c in levels:
         runs = {
             s: [x for x in samples if x.setup == s and x.level.concurrency == c] for s in setups
@@ -141,10 +141,13 @@ def main() -> int:
         for setup in setups:
             m = bms.median_level([x.level for x in runs[setup]])
             cpu = (m.cpu_ms_per_request or 0) / (base.cpu_ms_per_request or 1)
+            rounds = zip(runs[setup], runs[OFF], strict=True)
+            per_round = ", ".join(f"{x.level.qps / o.level.qps:.2f}" for x, o in rounds)
             print(
                 f"| {c} | {setup} | {bms.fmt_row(m)} | "
                 f"{bms.median([x.server_cpu_ms for x in runs[setup]]):.2f} | "
-                f"{m.qps / base.qps:.2f} | {m.p50_ms / base.p50_ms:.2f} | {cpu:.2f} |"
+                f"{m.qps / base.qps:.2f} | {m.p50_ms / base.p50_ms:.2f} | {cpu:.2f} | "
+                f"{per_round} |"
             )
     bad = sum(sum(x.level.non_ok.values()) + x.level.failed for x in samples)
     return 1 if bad else 0
