@@ -20,15 +20,17 @@ puts these around the body-routing Lua filter):
    ``/versions/`` path), ``x-priority`` when it may not set one, and identities not listed when
    the topology has no ``other`` tenant. Its shadow rules, one per named tenant, only name the
    tenant that matched: that name (else nothing, read as ``other``) is the bounded **label**.
-4. The **priority** RBAC filter has shadow rules only: ``allowed`` or ``denied`` tells the model
-   server whether this tenant may set a priority in the request body, which Envoy cannot read.
+4. The **priority** and **version** RBAC filters have shadow rules only: ``allowed`` or
+   ``denied`` tells the model server whether this tenant may set a priority or choose a version
+   in the request body, which Envoy cannot read.
 5. The **tenant rate limit** (Envoy's local_ratelimit, one filter for the listener so gRPC, REST
    and every version route of a model share one bucket): a token bucket per (label, model),
    RESOURCE_EXHAUSTED / 429 with ``retry-after`` when empty. Every identity labelled ``other``
    shares the ``other`` buckets.
 
 Upstream, the virtual host sets ``x-infermesh-tenant`` (the identity), ``x-infermesh-tenant-label``
-(named tenants only) and ``x-infermesh-priority`` (allowed / denied) and removes the
+(named tenants only), ``x-infermesh-priority`` and ``x-infermesh-version`` (allowed / denied)
+and removes the
 ``Authorization`` header, so no model server ever sees a credential.
 """
 
@@ -75,6 +77,7 @@ RBAC_NAMESPACE = "envoy.filters.http.rbac"  # where Envoy's RBAC filters write s
 TENANT_HEADER = "x-infermesh-tenant"
 TENANT_LABEL_HEADER = "x-infermesh-tenant-label"
 PRIORITY_PERMISSION_HEADER = "x-infermesh-priority"  # "allowed" | "denied"
+VERSION_PERMISSION_HEADER = "x-infermesh-version"  # "allowed" | "denied"
 KEY_ID_HEADER = "x-infermesh-key-id"
 JWT_TENANT_HEADER = "x-infermesh-jwt-tenant"  # set by jwt_authn, read into metadata, removed
 PRIORITY_HEADER = "x-priority"
@@ -83,18 +86,22 @@ JWT_FILTER = "envoy.filters.http.jwt_authn"
 HEADER_TO_METADATA_FILTER = "envoy.filters.http.header_to_metadata"
 TENANTS_RBAC_FILTER = "infermesh.tenants"
 PRIORITY_RBAC_FILTER = "infermesh.priority"
+VERSION_RBAC_FILTER = "infermesh.version"
 TENANT_RATE_LIMIT_FILTER = "infermesh.tenant_rate_limit"
 LABEL_PREFIX = "tenant_label_"
 PRIORITY_PREFIX = "priority_"
+VERSION_PREFIX = "version_"
 LABEL_KEY = f"{LABEL_PREFIX}shadow_effective_policy_id"
 PRIORITY_KEY = f"{PRIORITY_PREFIX}shadow_engine_result"
+VERSION_KEY = f"{VERSION_PREFIX}shadow_engine_result"
 JWT_PROVIDER = "infermesh"
+JWT_PAYLOAD_KEY = "payload"
 UNLIMITED_TOKENS = 1_000_000_000  # the default bucket: requests no descriptor names
 TENANT_RATE_LIMITED = "tenant"  # x-infermesh-rate-limited on a tenant's 429
 # A reply the tenants' rules (or jwt_authn's audience check) refused, in words.
 PERMISSION_MESSAGE = (
-    f"permission denied for tenant %DYNAMIC_METADATA({AUTH_NAMESPACE}:tenant)%: "
-    "%RESPONSE_CODE_DETAILS%"
+    "permission denied: %RESPONSE_CODE_DETAILS% (identity "
+    f"%DYNAMIC_METADATA({AUTH_NAMESPACE}:tenant)%)"
 )
 
 
@@ -120,7 +127,11 @@ def authentication_filters(auth: EdgeAuth) -> list[hcm_pb2.HttpFilter]:
     if auth.mode == "jwt" and auth.jwt is not None:
         jwt = auth.jwt
         provider = jwt_pb2.JwtProvider(
+            # Only the header: a token in a query string (jwt_authn's other default place)
+            # would stay in the path Envoy logs and forwards.
+            from_headers=[jwt_pb2.JwtHeader(name="authorization", value_prefix="Bearer ")],
             issuer=jwt.issuer,
+            payload_in_metadata=JWT_PAYLOAD_KEY,  # a verified token, for the refusal's words
             audiences=list(jwt.audiences),
             local_jwks=base_pb2.DataSource(inline_string=jwt.jwks),
             claim_to_headers=[
@@ -232,10 +243,14 @@ def deny_rules(auth: EdgeAuth) -> dict[str, rbac_pb2.Policy]:
             rules[f"{name} may not choose a model version"] = _policy(VERSION_CHOSEN, who)
         if not tenant.may_set_priority:
             rules[f"{name} may not set {PRIORITY_HEADER}"] = _policy(_header(PRIORITY_HEADER), who)
+    everything = rbac_pb2.Permission(any=True)
     if auth.tenant(OTHER_TENANT) is None:
         stranger = principal(TenantPolicy(OTHER_TENANT), auth)
-        everything = rbac_pb2.Permission(any=True)
         rules["identity is not a tenant of this mesh"] = _policy(everything, stranger)
+    # A credential that proved no tenant (a JWT without the tenant claim) is no identity.
+    sourced = rbac_pb2.SourcedMetadata(metadata_matcher=_tenant_matcher(_ANY_VALUE))
+    nameless = rbac_pb2.Principal(not_id=rbac_pb2.Principal(sourced_metadata=sourced))
+    rules["credential names no tenant"] = _policy(everything, nameless)
     return rules
 
 
@@ -256,21 +271,29 @@ def tenant_filters(auth: EdgeAuth, models: Iterable[str]) -> list[hcm_pb2.HttpFi
         ),
         shadow_rules_stat_prefix=LABEL_PREFIX,
     )
-    trusted = [principal(t, auth) for t in auth.tenants if t.may_set_priority]
-    priority_policies = (
-        {"may-set-priority": rbac_pb2.Policy(permissions=anyone, principals=trusted)}
-        if trusted
-        else {}
-    )
-    priority = rbac_filter_pb2.RBAC(
-        shadow_rules=rbac_pb2.RBAC(action=rbac_pb2.RBAC.ALLOW, policies=priority_policies),
-        shadow_rules_stat_prefix=PRIORITY_PREFIX,
-    )
-    filters = [_filter(TENANTS_RBAC_FILTER, tenants), _filter(PRIORITY_RBAC_FILTER, priority)]
+    filters = [
+        _filter(TENANTS_RBAC_FILTER, tenants),
+        _filter(PRIORITY_RBAC_FILTER, _grant(auth, "may_set_priority", PRIORITY_PREFIX)),
+        _filter(VERSION_RBAC_FILTER, _grant(auth, "may_pick_version", VERSION_PREFIX)),
+    ]
     limit = tenant_rate_limit(auth, tuple(models))
     if limit is not None:
         filters.append(_filter(TENANT_RATE_LIMIT_FILTER, limit))
     return filters
+
+
+def _grant(auth: EdgeAuth, permission: str, prefix: str) -> rbac_filter_pb2.RBAC:
+    """Shadow rules only: "allowed" for the tenants with ``permission``, else "denied", in the
+    metadata PREFIX + shadow_engine_result (for the model servers, which read the body)."""
+    trusted = [principal(t, auth) for t in auth.tenants if getattr(t, permission)]
+    anyone = [rbac_pb2.Permission(any=True)]
+    policies = {permission: rbac_pb2.Policy(permissions=anyone, principals=trusted)}
+    return rbac_filter_pb2.RBAC(
+        shadow_rules=rbac_pb2.RBAC(
+            action=rbac_pb2.RBAC.ALLOW, policies=policies if trusted else {}
+        ),
+        shadow_rules_stat_prefix=prefix,
+    )
 
 
 # --- 5: rate limits per tenant and model -----------------------------------------------------
@@ -347,24 +370,22 @@ def upstream_headers(auth: EdgeAuth) -> tuple[list[base_pb2.HeaderValueOption], 
         _set(TENANT_HEADER, f"%DYNAMIC_METADATA({AUTH_NAMESPACE}:tenant)%"),
         _set(TENANT_LABEL_HEADER, f"%DYNAMIC_METADATA({RBAC_NAMESPACE}:{LABEL_KEY})%"),
         _set(PRIORITY_PERMISSION_HEADER, f"%DYNAMIC_METADATA({RBAC_NAMESPACE}:{PRIORITY_KEY})%"),
+        _set(VERSION_PERMISSION_HEADER, f"%DYNAMIC_METADATA({RBAC_NAMESPACE}:{VERSION_KEY})%"),
     ]
     return added, ["authorization"]
 
 
 def refusal_mappers(auth: EdgeAuth) -> list[hcm_pb2.ResponseMapper]:
-    """A 403 to an authenticated caller is the tenants' rules' refusal: JSON on REST, the gRPC
-    message otherwise, saying which rule refused it. (A JWT for another audience is refused
-    before there is a tenant, in jwt_authn's own words.)"""
+    """A 403 to a caller whose credential was verified (a tenant, or a JWT payload) is the
+    tenants' rules' refusal: JSON on REST, the gRPC message otherwise, naming the rule. (A JWT
+    for another audience is refused before it is verified, in jwt_authn's own words.)"""
     if auth.mode == "off":
         return []
     text = substitution_format_string_pb2.SubstitutionFormatString()
     text.text_format_source.inline_string = PERMISSION_MESSAGE
-    present = accesslog_pb2.MetadataFilter(
-        matcher=_tenant_matcher(value_pb2.ValueMatcher(present_match=True))
-    )
-    present.match_if_key_not_found.value = False  # Envoy's default matches a missing key
-    tenant = accesslog_pb2.AccessLogFilter(metadata_filter=present)
-    refused = edge.all_of([edge.status_filter(403), tenant])
+    verified = [_present(_tenant_matcher(_ANY_VALUE)), _present(_JWT_PAYLOAD)]
+    either = accesslog_pb2.AccessLogFilter(or_filter=accesslog_pb2.OrFilter(filters=verified))
+    refused = edge.all_of([edge.status_filter(403), either])
     both = edge.all_of([refused, edge.rest_request()])
     return [
         hcm_pb2.ResponseMapper(
@@ -372,6 +393,21 @@ def refusal_mappers(auth: EdgeAuth) -> list[hcm_pb2.ResponseMapper]:
         ),
         hcm_pb2.ResponseMapper(filter=refused, body_format_override=text),
     ]
+
+
+_ANY_VALUE = value_pb2.ValueMatcher(present_match=True)
+_JWT_PAYLOAD = metadata_pb2.MetadataMatcher(
+    filter=JWT_FILTER,
+    path=[metadata_pb2.MetadataMatcher.PathSegment(key=JWT_PAYLOAD_KEY)],
+    value=_ANY_VALUE,
+)
+
+
+def _present(matcher: metadata_pb2.MetadataMatcher) -> accesslog_pb2.AccessLogFilter:
+    """A reply whose request has the metadata ``matcher`` names."""
+    found = accesslog_pb2.MetadataFilter(matcher=matcher)
+    found.match_if_key_not_found.value = False  # Envoy's default matches a missing key
+    return accesslog_pb2.AccessLogFilter(metadata_filter=found)
 
 
 def mark_model(item: rc_pb2.Route, model: str) -> rc_pb2.Route:
@@ -383,9 +419,11 @@ def mark_model(item: rc_pb2.Route, model: str) -> rc_pb2.Route:
 
 
 def unauthenticated(item: rc_pb2.Route) -> rc_pb2.Route:
-    """A route the authentication filters skip: CORS preflights, which browsers send without
-    credentials (Envoy's CORS filter answers them; they never reach a server)."""
-    for name in (BASIC_AUTH_FILTER, JWT_FILTER):
+    """A route the authentication and tenant filters skip: CORS preflights, which browsers
+    send without credentials (Envoy's CORS filter answers them; they never reach a server)."""
+    names = (BASIC_AUTH_FILTER, JWT_FILTER, TENANTS_RBAC_FILTER, PRIORITY_RBAC_FILTER,
+             VERSION_RBAC_FILTER, TENANT_RATE_LIMIT_FILTER)  # fmt: skip
+    for name in names:
         item.typed_per_filter_config[name].CopyFrom(packed(rc_pb2.FilterConfig(disabled=True)))
     return item
 

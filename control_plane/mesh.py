@@ -214,9 +214,9 @@ class RestOptions:
 # What a browser may send (gRPC-Web's own headers and the mesh's routing headers) and read.
 CORS_ALLOW_HEADERS = (
     "content-type", "x-grpc-web", "x-user-agent", "grpc-timeout", "x-model-name",
-    "x-model-version", "x-priority", "inference-header-content-length",
+    "x-model-version", "x-priority", "inference-header-content-length", "authorization",
 )  # fmt: skip
-CORS_EXPOSE_HEADERS = ("grpc-status", "grpc-message")
+CORS_EXPOSE_HEADERS = ("grpc-status", "grpc-message", "retry-after")
 
 
 @dataclass(frozen=True)

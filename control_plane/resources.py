@@ -119,9 +119,10 @@ def http_filters(
     filters += [f for f in tenants if f.name != identity.TENANT_RATE_LIMIT_FILTER]
     if cors:
         filters.append(edge.cors_filter())
+    # The tenant's bucket first: a tenant over its own limit does not spend the model's.
+    filters += [f for f in tenants if f.name == identity.TENANT_RATE_LIMIT_FILTER]
     if rate_limits:
         filters.append(rate_limit_filter())
-    filters += [f for f in tenants if f.name == identity.TENANT_RATE_LIMIT_FILTER]
     filters.append(hcm_pb2.HttpFilter(name=ROUTER_FILTER, typed_config=packed(router_pb2.Router())))
     return filters
 

@@ -25,8 +25,9 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
       cors:                         # optional (absent: no CORS); allow_origins required
         allow_origins: ["https://app.example.com"]   # exact origins, or "*" for any
         allow_headers: [content-type, x-grpc-web, x-user-agent, grpc-timeout, x-model-name,
-                        x-model-version, x-priority, inference-header-content-length]
-        expose_headers: [grpc-status, grpc-message]
+                        x-model-version, x-priority, inference-header-content-length,
+                        authorization]
+        expose_headers: [grpc-status, grpc-message, retry-after]
         max_age_s: 86400            # integer >= 0
       expose: [inference, metadata, health]   # API groups the listener serves (Envoy's RBAC
                                     # refuses the rest); also model-config, statistics,

@@ -140,7 +140,7 @@ def parse_rate_limit(
         return None
     fields = c.section(m, key, _RATE_LIMIT, RateLimit(1.0, 0), path)
     given = m[key] if isinstance(m[key], dict) else {}
-    where = f"{path}.{key}" if key else path
+    where = f"{path}.{key}"
     if "requests_per_s" not in given:
         c.errors.append(f"{where}.requests_per_s: required")
     if "burst" in given and fields["burst"] == 0:

@@ -56,6 +56,8 @@ def add_key(keys_file: Path, key: str) -> str:
     key_id = f"{match[1]}.{match[2]}"
     keys_file.parent.mkdir(parents=True, exist_ok=True)
     fresh = not keys_file.exists()
+    if not fresh and any(line.startswith(f"{key_id}:") for line in _lines(keys_file)):
+        raise SecretError(f"{keys_file}: key id {key_id!r} is already there")
     fd = os.open(keys_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     with os.fdopen(fd, "a") as out:
         if fresh:
@@ -64,13 +66,22 @@ def add_key(keys_file: Path, key: str) -> str:
     return key_id
 
 
+def _lines(keys_file: Path) -> list[str]:
+    return keys_file.read_text().splitlines(keepends=True) if keys_file.exists() else []
+
+
 def revoke_key(keys_file: Path, key_id: str) -> bool:
-    """Removes ``key_id``'s line; True if there was one."""
-    lines = keys_file.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if not line.startswith(f"{key_id}:")]
+    """Removes ``key_id``'s line; True if there was one. The file is replaced whole (a new
+    file renamed over it), so the control plane never reads it half written."""
+    lines = _lines(keys_file)
+    kept = [line for line in lines if not line.strip().startswith(f"{key_id}:")]
     if len(kept) == len(lines):
         return False
-    keys_file.write_text("".join(kept))
+    fresh = keys_file.with_name(f".{keys_file.name}.{secrets.token_hex(4)}")
+    fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write("".join(kept))
+    os.replace(fresh, keys_file)
     return True
 
 

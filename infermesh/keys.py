@@ -28,7 +28,7 @@ def add_parser(commands: Any, root: Path) -> None:
 
 
 def key_ids(path: Path) -> list[str]:
-    lines = path.read_text().splitlines() if path.exists() else []
+    lines = [line.strip() for line in path.read_text().splitlines()] if path.exists() else []
     return [line.split(":", 1)[0] for line in lines if line and not line.startswith("#")]
 
 
@@ -53,7 +53,11 @@ def run(args: argparse.Namespace) -> int:
     except SecretError as exc:
         print(f"infermesh keys add: {exc}", file=sys.stderr)
         return 2
-    key_id = add_key(path, key)
+    try:
+        key_id = add_key(path, key)
+    except SecretError as exc:  # a key id already there (32 random bits: rare): try again
+        print(f"infermesh keys add: {exc}", file=sys.stderr)
+        return 1
     print(f"infermesh: added {key_id} to {path}; the key, shown once (send it as HTTP Basic, "
           "curl -u KEY):", file=sys.stderr)  # fmt: skip
     print(key)

@@ -39,6 +39,7 @@ from model_server.tenancy import (
     TenantLabels,
     check_model_header,
     check_priority,
+    check_version,
     edge_identity,
 )
 from model_server.tracing import Tracing
@@ -90,7 +91,10 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelReady(
         self, request: service_pb2.ModelReadyRequest, context: grpc.aio.ServicerContext
     ) -> object:
-        return service_pb2.ModelReadyResponse(ready=self.model_ready(request.name, request.version))
+        def ready(name: str, version: str) -> object:
+            return service_pb2.ModelReadyResponse(ready=self.model_ready(name, version))
+
+        return await _or_abort(context, ready, request.name, request.version)
 
     async def ServerMetadata(self, request: object, context: grpc.aio.ServicerContext) -> object:
         return service_pb2.ServerMetadataResponse(
@@ -263,8 +267,9 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             if span is not None and identity.tenant:
                 span.set_attribute("infermesh.tenant", identity.tenant)
             try:
-                check_model_header(metadata, request.model_name)
                 if generative is not None:  # the whole completion in one answer
+                    check_model_header(metadata, request.model_name)
+                    check_version(identity, request.model_version, routed)
                     responses = [r async for r in self._generate(request, generative, identity)]
                     response = join_text(responses)
                 else:
@@ -291,6 +296,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             if generative is not None:  # decoupled: one response per token, the last final
                 try:
                     check_model_header(metadata, request.model_name)
+                    check_version(identity, request.model_version, routed)
                     async for token in self._generate(request, generative, identity):
                         yield service_pb2.ModelStreamInferResponse(infer_response=token)
                 except InferenceError as exc:
@@ -320,6 +326,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         code = grpc.StatusCode.OK
         try:
             check_model_header(metadata, request.model_name)
+            check_version(identity, request.model_version, routed_version)
             self.gate.enter()
         except InferenceError as exc:
             self._record(None, exc.code, 0, identity.label)
@@ -449,7 +456,10 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 async def _or_abort(
     context: grpc.aio.ServicerContext, answer: Callable[[str, str], Any], name: str, version: str
 ) -> Any:
+    """``answer`` for one model, once the routing header (Envoy routed and authorised the call
+    by it) is seen to name that model; its error as the call's status."""
     try:
+        check_model_header(context.invocation_metadata() or (), name)
         return answer(name, version)
     except InferenceError as exc:
         await context.abort(exc.code, exc.message)

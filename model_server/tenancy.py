@@ -2,14 +2,17 @@
 
 Envoy authenticates clients at the public listener (``control_plane.identity``) and sets three
 headers upstream, having removed any copy a client sent: ``x-infermesh-tenant`` (the identity),
-``x-infermesh-tenant-label`` (the tenant's name when the topology names it) and
-``x-infermesh-priority`` ("allowed" or "denied"). A request without them did not come through
-an authenticating edge (authentication off, or a caller on the server's own port: issue 26
-puts mutual TLS there); it is ``anonymous`` and keeps what it could always do.
+``x-infermesh-tenant-label`` (the tenant's name when the topology names it),
+``x-infermesh-priority`` and ``x-infermesh-version`` ("allowed" or "denied"). A request with
+none of them did not come through an authenticating edge (authentication off, or a caller on
+the server's own port: issue 26 puts mutual TLS there); it is ``anonymous`` and keeps what it
+could always do. With any of them, a permission not stated "allowed" is denied.
 
 What the server enforces with them, since Envoy cannot read a request body:
 - a request priority (the "priority" parameter or ``x-priority``) from a tenant that may not
   set one is refused with PERMISSION_DENIED;
+- so is a model version named in the body by a tenant that may not choose one, unless it is
+  the version Envoy's split chose (``x-model-version``);
 - ``x-model-name`` must name the model the body asks for (INVALID_ARGUMENT otherwise): Envoy
   routes and authorises by the header, so a body naming another model would slip past both.
 
@@ -31,6 +34,8 @@ from model_server.errors import InferenceError, InvalidInput
 TENANT_HEADER = "x-infermesh-tenant"
 TENANT_LABEL_HEADER = "x-infermesh-tenant-label"
 PRIORITY_PERMISSION_HEADER = "x-infermesh-priority"
+VERSION_PERMISSION_HEADER = "x-infermesh-version"
+EDGE_HEADERS = (TENANT_HEADER, PRIORITY_PERMISSION_HEADER, VERSION_PERMISSION_HEADER)
 MODEL_HEADER = "x-model-name"
 ANONYMOUS = "anonymous"
 OTHER = "other"
@@ -43,9 +48,10 @@ class EdgeIdentity:
     tenant: str  # "" when the request did not come through an authenticating edge
     label: str  # a named tenant, "other" or "anonymous"
     may_set_priority: bool
+    may_pick_version: bool = True
 
 
-ANONYMOUS_IDENTITY = EdgeIdentity("", ANONYMOUS, True)
+ANONYMOUS_IDENTITY = EdgeIdentity("", ANONYMOUS, True, True)
 
 
 def _header(metadata: Sequence[tuple[str, Any]], name: str) -> str:
@@ -69,12 +75,15 @@ class TenantLabels:
 
 
 def edge_identity(metadata: Sequence[tuple[str, Any]], labels: TenantLabels) -> EdgeIdentity:
-    tenant = _header(metadata, TENANT_HEADER)
-    if not tenant:
+    if not any(_header(metadata, name) for name in EDGE_HEADERS):
         return ANONYMOUS_IDENTITY
     label = labels.bounded(_header(metadata, TENANT_LABEL_HEADER) or OTHER)
-    allowed = _header(metadata, PRIORITY_PERMISSION_HEADER) == "allowed"
-    return EdgeIdentity(tenant, label, allowed)
+    return EdgeIdentity(
+        _header(metadata, TENANT_HEADER),
+        label,
+        _header(metadata, PRIORITY_PERMISSION_HEADER) == "allowed",
+        _header(metadata, VERSION_PERMISSION_HEADER) == "allowed",
+    )
 
 
 def check_model_header(metadata: Sequence[tuple[str, Any]], model_name: str) -> None:
@@ -92,5 +101,15 @@ def check_priority(identity: EdgeIdentity, priority: int) -> None:
         raise InferenceError(
             f"priority: tenant {identity.tenant!r} may not set a request priority (got "
             f"{priority}); the topology's tenants.{identity.label}.may_set_priority allows it",
+            grpc.StatusCode.PERMISSION_DENIED,
+        )
+
+
+def check_version(identity: EdgeIdentity, version: str, routed: str) -> None:
+    """A version named in the body: only a tenant that may choose one, or the split's own."""
+    if version and version != routed and not identity.may_pick_version:
+        raise InferenceError(
+            f"model_version: tenant {identity.tenant!r} may not choose a model version (got "
+            f"{version!r}); the topology's tenants.{identity.label}.may_pick_version allows it",
             grpc.StatusCode.PERMISSION_DENIED,
         )

@@ -388,7 +388,8 @@ def test_topology_defaults_and_options() -> None:
                                         ("grpc-status",), 0)  # fmt: skip
     minimal = parse_topology_text(BASE + "listener: {cors: {allow_origins: ['*']}}").listener
     assert minimal.cors is not None
-    assert minimal.cors.expose_headers == ("grpc-status", "grpc-message")
+    assert minimal.cors.expose_headers == ("grpc-status", "grpc-message", "retry-after")
+    assert "authorization" in minimal.cors.allow_headers  # a browser sends its key
 
 
 @pytest.mark.parametrize(

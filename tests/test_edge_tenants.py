@@ -150,6 +150,15 @@ def test_a_tenant_is_refused_a_model_it_may_not_use(tenants: Tenants) -> None:
     error = tenants.refused("team-a", RESTRICTED, headers={"x-model-name": "classifier"})
     assert error.status() == "StatusCode.INVALID_ARGUMENT", error
     assert "x-model-name" in error.message()
+    # The same for the model's metadata, readiness and configuration.
+    client = grpcclient.InferenceServerClient(tenants.mesh.url)
+    spoofed = tenants.headers("team-a", **{"x-model-name": "classifier"})
+    for call in (client.get_model_metadata, client.is_model_ready):
+        with pytest.raises(InferenceServerException) as info:
+            call(RESTRICTED, headers=spoofed)
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT", call
+    assert client.get_model_metadata("classifier", headers=spoofed).name == "classifier"
+    client.close()
     assert tenants.served("team-a", RESTRICTED) == before
     assert tenants.infer("team-b", RESTRICTED).as_numpy("probs").shape == (1, 10)
 
@@ -169,6 +178,11 @@ def test_priority_and_versions_are_per_tenant_permissions(tenants: Tenants) -> N
     status, _, _ = rest(tenants.mesh, "POST", "/v2/models/classifier/versions/1/infer",
                         REST_BODY, tenants.headers("team-a"))  # fmt: skip
     assert status == 403
+    # The routing header set (no Lua), the version only in the body: the server refuses it,
+    # told by Envoy's x-infermesh-version.
+    error = tenants.refused("team-a", model_version="1", headers={"x-model-name": "classifier"})
+    assert error.status() == "StatusCode.PERMISSION_DENIED", error
+    assert "may not choose a model version" in error.message()
     trusted = tenants.infer("team-b", priority=1, model_version="1")
     assert trusted.get_response().model_version == "1"
 
@@ -234,8 +248,10 @@ class Issuer:
         self.kid = kid
 
     def token(self, **claims: Any) -> str:
+        """A signed token; a claim given as None is left out."""
         payload = {"iss": ISSUER, "aud": AUDIENCE, "sub": "team-a", "exp": time.time() + 600,
                    **claims}  # fmt: skip
+        payload = {k: v for k, v in payload.items() if v is not None}
         return jwt.encode(payload, self.key, algorithm="RS256", headers={"kid": self.kid})
 
 
@@ -260,6 +276,19 @@ def _bearer(mesh: EdgeMesh, token: str, model: str = "classifier") -> Any:
         return client.infer(model, [image_input()], headers=headers)
     finally:
         client.close()
+
+
+def test_a_jwt_without_the_tenant_claim_is_no_identity(jwt_mesh: tuple[EdgeMesh, Issuer]) -> None:
+    mesh, issuer = jwt_mesh
+    nameless = issuer.token(sub=None)  # valid signature, issuer, audience; no tenant
+    for kwargs in ({}, {"priority": 1}):
+        client = grpcclient.InferenceServerClient(mesh.url)
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("classifier", [image_input()],
+                         headers={"authorization": f"Bearer {nameless}"}, **kwargs)  # fmt: skip
+        client.close()
+        assert info.value.status() == "StatusCode.PERMISSION_DENIED"
+        assert "credential_names_no_tenant" in info.value.message()
 
 
 def test_jwts_are_checked_and_name_the_tenant(jwt_mesh: tuple[EdgeMesh, Issuer]) -> None:

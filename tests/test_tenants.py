@@ -29,6 +29,7 @@ from control_plane.resources import LISTENER_TYPE, ROUTE_TYPE, build_resources
 from control_plane.tenants import read_api_keys, security_warnings
 from control_plane.topology import Topology, TopologyError, load_topology, parse_topology
 from infermesh.api_keys import add_key, basic_authorization, hash_line, new_key, revoke_key
+from infermesh.secrets import SecretError
 from model_server import tenancy
 from model_server.errors import InferenceError
 from tests.support import ROOT
@@ -208,8 +209,8 @@ def test_the_listener_authenticates_before_lua_and_rules_after(tmp_path: Path) -
     assert [f.name for f in manager.http_filters] == [
         RBAC_FILTER, "envoy.filters.http.grpc_web", identity.BASIC_AUTH_FILTER,
         identity.HEADER_TO_METADATA_FILTER, LUA_FILTER, identity.TENANTS_RBAC_FILTER,
-        identity.PRIORITY_RBAC_FILTER, identity.TENANT_RATE_LIMIT_FILTER,
-        "envoy.filters.http.router",
+        identity.PRIORITY_RBAC_FILTER, identity.VERSION_RBAC_FILTER,
+        identity.TENANT_RATE_LIMIT_FILTER, "envoy.filters.http.router",
     ]  # fmt: skip
     basic = basic_auth_pb2.BasicAuth()
     manager.http_filters[2].typed_config.Unpack(basic)
@@ -217,7 +218,7 @@ def test_the_listener_authenticates_before_lua_and_rules_after(tmp_path: Path) -
     assert all(line.split(":")[1].startswith("{SHA}") for line in users.splitlines())
     assert basic.forward_username_header == identity.KEY_ID_HEADER
     limit_config = local_rate_limit_pb2.LocalRateLimit()
-    manager.http_filters[7].typed_config.Unpack(limit_config)
+    manager.http_filters[8].typed_config.Unpack(limit_config)
     described = {tuple((e.key, e.value) for e in d.entries) for d in limit_config.descriptors}
     assert described == {(("tenant", "team-a"), ("model", "classifier"))}  # detector: not allowed
     assert limit_config.rate_limited_as_resource_exhausted
@@ -226,6 +227,7 @@ def test_the_listener_authenticates_before_lua_and_rules_after(tmp_path: Path) -
     assert list(host.request_headers_to_remove) == ["authorization"]  # no server sees a key
     assert {h.header.key for h in host.request_headers_to_add} == {
         identity.TENANT_HEADER, identity.TENANT_LABEL_HEADER, identity.PRIORITY_PERMISSION_HEADER,
+        identity.VERSION_PERMISSION_HEADER,
     }  # fmt: skip
     # Every route of a model names it, REST twins too (the bucket is the tenant's, per model).
     marked = {
@@ -245,6 +247,7 @@ def test_the_rules_refuse_what_each_tenant_may_not_do(tmp_path: Path) -> None:
                                     "team-b": {"may_set_priority": True}})  # fmt: skip
     rules = identity.deny_rules(topology.listener.auth)
     assert sorted(rules) == [
+        "credential names no tenant",  # a JWT without the tenant claim
         "identity is not a tenant of this mesh",  # no `other`
         "tenant team-a may not choose a model version",
         "tenant team-a may not set x-priority",
@@ -272,13 +275,18 @@ def test_the_server_reads_the_edge_identity_and_bounds_its_labels() -> None:
     labels = tenancy.TenantLabels(limit=2)
     assert tenancy.edge_identity((), labels) == tenancy.ANONYMOUS_IDENTITY
     edge = (("x-infermesh-tenant", "alice"), ("x-infermesh-priority", "denied"))
-    assert tenancy.edge_identity(edge, labels) == tenancy.EdgeIdentity("alice", "other", False)
+    assert tenancy.edge_identity(edge, labels) == tenancy.EdgeIdentity(
+        "alice", "other", may_set_priority=False, may_pick_version=False
+    )
     for name in ("a", "b", "c", "bad label!"):
         seen = tenancy.edge_identity(
             (("x-infermesh-tenant", name), ("x-infermesh-tenant-label", name),
              ("x-infermesh-priority", "allowed")), labels)  # fmt: skip
-        assert seen.may_set_priority
+        assert seen.may_set_priority and not seen.may_pick_version
         assert seen.label == {"a": "a", "b": "b"}.get(name, "other")  # two named, then other
+    # Through an edge without a tenant header, what Envoy said still holds (never anonymous).
+    nameless = tenancy.edge_identity((("x-infermesh-priority", "denied"),), labels)
+    assert not nameless.may_set_priority and nameless.label == "other"
 
 
 def test_the_server_refuses_what_the_edge_could_not_see() -> None:
@@ -288,6 +296,14 @@ def test_the_server_refuses_what_the_edge_could_not_see() -> None:
         tenancy.check_model_header((("x-model-name", "classifier"),), "detector")
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "'classifier'" in info.value.message and "'detector'" in info.value.message
+    restricted = tenancy.EdgeIdentity("a", "a", False, False)
+    tenancy.check_version(restricted, "", "2")
+    tenancy.check_version(restricted, "2", "2")  # the version the split chose
+    tenancy.check_version(tenancy.ANONYMOUS_IDENTITY, "1", "")
+    with pytest.raises(InferenceError) as info:
+        tenancy.check_version(restricted, "1", "2")
+    assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert "may_pick_version" in info.value.message
     tenancy.check_priority(tenancy.EdgeIdentity("a", "a", False), 0)
     tenancy.check_priority(tenancy.ANONYMOUS_IDENTITY, 3)
     with pytest.raises(InferenceError) as info:
@@ -316,6 +332,9 @@ def test_keys_are_added_listed_and_revoked_with_their_secret_shown_once(tmp_path
     assert cli("add", "other").returncode == 2  # reserved
     assert cli("add").returncode == 2
     assert cli("revoke", "team-a.nope").returncode == 1
+    with pytest.raises(SecretError, match="already there"):
+        add_key(keys, key)  # the same key id twice would make every reload fail
     assert cli("revoke", key_id).returncode == 0 and cli("list").stdout == ""
+    assert (keys.stat().st_mode & 0o777) == 0o600 and not list(tmp_path.glob(".api-keys.*"))
     assert not revoke_key(keys, key_id)
     assert basic_authorization("a.b:c") == "Basic " + base64.b64encode(b"a.b:c").decode()
