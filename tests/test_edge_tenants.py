@@ -28,6 +28,7 @@ from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
 
+ORIGIN = "https://app.example"
 RESTRICTED = "restricted"  # a copy of the classifier only team-b may use
 INFER = "/v2/models/{}/infer"
 REST_BODY = json.dumps(
@@ -84,6 +85,7 @@ def tenants(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     listener = {
         "auth": {"mode": "api_keys", "api_keys_file": str(workdir / "api-keys")},
         "access_log": str(workdir / "access.log"),
+        "cors": {"allow_origins": [ORIGIN]},
     }
     limit = {"requests_per_s": 0.2, "burst": 2}  # one token every 5 s: the third call waits
     top = {
@@ -230,6 +232,20 @@ def test_health_and_metadata_need_a_key_too(tenants: Tenants) -> None:
     status, _, body = rest(tenants.mesh, "GET", "/v2/models/classifier",
                            headers=tenants.headers("team-a"))  # fmt: skip
     assert status == 200 and json.loads(body)["name"] == "classifier"
+
+
+def test_a_browser_preflight_needs_no_key_and_its_call_sends_one(tenants: Tenants) -> None:
+    """Browsers send CORS preflights without credentials; the call after it has the key."""
+    ask = {"origin": ORIGIN, "access-control-request-method": "POST",
+           "access-control-request-headers": "content-type,authorization"}  # fmt: skip
+    status, headers, _ = rest(tenants.mesh, "OPTIONS", INFER.format("classifier"), b"", ask)
+    assert status == 200 and headers["access-control-allow-origin"] == ORIGIN
+    assert "authorization" in headers["access-control-allow-headers"]
+    status, headers, _ = tenants.rest_infer("team-a", origin=ORIGIN)
+    assert status == 200 and headers["access-control-allow-origin"] == ORIGIN
+    assert "retry-after" in headers["access-control-expose-headers"]
+    status, _, _ = tenants.rest_infer(None, origin=ORIGIN)
+    assert status == 401  # the preflight let nothing else through
 
 
 # --- JWTs --------------------------------------------------------------------------------------
