@@ -31,6 +31,9 @@ MAX_DOWNSTREAM_CONNECTIONS = 50_000
 # at 95% and answers new requests 503 (UNAVAILABLE) at 98% of this.
 MAX_HEAP_BYTES = 1024 * 1024 * 1024
 HEAP_MONITOR = "envoy.resource_monitors.fixed_heap"
+# tcmalloc keeps freed memory for reuse; Envoy gives back up to this much a second, so its RSS
+# falls again after a burst (an attack's headers) instead of staying at the peak.
+RELEASE_BYTES_PER_INTERVAL = 256 * 1024 * 1024
 # Access logs reach their file within a second (Envoy's default is 10 s); later flags win.
 ENVOY_DEFAULT_ARGS = ("--file-flush-interval-msec", "1000")
 
@@ -130,6 +133,10 @@ def render_bootstrap(
             "clusters": [
                 xds_cluster(xds_host, [xds_port] if isinstance(xds_port, int) else xds_port)
             ]
+        },
+        "memory_allocator_manager": {
+            "bytes_to_release": RELEASE_BYTES_PER_INTERVAL,
+            "memory_release_interval": "1s",
         },
         "overload_manager": {
             "refresh_interval": "0.25s",
