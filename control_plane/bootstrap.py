@@ -47,6 +47,7 @@ HEADER = """\
 #                    ({api_type}), which also carries routes (RDS) and endpoints (EDS).
 # static_resources:  only xds_cluster, the HTTP/2 connection to the control plane.
 # overload_manager:  caps downstream connections (Envoy warns at start-up without a cap).
+# memory_allocator_manager: gives freed memory back to the system, up to 256 MiB a second.
 """
 
 
