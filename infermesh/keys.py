@@ -58,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     except SecretError as exc:  # a key id already there (32 random bits: rare): try again
         print(f"infermesh keys add: {exc}", file=sys.stderr)
         return 1
-    print(f"infermesh: added {key_id} to {path}; the key, shown once (send it as HTTP Basic, "
-          "curl -u KEY):", file=sys.stderr)  # fmt: skip
+    print(f"infermesh: added {key_id} to {path}; tenant {args.name!r} gets its entry under "
+          "`tenants:` in the topology, else the `other` policy (refused if there is none). "
+          "The key, shown once (send it as HTTP Basic, curl -u KEY):", file=sys.stderr)  # fmt: skip
     print(key)
     return 0
