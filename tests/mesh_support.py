@@ -76,12 +76,6 @@ def write_topology(
     sections (e.g. ``telemetry``) over the defaults; ``top["listener"]``'s keys over the
     default listener's (authentication off unless it says ``auth``)."""
     data: dict[str, Any] = {
-        "listener": {
-            "host": "127.0.0.1",
-            "port": listener_port,
-            "health_check_interval_s": 0.5,
-            "auth": NO_AUTH,
-        },
         "xds": {"host": "127.0.0.1", "port": 18000},
         "admin": {"host": "127.0.0.1", "port": 19000},
         "placement": {"poll_interval_s": 0.2, "timeout_s": 1.0},
@@ -92,7 +86,11 @@ def write_topology(
         "endpoints": [{"address": e} for e in endpoints],
         **(top or {}),
     }
-    data["listener"] = {"auth": NO_AUTH, **data["listener"]}
+    default_listener = {
+        "host": "127.0.0.1", "port": listener_port, "health_check_interval_s": 0.5,
+        "auth": NO_AUTH,
+    }  # fmt: skip
+    data["listener"] = {**default_listener, **(top or {}).get("listener", {})}
     path.write_text(yaml.safe_dump(data))
     return path
 

@@ -17,6 +17,7 @@ import tritonclient.grpc as grpcclient
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from control_plane.mesh import model_cluster
+from infermesh.api_keys import add_key, basic_authorization, new_key
 from tests.envoy_support import free_port
 from tests.mesh_support import ControlPlaneThread, start_ads_envoy, write_topology
 from tests.support import start_server, wait_for
@@ -90,9 +91,16 @@ def test_spans_continue_the_callers_trace_directly_and_through_envoy(
         assert attrs["infermesh.model.version"] == "2"
         assert attrs["infermesh.batch_size"] == 2
         assert attrs["rpc.grpc.status_code"] == 0
-        # Through Envoy the traceparent header arrives unchanged: the same trace continues.
+        assert "infermesh.tenant" not in attrs  # no authenticating edge: no tenant
+        # Through Envoy the traceparent header arrives unchanged: the same trace continues,
+        # and the span names the tenant Envoy authenticated.
         listener = free_port()
-        plane = ControlPlaneThread(write_topology(tmp_path / "t.yaml", listener, [server.url]))
+        key = new_key("team-t")
+        add_key(tmp_path / "api-keys", key)
+        auth = {"mode": "api_keys", "api_keys_file": str(tmp_path / "api-keys")}
+        topology = write_topology(tmp_path / "t.yaml", listener, [server.url],
+                                  top={"listener": {"auth": auth}})  # fmt: skip
+        plane = ControlPlaneThread(topology)
         stops.callback(plane.stop)
         envoy = start_ads_envoy(tmp_path, plane.plane.xds_port, listener, delta=False)
         stops.callback(envoy.stop)
@@ -105,6 +113,8 @@ def test_spans_continue_the_callers_trace_directly_and_through_envoy(
             "a healthy endpoint in Envoy",
         )
         trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
-        call(f"127.0.0.1:{listener}", trace_id, parent)
+        call(f"127.0.0.1:{listener}", trace_id, parent,
+             {"authorization": basic_authorization(key)})  # fmt: skip
         _, via_envoy = wait_for(lambda: receiver.find(trace_id), 10, "the span via Envoy")
         assert via_envoy.parent_span_id.hex() == parent
+        assert attributes(via_envoy)["infermesh.tenant"] == "team-t"
