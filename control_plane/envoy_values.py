@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from envoy.config.core.v3 import base_pb2
 from google.protobuf import any_pb2, duration_pb2
 from google.protobuf.message import Message
 
@@ -15,3 +16,11 @@ def packed(message: Message) -> any_pb2.Any:
     value = any_pb2.Any()
     value.Pack(message)
     return value
+
+
+def set_header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    """A header set to ``value``, replacing any copy already there."""
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, value=value),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )

@@ -36,7 +36,6 @@ and removes the
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable
 
@@ -60,7 +59,7 @@ from google.protobuf import struct_pb2
 from google.protobuf.message import Message
 
 from control_plane import edge
-from control_plane.envoy_values import packed
+from control_plane.envoy_values import packed, set_header
 from control_plane.mesh import (
     MODEL_HEADER,
     OTHER_TENANT,
@@ -69,7 +68,7 @@ from control_plane.mesh import (
     RateLimit,
     TenantPolicy,
 )
-from control_plane.protection import enforced_bucket, token_bucket
+from control_plane.protection import enforced_bucket, retry_after_s, token_bucket
 
 AUTH_NAMESPACE = "infermesh.auth"  # dynamic metadata: {"tenant": identity}
 ROUTE_NAMESPACE = "infermesh"  # route metadata: {"model": name}
@@ -99,10 +98,8 @@ JWT_PAYLOAD_KEY = "payload"
 UNLIMITED_TOKENS = 1_000_000_000  # the default bucket: requests no descriptor names
 TENANT_RATE_LIMITED = "tenant"  # x-infermesh-rate-limited on a tenant's 429
 # A reply the tenants' rules (or jwt_authn's audience check) refused, in words.
-PERMISSION_MESSAGE = (
-    "permission denied: %RESPONSE_CODE_DETAILS% (identity "
-    f"%DYNAMIC_METADATA({AUTH_NAMESPACE}:tenant)%)"
-)
+TENANT_VALUE = f"%DYNAMIC_METADATA({AUTH_NAMESPACE}:tenant)%"  # the identity, as Envoy formats it
+PERMISSION_MESSAGE = f"permission denied: %RESPONSE_CODE_DETAILS% (identity {TENANT_VALUE})"
 
 
 def _filter(name: str, config: Message) -> hcm_pb2.HttpFilter:
@@ -327,19 +324,19 @@ def tenant_rate_limit(
 ) -> local_rate_limit_pb2.LocalRateLimit | None:
     """One bucket per (tenant label, model) that has a limit; None when no tenant has one."""
     descriptors = []
-    intervals = []
+    waits = []
     for tenant in auth.tenants:
         for model in models:
             limit = tenant.limit_for(model)
             if limit is None or not tenant.may_use(model):
                 continue
             bucket = token_bucket(limit)
-            intervals.append(bucket.fill_interval.ToTimedelta().total_seconds())
+            waits.append(retry_after_s(bucket))
             entries = (("tenant", tenant.name), ("model", model))
             descriptors.append(_descriptor(entries, bucket))
     if not descriptors:
         return None
-    retry_after = max(1, math.ceil(max(intervals)))
+    retry_after = max(waits)
     source = rc_pb2.RateLimit.Action.MetaData
     actions = [
         _metadata_action("tenant", RBAC_NAMESPACE, LABEL_KEY, source.DYNAMIC, OTHER_TENANT),
@@ -355,11 +352,9 @@ def tenant_rate_limit(
 # --- upstream headers, refusals in words, the model of a route ------------------------------
 
 
-def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=key, value=value),
-        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-    )
+def _shadow_result(key: str) -> str:
+    """An RBAC filter's shadow result ``key``, as Envoy formats it in a header or a log."""
+    return f"%DYNAMIC_METADATA({RBAC_NAMESPACE}:{key})%"
 
 
 def upstream_headers(auth: EdgeAuth) -> tuple[list[base_pb2.HeaderValueOption], list[str]]:
@@ -367,10 +362,10 @@ def upstream_headers(auth: EdgeAuth) -> tuple[list[base_pb2.HeaderValueOption], 
     if auth.mode == "off":
         return [], []
     added = [
-        _set(TENANT_HEADER, f"%DYNAMIC_METADATA({AUTH_NAMESPACE}:tenant)%"),
-        _set(TENANT_LABEL_HEADER, f"%DYNAMIC_METADATA({RBAC_NAMESPACE}:{LABEL_KEY})%"),
-        _set(PRIORITY_PERMISSION_HEADER, f"%DYNAMIC_METADATA({RBAC_NAMESPACE}:{PRIORITY_KEY})%"),
-        _set(VERSION_PERMISSION_HEADER, f"%DYNAMIC_METADATA({RBAC_NAMESPACE}:{VERSION_KEY})%"),
+        set_header(TENANT_HEADER, TENANT_VALUE),
+        set_header(TENANT_LABEL_HEADER, _shadow_result(LABEL_KEY)),
+        set_header(PRIORITY_PERMISSION_HEADER, _shadow_result(PRIORITY_KEY)),
+        set_header(VERSION_PERMISSION_HEADER, _shadow_result(VERSION_KEY)),
     ]
     return added, ["authorization"]
 
@@ -432,7 +427,4 @@ def access_log_fields(auth: EdgeAuth) -> dict[str, str]:
     """The tenant columns of Envoy's JSON access log."""
     if auth.mode == "off":
         return {}
-    return {
-        "tenant": f"%DYNAMIC_METADATA({AUTH_NAMESPACE}:tenant)%",
-        "tenant_label": f"%DYNAMIC_METADATA({RBAC_NAMESPACE}:{LABEL_KEY})%",
-    }
+    return {"tenant": TENANT_VALUE, "tenant_label": _shadow_result(LABEL_KEY)}

@@ -31,7 +31,7 @@ from envoy.type.v3 import percent_pb2, token_bucket_pb2
 from google.protobuf import any_pb2
 from google.protobuf.wrappers_pb2 import UInt32Value
 
-from control_plane.envoy_values import duration, packed
+from control_plane.envoy_values import duration, packed, set_header
 from control_plane.mesh import CircuitBreaker, RateLimit
 
 RATE_LIMIT_FILTER = "envoy.filters.http.local_ratelimit"
@@ -70,17 +70,19 @@ def token_bucket(limit: RateLimit) -> token_bucket_pb2.TokenBucket:
     )
 
 
+def retry_after_s(bucket: token_bucket_pb2.TokenBucket) -> int:
+    """Whole seconds until ``bucket`` has a token again (at least 1): its fill interval."""
+    return max(1, math.ceil(bucket.fill_interval.ToTimedelta().total_seconds()))
+
+
 def enforced_bucket(
     stat_prefix: str, bucket: token_bucket_pb2.TokenBucket, retry_after_s: int, limited_by: str
 ) -> local_rate_limit_pb2.LocalRateLimit:
     """A local rate limit that refuses with RESOURCE_EXHAUSTED / 429, ``retry-after`` and
     ``x-infermesh-rate-limited: limited_by`` (the model, or "tenant")."""
     headers = [
-        base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key=key, value=value),
-            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-        )
-        for key, value in (("retry-after", str(retry_after_s)), (RATE_LIMITED_HEADER, limited_by))
+        set_header("retry-after", str(retry_after_s)),
+        set_header(RATE_LIMITED_HEADER, limited_by),
     ]
     return local_rate_limit_pb2.LocalRateLimit(
         stat_prefix=stat_prefix,
@@ -95,8 +97,7 @@ def enforced_bucket(
 def route_rate_limit(model: str, limit: RateLimit) -> any_pb2.Any:
     """The per-route configuration of the rate limit filter for one model's route."""
     bucket = token_bucket(limit)
-    retry_after = max(1, math.ceil(bucket.fill_interval.ToTimedelta().total_seconds()))
-    return packed(enforced_bucket("model_rate_limit", bucket, retry_after, model))
+    return packed(enforced_bucket("model_rate_limit", bucket, retry_after_s(bucket), model))
 
 
 def circuit_breakers(

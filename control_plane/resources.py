@@ -34,7 +34,7 @@ from google.protobuf.wrappers_pb2 import UInt32Value
 
 from control_plane import edge, edge_limits, exposure, identity
 from control_plane.clusters import ads_source, build_assignment, build_cluster, socket_address
-from control_plane.envoy_values import duration, packed
+from control_plane.envoy_values import duration, packed, set_header
 from control_plane.lanes import (
     INPUT_BYTES_HEADER,
     MAX_INT64,
@@ -224,13 +224,7 @@ def grpc_error(
         "grpc-status": str(status),
         "grpc-message": message,
     }
-    add = [
-        base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key=key, value=value),
-            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-        )
-        for key, value in headers.items()
-    ]
+    add = [set_header(key, value) for key, value in headers.items()]
     response = rc_pb2.DirectResponseAction(status=200)
     return route(name, match, lua=lua, direct_response=response, response_headers_to_add=add)
 
@@ -324,9 +318,7 @@ def protect(item: rc_pb2.Route, model: ModelRoute) -> rc_pb2.Route:
             route_rate_limit(model.name, model.rate_limit)
         )
     if model.fallback is not None:
-        header = item.request_headers_to_add.add()
-        header.header.key, header.header.value = FALLBACK_HEADER, model.fallback
-        header.append_action = header.OVERWRITE_IF_EXISTS_OR_ADD
+        item.request_headers_to_add.append(set_header(FALLBACK_HEADER, model.fallback))
     return item
 
 
