@@ -251,8 +251,8 @@ def deny_rules(auth: EdgeAuth) -> dict[str, rbac_pb2.Policy]:
     return rules
 
 
-def tenant_filters(auth: EdgeAuth, models: Iterable[str]) -> list[hcm_pb2.HttpFilter]:
-    """The tenants RBAC, the priority RBAC and the tenant rate limit (after Lua)."""
+def tenant_rules(auth: EdgeAuth) -> list[hcm_pb2.HttpFilter]:
+    """The tenants, priority and version RBAC filters (after Lua); none when auth is off."""
     if auth.mode == "off":
         return []
     anyone = [rbac_pb2.Permission(any=True)]
@@ -273,9 +273,6 @@ def tenant_filters(auth: EdgeAuth, models: Iterable[str]) -> list[hcm_pb2.HttpFi
         _filter(PRIORITY_RBAC_FILTER, _grant(auth, "may_set_priority", PRIORITY_PREFIX)),
         _filter(VERSION_RBAC_FILTER, _grant(auth, "may_pick_version", VERSION_PREFIX)),
     ]
-    limit = tenant_rate_limit(auth, tuple(models))
-    if limit is not None:
-        filters.append(_filter(TENANT_RATE_LIMIT_FILTER, limit))
     return filters
 
 
@@ -317,6 +314,12 @@ def _descriptor(
         entries=[ratelimit_pb2.RateLimitDescriptor.Entry(key=k, value=v) for k, v in entries],
         token_bucket=bucket,
     )
+
+
+def tenant_rate_limit_filter(auth: EdgeAuth, models: tuple[str, ...]) -> list[hcm_pb2.HttpFilter]:
+    """The tenant rate limit filter, or none (auth off, or no tenant has a limit)."""
+    limit = tenant_rate_limit(auth, models) if auth.mode != "off" else None
+    return [] if limit is None else [_filter(TENANT_RATE_LIMIT_FILTER, limit)]
 
 
 def tenant_rate_limit(

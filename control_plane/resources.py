@@ -115,12 +115,11 @@ def http_filters(
     if body_routing:
         lua = lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=lua_source()))
         filters.append(hcm_pb2.HttpFilter(name=LUA_FILTER, typed_config=packed(lua)))
-    tenants = identity.tenant_filters(auth, models)
-    filters += [f for f in tenants if f.name != identity.TENANT_RATE_LIMIT_FILTER]
+    filters += identity.tenant_rules(auth)
     if cors:
         filters.append(edge.cors_filter())
     # The tenant's bucket first: a tenant over its own limit does not spend the model's.
-    filters += [f for f in tenants if f.name == identity.TENANT_RATE_LIMIT_FILTER]
+    filters += identity.tenant_rate_limit_filter(auth, models)
     if rate_limits:
         filters.append(rate_limit_filter())
     filters.append(hcm_pb2.HttpFilter(name=ROUTER_FILTER, typed_config=packed(router_pb2.Router())))
