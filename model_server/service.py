@@ -41,6 +41,7 @@ from model_server.tenancy import (
     check_priority,
     check_version,
     edge_identity,
+    header_value,
 )
 from model_server.tracing import Tracing
 from model_server.validation import decode_request, encode_response, request_scheduling
@@ -337,7 +338,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 version = self.repository.resolve(request.model_name, wanted)
             except (ModelNotFound, ModelUnavailable):
-                fallback = _header(metadata, FALLBACK_HEADER)
+                fallback = header_value(metadata, FALLBACK_HEADER)
                 if not fallback or fallback == request.model_name:
                     raise
                 version = self.repository.resolve(fallback, "")  # its newest READY version
@@ -468,8 +469,4 @@ async def _or_abort(
 
 def _routed_version(metadata: Sequence[tuple[str, Any]]) -> str:
     """The version Envoy routed a request to (a version split), for requests that name none."""
-    return _header(metadata, ROUTED_VERSION_HEADER)
-
-
-def _header(metadata: Sequence[tuple[str, Any]], name: str) -> str:
-    return next((str(value) for key, value in metadata if key == name), "")
+    return header_value(metadata, ROUTED_VERSION_HEADER)

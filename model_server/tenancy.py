@@ -54,7 +54,8 @@ class EdgeIdentity:
 ANONYMOUS_IDENTITY = EdgeIdentity("", ANONYMOUS, True, True)
 
 
-def _header(metadata: Sequence[tuple[str, Any]], name: str) -> str:
+def header_value(metadata: Sequence[tuple[str, Any]], name: str) -> str:
+    """Request header ``name`` (gRPC metadata keys are lower case), "" when absent."""
     return next((str(value) for key, value in metadata if key == name), "")
 
 
@@ -75,20 +76,20 @@ class TenantLabels:
 
 
 def edge_identity(metadata: Sequence[tuple[str, Any]], labels: TenantLabels) -> EdgeIdentity:
-    if not any(_header(metadata, name) for name in EDGE_HEADERS):
+    if not any(header_value(metadata, name) for name in EDGE_HEADERS):
         return ANONYMOUS_IDENTITY
-    label = labels.bounded(_header(metadata, TENANT_LABEL_HEADER) or OTHER)
+    label = labels.bounded(header_value(metadata, TENANT_LABEL_HEADER) or OTHER)
     return EdgeIdentity(
-        _header(metadata, TENANT_HEADER),
+        header_value(metadata, TENANT_HEADER),
         label,
-        _header(metadata, PRIORITY_PERMISSION_HEADER) == "allowed",
-        _header(metadata, VERSION_PERMISSION_HEADER) == "allowed",
+        header_value(metadata, PRIORITY_PERMISSION_HEADER) == "allowed",
+        header_value(metadata, VERSION_PERMISSION_HEADER) == "allowed",
     )
 
 
 def check_model_header(metadata: Sequence[tuple[str, Any]], model_name: str) -> None:
     """The routing header and the body name one model (a missing header is fine)."""
-    header = _header(metadata, MODEL_HEADER)
+    header = header_value(metadata, MODEL_HEADER)
     if header and header != model_name:
         raise InvalidInput(
             f"header {MODEL_HEADER}: names model {header!r} but the request is for "
