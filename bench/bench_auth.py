@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from jwt.algorithms import RSAAlgorithm
 
 from infermesh.api_keys import add_key, basic_authorization, new_key
-from model_server.demo_models import MODEL_NAME, build_demo_repository
+from model_server.demo_models import MODEL_NAME
 
 HOST = bms.HOST
 OFF, KEYS, JWT = "auth off", "API key (basic_auth)", "JWT (jwt_authn, RS256)"
@@ -72,7 +72,8 @@ def write_topology(path: Path, listener: int, endpoints: list[str], auth: dict[s
 def listener_has(envoy: bm.Admin, setup: str) -> bool:
     """Envoy's listener config is the one for ``setup`` (its auth filter, or none)."""
     dump = envoy.call("/config_dump?resource=dynamic_listeners")
-    found = tuple(f"envoy.filters.http.{name}" in dump for name in ("basic_auth", "jwt_authn"))
+    types = ("basic_auth.v3.BasicAuth", "jwt_authn.v3.JwtAuthentication")  # the filters' configs
+    found = tuple(f"envoy.extensions.filters.http.{name}" in dump for name in types)
     return found == {OFF: (False, False), KEYS: (True, False), JWT: (False, True)}[setup]
 
 
@@ -85,10 +86,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description="listener.auth off vs API keys vs JWTs")
     be.add_run_arguments(p, rounds=3)
     args = p.parse_args()
-    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    load_avg = os.getloadavg()[0]
-    build_demo_repository(args.models)
-    exe = bms.ensure_h2load()
+    levels, load_avg, exe = be.prepare(args)
     _, req = bms.make_request(1)
     payload = req.SerializeToString()
     setups = (OFF, KEYS, JWT)

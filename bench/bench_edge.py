@@ -198,6 +198,14 @@ def add_run_arguments(p: argparse.ArgumentParser, rounds: int) -> None:
     )
 
 
+def prepare(args: argparse.Namespace) -> tuple[list[int], float, str]:
+    """(concurrency levels, load average at start, h2load's path), the demo models built."""
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    load_avg = os.getloadavg()[0]
+    build_demo_repository(args.models)
+    return levels, load_avg, bms.ensure_h2load()
+
+
 def start_servers(
     stack: ExitStack, models: Path, workdir: Path
 ) -> list[tuple[int, int, int | None]]:
@@ -216,10 +224,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description="REST vs gRPC through Envoy, 2 model servers.")
     add_run_arguments(p, rounds=2)
     args = p.parse_args()
-    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    load_avg = os.getloadavg()[0]
-    build_demo_repository(args.models)
-    exe = bms.ensure_h2load()
+    levels, load_avg, exe = prepare(args)
     x, req = bms.make_request(1)
     payload = req.SerializeToString()
     rest = bodies(x)

@@ -381,9 +381,13 @@ def refusal_mappers(auth: EdgeAuth) -> list[hcm_pb2.ResponseMapper]:
         return []
     text = substitution_format_string_pb2.SubstitutionFormatString()
     text.text_format_source.inline_string = PERMISSION_MESSAGE
-    verified = [_present(_tenant_matcher(_ANY_VALUE)), _present(_JWT_PAYLOAD)]
-    either = accesslog_pb2.AccessLogFilter(or_filter=accesslog_pb2.OrFilter(filters=verified))
-    refused = edge.all_of([edge.status_filter(403), either])
+    verified = _present(_tenant_matcher(_ANY_VALUE))
+    if auth.mode == "jwt":  # a JWT verified, whether or not it named a tenant
+        both_kinds = [verified, _present(_JWT_PAYLOAD)]
+        verified = accesslog_pb2.AccessLogFilter(
+            or_filter=accesslog_pb2.OrFilter(filters=both_kinds)
+        )
+    refused = edge.all_of([edge.status_filter(403), verified])
     both = edge.all_of([refused, edge.rest_request()])
     return [
         hcm_pb2.ResponseMapper(
