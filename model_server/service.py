@@ -37,9 +37,9 @@ from model_server.tenancy import (
     ANONYMOUS_IDENTITY,
     EdgeIdentity,
     TenantLabels,
+    check_inference,
     check_model_header,
     check_priority,
-    check_version,
     edge_identity,
     header_value,
 )
@@ -269,8 +269,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 span.set_attribute("infermesh.tenant", identity.tenant)
             try:
                 if generative is not None:  # the whole completion in one answer
-                    check_model_header(metadata, request.model_name)
-                    check_version(identity, request.model_version, routed)
+                    check_inference(metadata, identity, request, routed)
                     responses = [r async for r in self._generate(request, generative, identity)]
                     response = join_text(responses)
                 else:
@@ -296,8 +295,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             generative = self._generative(request, routed)
             if generative is not None:  # decoupled: one response per token, the last final
                 try:
-                    check_model_header(metadata, request.model_name)
-                    check_version(identity, request.model_version, routed)
+                    check_inference(metadata, identity, request, routed)
                     async for token in self._generate(request, generative, identity):
                         yield service_pb2.ModelStreamInferResponse(infer_response=token)
                 except InferenceError as exc:
@@ -326,8 +324,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         version: ModelVersion | None = None
         code = grpc.StatusCode.OK
         try:
-            check_model_header(metadata, request.model_name)
-            check_version(identity, request.model_version, routed_version)
+            check_inference(metadata, identity, request, routed_version)
             self.gate.enter()
         except InferenceError as exc:
             self._record(None, exc.code, 0, identity.label)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from tritonclient.grpc import service_pb2
 
 from model_server.errors import InferenceError, InvalidInput
 
@@ -114,3 +115,15 @@ def check_version(identity: EdgeIdentity, version: str, routed: str) -> None:
             f"{version!r}); the topology's tenants.{identity.label}.may_pick_version allows it",
             grpc.StatusCode.PERMISSION_DENIED,
         )
+
+
+def check_inference(
+    metadata: Sequence[tuple[str, Any]],
+    identity: EdgeIdentity,
+    request: service_pb2.ModelInferRequest,
+    routed: str,
+) -> None:
+    """What an inference request must pass before it is served: the routing header names its
+    model, and a version in it is one the tenant may choose (or the split's own)."""
+    check_model_header(metadata, request.model_name)
+    check_version(identity, request.model_version, routed)
