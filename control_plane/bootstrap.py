@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import ipaddress
 import json
 import os
 import resource
@@ -19,6 +18,7 @@ from typing import Any
 import yaml
 
 from control_plane.envoy_stats import ENVOY_NODE_TAG
+from infermesh.addresses import is_ip
 
 XDS_CLUSTER = "xds_cluster"
 OTLP_CLUSTER = "otlp_cluster"
@@ -46,7 +46,8 @@ HEADER = """\
 # dynamic_resources: listeners (LDS) and clusters (CDS) come over one ADS gRPC stream
 #                    ({api_type}), which also carries routes (RDS) and endpoints (EDS).
 # static_resources:  only xds_cluster, the HTTP/2 connection to the control plane.
-# overload_manager:  caps downstream connections (Envoy warns at start-up without a cap).
+# overload_manager:  caps downstream connections (Envoy warns at start-up without a cap),
+#                    and sheds new connections near the heap cap.
 # memory_allocator_manager: gives freed memory back to the system, up to 256 MiB a second.
 """
 
@@ -69,7 +70,7 @@ def xds_cluster(host: str, ports: Sequence[int], name: str = XDS_CLUSTER) -> dic
     ]
     return {
         "name": name,
-        "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
+        "type": "STATIC" if is_ip(host) else "STRICT_DNS",
         "connect_timeout": duration(1),
         "typed_extension_protocol_options": {
             HTTP_PROTOCOL_OPTIONS: {
@@ -87,14 +88,6 @@ def xds_cluster(host: str, ports: Sequence[int], name: str = XDS_CLUSTER) -> dic
         },
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]},
     }
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def render_bootstrap(
@@ -163,6 +156,16 @@ def render_bootstrap(
                 heap_action("envoy.overload_actions.shrink_heap", 0.90),
                 heap_action("envoy.overload_actions.disable_http_keepalive", 0.95),
                 heap_action("envoy.overload_actions.stop_accepting_requests", 0.98),
+            ],
+            # Near the heap cap, stop taking work in at the door: no new connections, and a
+            # connection's first bytes close it before an HTTP codec is made for it. Without
+            # these a client writing connection after connection full of frames took Envoy
+            # past 7 GB (bench_hostile's connection flood): requests were refused, but every
+            # accepted connection's bytes were still read and decoded.
+            "loadshed_points": [
+                heap_action("envoy.load_shed_points.tcp_listener_accept", 0.95),
+                heap_action("envoy.load_shed_points.hcm_ondata_creating_codec", 0.95),
+                heap_action("envoy.load_shed_points.http2_server_go_away_on_dispatch", 0.98),
             ],
         },
     }
