@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from control_plane.mesh import HEALTH_CHECK_SCOPES, LB_POLICIES
+from infermesh.addresses import is_ip
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
@@ -61,13 +62,6 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _is_ip(value: object) -> bool:
-    try:
-        return isinstance(value, str) and bool(ipaddress.ip_address(value))
-    except ValueError:
-        return False
-
-
 _STR = "a string"
 _NUM = "a number"
 # kind -> (rule on a value of the right type, the type it needs first, what it must be)
@@ -80,8 +74,8 @@ _RULES: dict[str, tuple[Any, str, str]] = {
     "port": (lambda v: isinstance(v, int) and 1 <= v <= 65535, _NUM, "a port in 1..65535"),
     "nice": (lambda v: isinstance(v, int) and 0 <= v <= 19, _NUM, "an integer in 0..19"),
     "bool": (lambda v: isinstance(v, bool), "", "true or false"),
-    "ip": (_is_ip, "", "an IP address"),
-    "host": (lambda v: _is_ip(v) or _HOST_NAME.fullmatch(v), _STR, "a host name or IP"),
+    "ip": (is_ip, "", "an IP address"),
+    "host": (lambda v: is_ip(v) or _HOST_NAME.fullmatch(v), _STR, "a host name or IP"),
     "name": (_MODEL_NAME.fullmatch, _STR, "a model name (letters, digits, '_', '.', '-')"),
     "lb_policy": (lambda v: v in LB_POLICIES, _STR, f"one of {', '.join(LB_POLICIES)}"),
     "health_checks": (
@@ -189,7 +183,7 @@ class Checker:
             return None
         if not port.isdigit() or not 1 <= int(port) <= 65535:
             self.fail(path, "must be host:port with a port in 1..65535", value)
-        elif _is_ip(host):
+        elif is_ip(host):
             return str(ipaddress.ip_address(host)), int(port)
         elif ip_only:
             self.fail(path, "must be an IP address and port (use 'dns:' for names)", value)

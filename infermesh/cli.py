@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from infermesh import keys, models
+from infermesh import certs, keys, models
 from infermesh.launcher import up
 from infermesh.secrets import ADMIN_TOKEN_FILE
 
@@ -287,9 +287,12 @@ def main(argv: list[str] | None = None) -> int:
     _add_canary_parser(commands, default_admin)
     models.add_parser(commands, ADMIN_HELP, default_admin)
     keys.add_parser(commands, ROOT)
+    certs.add_parser(commands, ROOT)
     args = parser.parse_args(argv)
     if args.command == "keys":
         return keys.run(args)
+    if args.command == "certs":
+        return certs.run(args)
     if args.command == "models":
         return models.run(args, _replicas(args.admin), _fetch)
     if args.command == "canary":

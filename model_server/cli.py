@@ -9,6 +9,7 @@ import os
 import signal
 from pathlib import Path
 
+from infermesh import pki
 from infermesh.labels import LABEL_TEXT_RULE, is_label_text
 from infermesh.logs import add_log_level, configure_logging
 from model_server.access import (
@@ -19,6 +20,7 @@ from model_server.access import (
     restriction_table,
 )
 from model_server.memory import parse_bytes
+from model_server.peers import TlsFiles
 from model_server.server import ModelServer, ServerSettings
 from model_server.service import MODEL_CONTROL_MODES
 from model_server.telemetry import MIN_INTERVAL_S
@@ -176,8 +178,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="a routing label the server reports (repeatable), e.g. zone=b or "
         "reserved_for=interactive; device_class defaults to the NVML device (or cpu)",
     )
+    tls = p.add_argument_group(
+        "mutual TLS", "all three or none: the server then speaks only TLS on gRPC and REST, "
+        "requires a client certificate from the mesh CA and checks the caller's identity "
+        "(`infermesh certs`; docs/security.md)",
+    )  # fmt: skip
+    tls.add_argument("--tls-cert", type=Path, help="this server's certificate (PEM)")
+    tls.add_argument("--tls-key", type=Path, help="its private key (PEM)")
+    tls.add_argument("--tls-ca", type=Path, help="the mesh CA certificate (PEM)")
     add_log_level(p)
     return p
+
+
+def tls_files(args: argparse.Namespace) -> TlsFiles | None:
+    given = [args.tls_cert, args.tls_key, args.tls_ca]
+    if not any(given):
+        return None
+    if not all(given):
+        raise argparse.ArgumentTypeError("--tls-cert, --tls-key and --tls-ca go together")
+    return TlsFiles(args.tls_cert, args.tls_key, args.tls_ca)
 
 
 def _label(text: str) -> tuple[str, str]:
@@ -243,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
         restriction_table(restrictions)  # a group named twice is an error before start
     except RestrictionError as exc:
         parser.error(str(exc))
+    try:
+        tls = tls_files(args)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
     configure_logging(args.log_level)
     settings = ServerSettings(
         host=args.host,
@@ -266,8 +289,12 @@ def main(argv: list[str] | None = None) -> int:
         telemetry_interval=args.telemetry_interval,
         enable_fault_injection=args.enable_fault_injection,
         labels=tuple(args.labels),
+        tls=tls,
     )
     try:
         return asyncio.run(serve(settings))
+    except pki.CertificateError as exc:  # names the file and the problem; never key material
+        log.error("cannot start: %s", exc)
+        return 2
     except KeyboardInterrupt:
         return 1

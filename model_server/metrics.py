@@ -163,6 +163,16 @@ class ServerMetrics:
             ["model"],
             registry=r,
         )
+        self.certificate_reload_failures = Counter(
+            "certificate_reload_failures",
+            "renewed certificate files that failed their checks (the last good one stays in use)",
+            registry=r,
+        )
+        self.certificate_expiry = Gauge(
+            "certificate_expiry_timestamp_seconds",
+            "when the certificate in use expires, Unix time (absent without --tls-cert)",
+            registry=r,
+        )
         self.draining = Gauge("server_draining", "1 once the server has begun to drain", registry=r)
         self.label = Gauge(
             "server_label",

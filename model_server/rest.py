@@ -22,6 +22,7 @@ from model_server import __version__
 from model_server.access import Restriction, check_metadata, rest_group
 from model_server.errors import InferenceError, InvalidInput, http_status
 from model_server.memory import format_bytes
+from model_server.peers import ServerTls, decide, rest_peer_id
 from model_server.rest_codec import (
     BINARY_CONTENT_TYPE,
     HEADER_LENGTH,
@@ -107,6 +108,23 @@ def restricted_middleware(table: Mapping[str, Restriction]) -> Any:
     return restricted
 
 
+def peer_middleware(trust_domain: str, table: Mapping[str, Restriction]) -> Any:
+    """With mutual TLS: 403 unless the client certificate's identity may call the group (and,
+    for restricted groups, is an operator or sends the credential header), as gRPC does."""
+
+    @web.middleware
+    async def peer(request: web.Request, handler: Handler) -> web.StreamResponse:
+        transport = request.transport
+        spiffe_id = rest_peer_id(transport.get_extra_info("peercert") if transport else None)
+        headers = [(k.lower(), v) for k, v in request.headers.items()]
+        refused = decide(rest_group(request.path), spiffe_id, trust_domain, table, headers)
+        if refused is not None:
+            return error_response(403, refused)
+        return await handler(request)
+
+    return peer
+
+
 class RestServer:
     """The REST routes over one InferenceService."""
 
@@ -116,6 +134,7 @@ class RestServer:
         max_request_bytes: int,
         max_concurrent: int = 0,
         restricted: Mapping[str, Restriction] | None = None,
+        tls: ServerTls | None = None,
     ) -> None:
         self.service = service
         self.max_request_bytes = max_request_bytes
@@ -123,8 +142,11 @@ class RestServer:
         self.active = 0
         self.port = 0
         self._runner: web.AppRunner | None = None
+        self.tls = tls
         middlewares = [_errors]
-        if restricted:
+        if tls is not None:  # every call checked: the peer, then the restricted groups
+            middlewares.append(peer_middleware(tls.trust_domain, restricted or {}))
+        elif restricted:
             middlewares.append(restricted_middleware(restricted))
         self.app = web.Application(middlewares=middlewares, client_max_size=max_request_bytes)
         get, post = web.get, web.post
@@ -158,7 +180,8 @@ class RestServer:
             self.app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, reuse_address=True)
+        context = self.tls.ssl_context() if self.tls is not None else None
+        site = web.TCPSite(self._runner, host, port, reuse_address=True, ssl_context=context)
         await site.start()
         server: Any = site._server  # an asyncio.Server: the bound port, when port was 0
         self.port = int(server.sockets[0].getsockname()[1])

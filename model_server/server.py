@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from tritonclient.grpc import service_pb2_grpc
 
+from infermesh import pki
 from model_server.access import RestrictedApiInterceptor, Restriction, restriction_table
 from model_server.admin_http import AdminServer, start_admin_server
 from model_server.faults import FaultInjector
@@ -29,6 +30,7 @@ from model_server.memory import (
     format_bytes,
 )
 from model_server.metrics import ServerMetrics
+from model_server.peers import RELOAD_CHECK_S, MeshAccessInterceptor, ServerTls, TlsFiles
 from model_server.repository import ModelRepository
 from model_server.rest import RestServer
 from model_server.runtime import DeviceChoice, choose_device
@@ -74,6 +76,7 @@ class ServerSettings:
     telemetry_interval: float = 1.0
     enable_fault_injection: bool = False
     labels: tuple[tuple[str, str], ...] = ()  # routing labels (--label); device_class is auto
+    tls: TlsFiles | None = None  # mutual TLS on gRPC and REST (model_server.peers); None: off
 
     def resolved_metrics_port(self) -> int:
         if self.metrics_port is not None:
@@ -123,6 +126,23 @@ class ModelServer:
         self._http: AdminServer | None = None
         self.faults = FaultInjector(settings.enable_fault_injection)
         self.exporters: list[OtlpExporter] = []
+        self.tls = self._server_tls(settings)
+
+    def _server_tls(self, settings: ServerSettings) -> ServerTls | None:
+        """The checked certificate (raises pki.CertificateError, naming the file, when the
+        server must not start). Its identity must be the advertised address's."""
+        if settings.tls is None:
+            return None
+        if settings.port == 0 and not settings.advertise_address:
+            raise pki.CertificateError(
+                f"{settings.tls.cert}: a certificate names its server's address; give --port "
+                "a fixed port (or --advertise-address), not 0"
+            )
+        address = settings.advertise_address or f"{settings.host}:{settings.port}"
+        expect = pki.model_server(address).spiffe_id
+        tls = ServerTls(settings.tls, expect, self.metrics.certificate_reload_failures.inc)
+        self.metrics.certificate_expiry.set_function(lambda: tls.current.not_after.timestamp())
+        return tls
 
     def is_ready(self) -> bool:
         return (
@@ -157,8 +177,11 @@ class ModelServer:
         s = self.settings
         limit = s.max_request_bytes + GRPC_HEADROOM_BYTES
         restricted = restriction_table(s.restrictions)
-        # No interceptor without restrictions: every call would pay for it.
-        interceptors = [RestrictedApiInterceptor(restricted)] if restricted else None
+        interceptors: list[grpc.aio.ServerInterceptor] | None = None
+        if self.tls is not None:  # every call's peer checked (and the restricted groups)
+            interceptors = [MeshAccessInterceptor(self.tls.trust_domain, restricted)]
+        elif restricted:  # no interceptor without restrictions: every call would pay for it
+            interceptors = [RestrictedApiInterceptor(restricted)]
         self.grpc_server = grpc.aio.server(
             interceptors=interceptors,
             options=[
@@ -180,7 +203,12 @@ class ModelServer:
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, self.grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         await self.refresh_health()  # NOT_SERVING until the models are READY
-        self.port = self.grpc_server.add_insecure_port(f"{s.host}:{s.port}")
+        address = f"{s.host}:{s.port}"
+        self.port = (
+            self.grpc_server.add_secure_port(address, self.tls.grpc_credentials())
+            if self.tls is not None
+            else self.grpc_server.add_insecure_port(address)
+        )
         # Spans name the endpoint by its advertised address, known once the port is bound.
         self.tracing = service.tracing = Tracing(s.trace_endpoint, self.advertised)
         await self.grpc_server.start()
@@ -194,7 +222,9 @@ class ModelServer:
             )
             self.metrics_port = self._http.server_address[1]
         if s.resolved_http_port() >= 0:
-            self._rest = RestServer(service, s.max_request_bytes, s.max_concurrent_rpcs, restricted)
+            self._rest = RestServer(
+                service, s.max_request_bytes, s.max_concurrent_rpcs, restricted, self.tls
+            )
             self.http_port = await self._rest.start(s.host, s.resolved_http_port())
         reading = self.memory.read()
         if s.enable_fault_injection:
@@ -220,6 +250,8 @@ class ModelServer:
         )
         self._spawn(self._load_at_start())
         self._spawn(self._sample_memory())
+        if self.tls is not None:
+            self._spawn(self._watch_certificates(self.tls))
         for endpoint in s.otlp_endpoints:
             exporter = OtlpExporter(
                 endpoint,
@@ -230,6 +262,15 @@ class ModelServer:
             )
             self.exporters.append(exporter)
             self._spawn(exporter.run())
+
+    async def _watch_certificates(self, tls: ServerTls) -> None:
+        """Renewed files are taken into use within a second or two, handshakes or not (the
+        REST port's context is reloaded here; gRPC also asks on every handshake). On the loop
+        itself, not a thread, since the loop's handshakes use that context: three stat()s a
+        second, and a millisecond or two to parse a renewed certificate once a day."""
+        while True:
+            await asyncio.sleep(RELOAD_CHECK_S)
+            tls.reload_if_changed()
 
     @property
     def advertised(self) -> str:

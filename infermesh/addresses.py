@@ -1,0 +1,13 @@
+"""What an address looks like, for every package that reads or writes one (one rule)."""
+
+from __future__ import annotations
+
+import ipaddress
+
+
+def is_ip(value: object) -> bool:
+    """Whether ``value`` is an IPv4 or IPv6 address as text (a host name is not)."""
+    try:
+        return isinstance(value, str) and bool(ipaddress.ip_address(value))
+    except ValueError:
+        return False

@@ -1,0 +1,105 @@
+"""``infermesh certs init|issue|rotate|show``: the mesh CA and workload certificates.
+
+- ``init``: a new CA in ``.infermesh/pki`` (``ca.crt``, ``ca.key`` 0600); refuses to replace one.
+- ``issue KIND NAME``: a workload certificate (24 h by default) in the same directory, e.g.
+  ``issue model-server 127.0.0.1:8001``, ``issue envoy envoy-1``, ``issue operator alice``.
+- ``rotate``: re-issues every workload certificate there that is past two thirds of its life
+  (``--force``: all of them), keeping each identity and its DNS/IP names. Processes pick the new
+  files up on their own (Envoy through the control plane's SDS); nothing restarts.
+- ``show``: each certificate's identity and how long it has left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from cryptography import x509
+
+from infermesh import pki
+
+PKI_DIR = Path(".infermesh") / "pki"
+
+
+def add_parser(commands: Any, root: Path) -> None:
+    certs = commands.add_parser("certs", help="the mesh CA and workload certificates (mTLS)")
+    certs.add_argument("action", choices=("init", "issue", "rotate", "show"))
+    certs.add_argument("kind", nargs="?", help=f"issue: one of {', '.join(pki.KINDS)}")
+    certs.add_argument("name", nargs="?", help="issue: HOST:PORT for a model server, else a name")
+    certs.add_argument("--dir", type=Path, default=root / PKI_DIR, help="the CA and certs")
+    certs.add_argument("--trust-domain", default=pki.DEFAULT_TRUST_DOMAIN, help="init: the CA's")
+    certs.add_argument("--hours", type=float, default=pki.WORKLOAD_HOURS, help="issue, rotate")
+    certs.add_argument("--dns", action="append", default=[], help="issue: an extra DNS name")
+    certs.add_argument("--ip", action="append", default=[], help="issue: an extra IP address")
+    certs.add_argument("--force", action="store_true", help="rotate: every certificate, now")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except pki.CertificateError as exc:
+        print(f"infermesh certs {args.action}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    directory: Path = args.dir
+    if args.action == "init":
+        authority = pki.init_authority(directory, args.trust_domain)
+        print(f"infermesh: a new CA for {authority.trust_domain} in {directory}")
+        return 0
+    if args.action == "show":
+        for path in sorted(directory.glob("*.crt")):
+            print(pki.describe(path))
+        return 0
+    authority = pki.load_authority(directory)
+    if args.action == "issue":
+        if not args.kind or not args.name:
+            print("infermesh certs issue: needs KIND and NAME", file=sys.stderr)
+            return 2
+        who = named_workload(args.kind, args.name, authority.trust_domain, args.dns, args.ip)
+        files = pki.issue(authority, who, directory, args.hours)
+        print(f"infermesh: {who.spiffe_id} -> {files.cert}, {files.key}")
+        return 0
+    renewed = rotate(authority, directory, args.hours, args.force)
+    print(f"infermesh: renewed {len(renewed)} certificate(s)")
+    for spiffe_id in renewed:
+        print(f"  {spiffe_id}")
+    return 0
+
+
+def named_workload(
+    kind: str, name: str, trust_domain: str, dns: list[str], ips: list[str]
+) -> pki.Workload:
+    if kind == "model-server":
+        who = pki.model_server(name, trust_domain)
+        return pki.workload(kind, who.name, trust_domain, [*who.dns, *dns], [*who.ips, *ips])
+    return pki.workload(kind, tuple(name.split("/")), trust_domain, dns, ips)
+
+
+def rotate(authority: pki.Authority, directory: Path, hours: float, force: bool) -> list[str]:
+    """Re-issue the workload certificates in ``directory`` that need it; their SPIFFE IDs."""
+    renewed = []
+    for path in sorted(directory.glob("*.crt")):
+        if path.name == "ca.crt" or not (force or pki.needs_renewal(path)):
+            continue
+        who = workload_of(pki.read_certificate(path))
+        if who is None:
+            continue  # not one of ours (a file someone put here): left alone
+        pki.issue(authority, who, directory, hours)
+        renewed.append(who.spiffe_id)
+    return renewed
+
+
+def workload_of(cert: x509.Certificate) -> pki.Workload | None:
+    """The identity and names a certificate was issued for (to issue it again)."""
+    spiffe = pki.spiffe_id_of(cert)
+    who = pki.parse_spiffe_id(spiffe) if spiffe else None
+    if who is None:
+        return None
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    dns = san.get_values_for_type(x509.DNSName)
+    ips = [str(ip) for ip in san.get_values_for_type(x509.IPAddress)]
+    return pki.workload(who.kind, who.name, who.trust_domain, dns, ips)

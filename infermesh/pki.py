@@ -1,0 +1,436 @@
+"""The mesh's certificate authority and workload certificates (the ``cryptography`` library).
+
+Every process inside the mesh proves who it is with a short-lived X.509 certificate signed by
+the mesh CA. The identity is a SPIFFE ID in the certificate's URI SAN:
+
+    spiffe://<trust-domain>/model-server/<host>/<port>
+    spiffe://<trust-domain>/envoy/<node-id>
+    spiffe://<trust-domain>/control-plane/<name>
+    spiffe://<trust-domain>/operator/<name>
+
+(SPIFFE path segments allow only letters, digits, ``.``, ``-`` and ``_``, so a server's
+address is two segments rather than ``host:port``.) The DNS and IP SANs a workload is reached
+by ride along, so TLS hostname checks work too.
+
+Keys are ECDSA P-256: a handshake costs a fraction of an RSA one, which matters on reconnect
+storms. Files are PEM; private keys are written 0600 and never logged. Loading a workload's
+files checks everything a start-up should refuse on, with a message naming the file and the
+problem: missing or unreadable, not PEM, expired or not yet valid, key not matching the
+certificate, not signed by the CA, or not the identity the process was told to be.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from infermesh.addresses import is_ip
+
+DEFAULT_TRUST_DOMAIN = "infermesh.local"
+WORKLOAD_HOURS = 24.0  # a workload certificate's default lifetime
+CA_DAYS = 365
+# Renew once this share of the lifetime has passed (16 h of 24): a failed renewal then has
+# hours to be noticed and retried before anything expires.
+RENEW_AFTER = 2 / 3
+KINDS = ("model-server", "envoy", "control-plane", "operator")
+_SEGMENT = re.compile(r"^[A-Za-z0-9._-]+$")
+_TRUST_DOMAIN = re.compile(r"^[a-z0-9._-]+$")
+
+
+class CertificateError(ValueError):
+    """A certificate or key that cannot be used; names the file and the problem, never a key."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Who a certificate is for: its SPIFFE ID and the names it is reached by."""
+
+    kind: str
+    name: tuple[str, ...]  # path segments after the kind
+    trust_domain: str = DEFAULT_TRUST_DOMAIN
+    dns: tuple[str, ...] = ()
+    ips: tuple[str, ...] = ()
+
+    @property
+    def spiffe_id(self) -> str:
+        return f"spiffe://{self.trust_domain}/{self.kind}/" + "/".join(self.name)
+
+    @property
+    def file_stem(self) -> str:
+        """A file name for it: ``model-server_127.0.0.1_8001``."""
+        return "_".join((self.kind, *self.name))
+
+
+def model_server(address: str, trust_domain: str = DEFAULT_TRUST_DOMAIN) -> Workload:
+    """The identity of the model server at ``host:port`` (its advertised address)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise CertificateError(f"model server address {address!r}: expected host:port")
+    host = host.strip("[]")
+    ips, dns = ((host,), ()) if is_ip(host) else ((), (host,))
+    return workload("model-server", (host.replace(":", "."), port), trust_domain, dns, ips)
+
+
+def envoy(node_id: str, trust_domain: str = DEFAULT_TRUST_DOMAIN) -> Workload:
+    return workload("envoy", (node_id,), trust_domain)
+
+
+def control_plane(
+    name: str = "control-plane",
+    trust_domain: str = DEFAULT_TRUST_DOMAIN,
+    hosts: Sequence[str] = ("127.0.0.1", "localhost"),
+) -> Workload:
+    ips = tuple(h for h in hosts if is_ip(h))
+    dns = tuple(h for h in hosts if not is_ip(h))
+    return workload("control-plane", (name,), trust_domain, dns, ips)
+
+
+def operator(name: str, trust_domain: str = DEFAULT_TRUST_DOMAIN) -> Workload:
+    return workload("operator", (name,), trust_domain)
+
+
+def workload(
+    kind: str,
+    name: Sequence[str],
+    trust_domain: str = DEFAULT_TRUST_DOMAIN,
+    dns: Sequence[str] = (),
+    ips: Sequence[str] = (),
+) -> Workload:
+    """A checked ``Workload``: a known kind, SPIFFE-legal segments and trust domain."""
+    if kind not in KINDS:
+        raise CertificateError(f"workload kind {kind!r}: expected one of {', '.join(KINDS)}")
+    if not _TRUST_DOMAIN.match(trust_domain):
+        raise CertificateError(
+            f"trust domain {trust_domain!r}: expected lower-case letters, digits, '.', '-', '_'"
+        )
+    for segment in name:
+        if not _SEGMENT.match(segment) or segment in (".", ".."):
+            raise CertificateError(
+                f"{kind} name segment {segment!r}: expected letters, digits, '.', '-', '_'"
+            )
+    for ip in ips:
+        if not is_ip(ip):
+            raise CertificateError(f"{kind} IP SAN {ip!r}: not an IP address")
+    return Workload(kind, tuple(name), trust_domain, tuple(dns), tuple(ips))
+
+
+def parse_spiffe_id(text: str) -> Workload | None:
+    """The workload a SPIFFE ID names, or None when it is not one of the mesh's kinds."""
+    match = re.match(r"^spiffe://([^/]+)/([^/]+)/(.+)$", text)
+    if not match:
+        return None
+    domain, kind, rest = match.groups()
+    try:
+        return workload(kind, tuple(rest.split("/")), domain)
+    except CertificateError:
+        return None
+
+
+# --- files ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Authority:
+    """The mesh CA: its certificate and key (the key only where certificates are issued)."""
+
+    cert: x509.Certificate
+    key: ec.EllipticCurvePrivateKey
+    trust_domain: str
+
+
+@dataclass(frozen=True)
+class IssuedFiles:
+    cert: Path
+    key: Path
+
+
+def ca_paths(directory: Path) -> tuple[Path, Path]:
+    return directory / "ca.crt", directory / "ca.key"
+
+
+def init_authority(
+    directory: Path, trust_domain: str = DEFAULT_TRUST_DOMAIN, days: int = CA_DAYS
+) -> Authority:
+    """A new CA in ``directory`` (``ca.crt``, ``ca.key`` 0600). Refuses to replace one."""
+    cert_path, key_path = ca_paths(directory)
+    if cert_path.exists() or key_path.exists():
+        raise CertificateError(f"{cert_path}: a CA is already there (remove it to start over)")
+    workload("operator", ("ca",), trust_domain)  # checks the trust domain
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "InferMesh"),
+            x509.NameAttribute(NameOID.COMMON_NAME, f"InferMesh CA {trust_domain}"),
+        ]
+    )
+    now = _now()
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    _write_private(key_path, _key_pem(key))
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return Authority(cert, key, trust_domain)
+
+
+def load_authority(directory: Path) -> Authority:
+    """The CA in ``directory``, key included (for issuing)."""
+    cert_path, key_path = ca_paths(directory)
+    cert = read_certificate(cert_path)
+    key = read_private_key(key_path)
+    if key.public_key() != cert.public_key():
+        raise CertificateError(f"{key_path}: this key does not belong to {cert_path}")
+    return Authority(cert, key, _trust_domain_of_ca(cert))
+
+
+def issue(
+    authority: Authority,
+    who: Workload,
+    directory: Path,
+    hours: float = WORKLOAD_HOURS,
+    start: dt.datetime | None = None,
+) -> IssuedFiles:
+    """A certificate and key for ``who``, written as ``<stem>.crt`` and ``<stem>.key`` (0600),
+    replacing any before (the key is written first, then the certificate, each atomically, so
+    a reader never sees a certificate without its key). ``start``: when its validity begins
+    (now; an earlier time makes certificates that have already expired, for tests)."""
+    if who.trust_domain != authority.trust_domain:
+        raise CertificateError(
+            f"{who.spiffe_id}: the CA is for trust domain {authority.trust_domain!r}"
+        )
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = start or _now()
+    names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(who.spiffe_id)]
+    names += [x509.DNSName(d) for d in who.dns]
+    names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in who.ips]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, who.file_stem[:64])]))
+        .issuer_name(authority.cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(hours=hours))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(authority.key.public_key()),
+            critical=False,
+        )
+        .sign(authority.key, hashes.SHA256())
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    files = IssuedFiles(directory / f"{who.file_stem}.crt", directory / f"{who.file_stem}.key")
+    _write_private(files.key, _key_pem(key))
+    _write_atomic(files.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return files
+
+
+# --- loading and checking --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """A workload's checked certificate, key and the CA that verifies its peers (PEM bytes,
+    as gRPC, Envoy's SDS and ``ssl`` take them)."""
+
+    cert_pem: bytes
+    key_pem: bytes
+    ca_pem: bytes
+    spiffe_id: str
+    not_after: dt.datetime
+    not_before: dt.datetime
+
+    def renew_at(self) -> dt.datetime:
+        return self.not_before + (self.not_after - self.not_before) * RENEW_AFTER
+
+    def __repr__(self) -> str:  # never the key
+        return f"Credentials({self.spiffe_id}, not_after={self.not_after.isoformat()})"
+
+
+def load_credentials(
+    cert_path: Path, key_path: Path, ca_path: Path, expect: str | None = None
+) -> Credentials:
+    """A workload's files, checked as a start-up must: readable PEM, within their validity,
+    key matching, signed by the CA, and (``expect``) carrying that SPIFFE ID."""
+    ca = read_certificate(ca_path)
+    _check_validity(ca, ca_path)
+    cert = read_certificate(cert_path)
+    key = read_private_key(key_path)
+    if key.public_key() != cert.public_key():
+        raise CertificateError(f"{key_path}: this key does not belong to {cert_path}")
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        raise CertificateError(f"{cert_path}: not signed by the mesh CA in {ca_path}") from None
+    _check_validity(cert, cert_path)
+    identity = spiffe_id_of(cert)
+    if identity is None:
+        raise CertificateError(f"{cert_path}: no spiffe:// URI SAN (not a mesh certificate)")
+    if expect is not None and identity != expect:
+        raise CertificateError(f"{cert_path}: is for {identity}, expected {expect}")
+    return Credentials(
+        cert.public_bytes(serialization.Encoding.PEM),
+        key_path.read_bytes(),
+        ca.public_bytes(serialization.Encoding.PEM),
+        identity,
+        cert.not_valid_after_utc,
+        cert.not_valid_before_utc,
+    )
+
+
+def spiffe_id_of(cert: x509.Certificate) -> str | None:
+    """The certificate's one spiffe:// URI SAN (None without exactly one)."""
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return None
+    uris = [u for u in san.get_values_for_type(x509.UniformResourceIdentifier)]
+    spiffe = [u for u in uris if u.startswith("spiffe://")]
+    return spiffe[0] if len(spiffe) == 1 else None
+
+
+def spiffe_id_of_pem(pem: bytes) -> str | None:
+    try:
+        return spiffe_id_of(x509.load_pem_x509_certificate(pem))
+    except ValueError:
+        return None
+
+
+def read_certificate(path: Path) -> x509.Certificate:
+    data = _read(path, "certificate")
+    try:
+        return x509.load_pem_x509_certificate(data)
+    except ValueError:
+        raise CertificateError(f"{path}: not a PEM certificate") from None
+
+
+def read_private_key(path: Path) -> ec.EllipticCurvePrivateKey:
+    data = _read(path, "private key")
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError):
+        raise CertificateError(f"{path}: not an unencrypted PEM private key") from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise CertificateError(f"{path}: expected an EC private key")
+    return key
+
+
+def needs_renewal(path: Path, now: dt.datetime | None = None) -> bool:
+    """True when the certificate at ``path`` is missing, unreadable or past its renewal point."""
+    try:
+        cert = read_certificate(path)
+    except CertificateError:
+        return True
+    begin, end = cert.not_valid_before_utc, cert.not_valid_after_utc
+    return (now or _now()) >= begin + (end - begin) * RENEW_AFTER
+
+
+def describe(path: Path) -> str:
+    """One line about a certificate: identity, validity, issuer (for ``infermesh certs show``)."""
+    cert = read_certificate(path)
+    left = cert.not_valid_after_utc - _now()
+    state = "EXPIRED" if left.total_seconds() <= 0 else f"{_hours(left)} left"
+    who = spiffe_id_of(cert) or cert.subject.rfc4514_string()
+    return f"{path.name}: {who}; valid until {cert.not_valid_after_utc:%Y-%m-%d %H:%M}Z ({state})"
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _check_validity(cert: x509.Certificate, path: Path) -> None:
+    now = _now()
+    if now < cert.not_valid_before_utc:
+        raise CertificateError(
+            f"{path}: not valid before {cert.not_valid_before_utc:%Y-%m-%d %H:%M:%S}Z"
+        )
+    if now >= cert.not_valid_after_utc:
+        raise CertificateError(f"{path}: expired at {cert.not_valid_after_utc:%Y-%m-%d %H:%M:%S}Z")
+
+
+def _trust_domain_of_ca(cert: x509.Certificate) -> str:
+    names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    text = str(names[0].value) if names else ""
+    prefix = "InferMesh CA "
+    return text[len(prefix) :] if text.startswith(prefix) else DEFAULT_TRUST_DOMAIN
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise CertificateError(f"{path}: {what} file not found") from None
+    except OSError as exc:
+        raise CertificateError(f"{path}: cannot read the {what}: {exc.strerror}") from None
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    _write_atomic(path, data, 0o600)
+
+
+def _write_atomic(path: Path, data: bytes, mode: int) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.write(fd, data)
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _hours(delta: dt.timedelta) -> str:
+    hours = delta.total_seconds() / 3600
+    return f"{hours:.1f} h" if hours < 48 else f"{hours / 24:.0f} days"
