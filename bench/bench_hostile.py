@@ -10,9 +10,9 @@ x-model-name header), alone ("quiet") and then beside each attacker, in rounds, 
 - h2 streams: one HTTP/2 connection opening streams without END_STREAM, 10,000 at once and
   then 10,000 more for as long as Envoy keeps it, answers read (max_concurrent_streams refuses
   all but 100; Envoy's flood guard closes the connection); then a new connection;
-- h2 connections: the first 10,000 streams' bytes on connection after connection, each closed
-  as soon as written (hundreds a second): a connection flood, which no per-connection limit
-  bounds (see docs/security.md);
+- h2 connections (once, after the rounds): the first 10,000 streams' bytes on connection after
+  connection, each closed as soon as written (hundreds a second): a connection flood, which
+  no per-connection limit bounds (see docs/security.md);
 - oversized metadata: gRPC calls with a 100 KiB header, 20 at a time for as long as Envoy
   keeps the connection, on 8 connections at once;
   (the HTTP/2 attackers send bytes encoded once, so their CPU goes to sending; each but the
@@ -73,6 +73,7 @@ class Run:
     attack_sent: int  # what the attacker managed to send (connections, requests, streams)
     envoy_cores: float  # Envoy's CPU over the timed window / its length
     attacker_cores: float  # this process's CPU (the attacker's threads, mostly) likewise
+    rnd: int = 0  # the round, whose quiet run this one is compared with
     why: str = ""  # what the failures were: h2load statuses, server codes, calls never sent
 
 
@@ -265,7 +266,10 @@ ATTACKS: dict[str, Callable[[int, threading.Event], int] | None] = {
     "h2: streams flooding one connection, 10,000 a batch": h2_streams,
     "oversized metadata (100 KiB, 8 at once)": oversized_metadata,
     "slow body (50, a byte a second)": slow_body,
-    # Last: Envoy works through its backlog for a minute after it (settle() waits).
+}
+# Run once, after the rounds: Envoy works through what it leaves for a minute or more and keeps
+# the memory a while, which would weigh on whatever ran next.
+AFTER_ROUNDS: dict[str, Callable[[int, threading.Event], int]] = {
     "h2-connections: 10,000 streams a connection, connections not awaited": h2_connection_flood,
 }
 
@@ -289,8 +293,10 @@ def settle(pid: int, idle_cores: float = 0.2, deadline_s: float = 90.0) -> float
     return time.monotonic() - started
 
 
-def run_once(args: argparse.Namespace, exe: str, mesh: bm.Mesh, attack: str, workdir: Path) -> Run:
-    attacker = ATTACKS[attack]
+def run_once(
+    args: argparse.Namespace, exe: str, mesh: bm.Mesh, attack: str, workdir: Path, rnd: int
+) -> Run:
+    attacker = {**ATTACKS, **AFTER_ROUNDS}[attack]
     settled_s = settle(mesh.envoy_pid)
     if settled_s > 1.0:
         print(f"  (Envoy took {settled_s:.1f} s to go idle after the previous run)", flush=True)
@@ -314,7 +320,7 @@ def run_once(args: argparse.Namespace, exe: str, mesh: bm.Mesh, attack: str, wor
                 print(f"  (Envoy at {peak[-1]:.0f} MiB: attack stopped)", flush=True)
                 stop.set()
 
-    sampler = threading.Thread(target=sample)
+    sampler = threading.Thread(target=sample, daemon=True)  # an interrupted run still exits
     sampler.start()
     envoy0, own0, wall0 = (
         bms.cpu_seconds(mesh.envoy_pid) or 0.0,
@@ -353,7 +359,7 @@ def run_once(args: argparse.Namespace, exe: str, mesh: bm.Mesh, attack: str, wor
         attack, len(lat), len(rows) - len(lat) + int(non_ok) + missing,
         float(np.percentile(lat, 50)) if len(lat) else float("nan"),
         float(np.percentile(lat, 99)) if len(lat) else float("nan"),
-        max(peak), sent[0], envoy_cores, attacker_cores, why,
+        max(peak), sent[0], envoy_cores, attacker_cores, rnd, why,
     )  # fmt: skip
 
 
@@ -378,11 +384,13 @@ def report(runs: list[Run], rounds: int) -> int:
           "| good failures | Envoy peak RSS MiB | Envoy cores | attacker cores | attacker sent "
           "| pass |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    quiet = dict(enumerate(r for r in runs if r.attack == "quiet"))
+    quiet = {r.rnd: r for r in runs if r.attack == "quiet"}
     failed = 0
-    for attack in ATTACKS:
+    for attack in [*ATTACKS, *AFTER_ROUNDS]:
         mine = [r for r in runs if r.attack == attack]
-        ratios = [r.p99_ms / quiet[i].p99_ms for i, r in enumerate(mine)]
+        if not mine:
+            continue
+        ratios = [r.p99_ms / quiet[r.rnd].p99_ms for r in mine]
         p99s = [r.p99_ms for r in mine]
         bad = sum(r.failed for r in mine)
         peak = max(r.envoy_peak_rss_mib for r in mine)
@@ -416,8 +424,9 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.attacks:
         wanted = {w.strip() for w in args.attacks.split(",")}
-        for name in [n for n in ATTACKS if n != "quiet" and n.split()[0] not in wanted]:
-            del ATTACKS[name]
+        for table in (ATTACKS, AFTER_ROUNDS):
+            for name in [n for n in table if n != "quiet" and n.split()[0] not in wanted]:
+                del table[name]
     load_avg = os.getloadavg()[0]
     build_demo_repository(args.models)
     exe = bms.ensure_h2load()
@@ -445,14 +454,15 @@ def main() -> int:
         bm.wait_for(lambda: envoy.call("/clusters").count("::health_flags::healthy") >= 4, 30,
                     "healthy hosts")  # fmt: skip
         bm.grpc_check(f"{HOST}:{listener}", req, True, None, args.credential)
-        for rnd in range(args.rounds):
-            for attack in ATTACKS:
-                runs.append(run := run_once(args, exe, mesh, attack, workdir))
-                print(f"round {rnd + 1} {attack}: P99 {run.p99_ms:.2f} ms, failed "
-                      f"{run.failed}, Envoy RSS {run.envoy_peak_rss_mib:.0f} MiB, Envoy "
-                      f"{run.envoy_cores:.2f} cores, attacker {run.attacker_cores:.2f} cores, "
-                      f"sent {run.attack_sent:,}" + (f"; failures: {run.why}" if run.why else ""),
-                      flush=True)  # fmt: skip
+        plan = [(rnd, attack) for rnd in range(args.rounds) for attack in ATTACKS]
+        plan += [(args.rounds - 1, attack) for attack in AFTER_ROUNDS]
+        for rnd, attack in plan:
+            runs.append(run := run_once(args, exe, mesh, attack, workdir, rnd))
+            print(f"round {rnd + 1} {attack}: P99 {run.p99_ms:.2f} ms, failed "
+                  f"{run.failed}, Envoy RSS {run.envoy_peak_rss_mib:.0f} MiB, Envoy "
+                  f"{run.envoy_cores:.2f} cores, attacker {run.attacker_cores:.2f} cores, "
+                  f"sent {run.attack_sent:,}" + (f"; failures: {run.why}" if run.why else ""),
+                  flush=True)  # fmt: skip
     print(f"\n## Good traffic under hostile clients: commit {bm.commit()}, nproc "
           f"{os.cpu_count()}, load average at start {load_avg:.2f}")  # fmt: skip
     print(f"h2load -c {GOOD_CLIENTS} --rps {GOOD_RPS} (ModelInfer, batch 1, x-model-name), "

@@ -113,13 +113,21 @@ class EndpointAssignment:
     weight: int = 1
     health: EndpointHealth = EndpointHealth.HEALTHY
     priority: int = 0  # Envoy's priority level: 1 takes traffic only when 0 cannot (lanes)
+    # The server's own (gRPC) port where ``address`` is its REST twin's (0: address.port):
+    # its certificate names that one (control_plane.upstream_tls).
+    server_port: int = 0
     # Computed once, like EndpointAddress's: the caches of made assignments and EDS entries
     # (placement, clusters, edge) hash every member of `servers` at every rebuild.
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        fields = (self.address, self.weight, self.health, self.priority)
+        fields = (self.address, self.weight, self.health, self.priority, self.server_port)
         object.__setattr__(self, "_hash", hash(fields))
+
+    @property
+    def server_address(self) -> str:
+        """``host:port`` the server is known by (its gRPC address, also for a REST twin)."""
+        return f"{self.address.host}:{self.server_port or self.address.port}"
 
     def __hash__(self) -> int:
         return self._hash
@@ -196,7 +204,11 @@ class ListenerLimits:
     max_stream_duration_s: float = 120.0  # unary requests; ModelStreamInfer routes are exempt
     max_connection_duration_s: float = 3600.0
     max_concurrent_streams: int = 100  # HTTP/2 streams per connection
-    per_connection_buffer_limit_kb: int = 1024
+    # Envoy's edge advice. It is also what Envoy reads from a connection per read: with 1 MiB a
+    # client flooding HTTP/2 frames made each read a long stretch of work that good requests
+    # waited behind (bench_hostile: P99 2.3x quiet at 1 MiB, 1.3-1.6x at 32 KiB). gRPC bodies a
+    # filter buffers are bounded by the HTTP/2 stream window instead, not by this.
+    per_connection_buffer_limit_kb: int = 32
     # New connections the listener takes a second (0: no limit); more are closed at once
     max_new_connections_per_s: int = 0
 
@@ -309,6 +321,39 @@ class EdgeAuth:
 
 
 @dataclass(frozen=True)
+class WorkloadKeys:
+    """One workload's certificate and key (PEM): an Envoy node's, served to that node alone
+    over SDS, or the control plane's own, for its probes of the model servers."""
+
+    name: str  # the node id (Envoy) or the control plane's name
+    cert_pem: bytes = field(repr=False)
+    key_pem: bytes = field(repr=False)  # never in a repr, a log or /status
+    not_after: float = 0.0  # Unix time
+
+
+@dataclass(frozen=True)
+class UpstreamTls:
+    """Mutual TLS from Envoy and the control plane to the model servers
+    (control_plane.upstream_tls): the mesh CA and the identities, read from ``pki_dir``
+    (``infermesh certs``)."""
+
+    pki_dir: str
+    trust_domain: str
+    ca_pem: bytes = field(repr=False)
+    envoys: tuple[WorkloadKeys, ...] = ()
+    control_plane: WorkloadKeys | None = None
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """What the control plane watches: a renewed file reaches Envoy without a restart."""
+        stems = [f"envoy_{e.name}" for e in self.envoys]
+        if self.control_plane is not None:
+            stems.append(f"control-plane_{self.control_plane.name}")
+        names = ["ca.crt"] + [f"{stem}.{ext}" for stem in stems for ext in ("crt", "key")]
+        return tuple(f"{self.pki_dir}/{name}" for name in names)
+
+
+@dataclass(frozen=True)
 class ListenerOptions:
     """The Envoy listener and the cluster options that apply to every model cluster."""
 
@@ -329,6 +374,7 @@ class ListenerOptions:
     expose: tuple[str, ...] = ("inference", "metadata", "health")
     limits: ListenerLimits = ListenerLimits()
     auth: EdgeAuth = EdgeAuth()  # client identity and tenants (control_plane.identity)
+    upstream_tls: UpstreamTls | None = None  # mTLS to the model servers; None: plaintext
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
         max_stream_duration_s: 120       # > 0: a unary request in all (streams are exempt)
         max_connection_duration_s: 3600  # > 0: then the connection is drained
         max_concurrent_streams: 100      # >= 1: HTTP/2 streams per connection
-        per_connection_buffer_limit_kb: 1024   # >= 1: read from a connection before pausing
+        per_connection_buffer_limit_kb: 32     # >= 1: read from a connection before pausing
       auth:                         # REQUIRED in a topology file: who may call the listener
         mode: api_keys              # api_keys | jwt | off (control_plane.tenants has the rest)
         api_keys_file: ../.infermesh/api-keys   # hashed keys, relative to this file
@@ -122,13 +122,14 @@ from typing import Any
 
 import yaml
 
-from control_plane import edge, edge_limits, exposure, lanes, tenants
+from control_plane import edge, edge_limits, exposure, lanes, tenants, upstream_tls
 from control_plane.canary import CanaryPolicy
 from control_plane.endpointslices import KubernetesEndpoint, parse_source
 from control_plane.mesh import EndpointAddress, ListenerOptions, ModelRoute
 from control_plane.schema import Checker, UniqueKeyLoader, show
 from control_plane.scoring.types import Labels, PoolPolicy
 from control_plane.topology_models import parse_models
+from infermesh.addresses import is_loopback
 
 DEFAULT_XDS = EndpointAddress("127.0.0.1", 18000)
 DEFAULT_ADMIN = EndpointAddress("127.0.0.1", 19000)
@@ -292,7 +293,7 @@ _LISTENER = {
     "retry_budget_percent": "percent",
     "body_routing": "bool", "lb_policy": "lb_policy", "access_log": "path", "rest": "mapping",
     "grpc_web": "bool", "cors": "mapping", "expose": "list", "limits": "mapping",
-    "auth": "mapping",
+    "auth": "mapping", "upstream_tls": "mapping",
 }  # fmt: skip
 _BIND = {"host": "host", "port": "port"}
 _PLACEMENT = {
@@ -334,8 +335,18 @@ def _build(
     fields["expose"] = exposure.parse_expose(c, given.get("expose"), "listener.expose")
     fields["limits"] = edge_limits.parse_limits(c, nested.get("limits"), "listener.limits")
     fields["auth"] = tenants.parse_auth(c, given, "listener.auth", _folder(source), require_auth)
+    fields["upstream_tls"] = upstream_tls.parse_upstream_tls(
+        c, given.get("upstream_tls"), "listener.upstream_tls", _folder(source)
+    )
     listener = ListenerOptions(**fields)
     xds = EndpointAddress(**c.section(root, "xds", _BIND, d.xds))
+    if listener.upstream_tls is not None and not is_loopback(xds.host):
+        # Envoy's key goes out over SDS, and xDS does not authenticate its clients yet.
+        c.errors.append(
+            f"listener.upstream_tls: serves each Envoy's private key over xDS, which does not "
+            f"authenticate its clients yet (issue 26): xds.host must be a loopback address, "
+            f"got {xds.host}"
+        )
     admin = EndpointAddress(**c.section(root, "admin", _BIND, d.admin))
     placement = PlacementOptions(**c.section(root, "placement", _PLACEMENT, d.placement))
     for name in ("max_concurrent_probes", "unreachable_after"):

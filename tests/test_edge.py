@@ -491,7 +491,7 @@ def test_listener_limits_reach_envoy_and_bad_ones_are_named() -> None:
     assert options.max_stream_duration.seconds == 30 and options.max_headers_count.value == 100
     assert manager.normalize_path.value and manager.merge_slashes
     (envoy_listener,) = built[LISTENER_TYPE].values()
-    assert envoy_listener.per_connection_buffer_limit_bytes.value == 1024 * 1024
+    assert envoy_listener.per_connection_buffer_limit_bytes.value == 32 * 1024
     assert len(envoy_listener.filter_chains[0].filters) == 1  # no connection bucket by default
     with_rate = dataclasses.replace(
         listener, limits=dataclasses.replace(listener.limits, max_new_connections_per_s=300)
