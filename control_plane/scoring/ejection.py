@@ -224,8 +224,12 @@ def decide_ejections(
             health[ep] = UNHEALTHY
             in_backoff = prev.ejected and prev.until is not None and now < prev.until
             if in_backoff:
-                states[ep] = base
-                reasons[ep] = prev.reason
+                # Failing open keeps out only servers over their memory watermark: one in
+                # back-off for its latency that is now over its memory says so (otherwise
+                # the back-off's reason stands, so the state does not churn every tick).
+                reason = f"ejected: {why}" if fail_open else prev.reason
+                states[ep] = _with(base, reason=reason)
+                reasons[ep] = reason
                 continue
             times = prev.times_ejected + 1
             out_for = backoff_s(times, policy)
