@@ -41,7 +41,6 @@ import base64
 import binascii
 import hmac
 import importlib.resources
-import ipaddress
 import json
 import logging
 import re
@@ -56,6 +55,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from control_plane.live_view import LiveFeed
+from infermesh.addresses import is_loopback
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 1024
@@ -91,15 +91,6 @@ class AdminTokens:
 
 class AdminExposureError(ValueError):
     """The admin would be reachable off this host without the tokens that guard it."""
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve anywhere
 
 
 def check_exposure(host: str, tokens: AdminTokens) -> None:

@@ -82,6 +82,10 @@ class _Session:
     def snapshot(self) -> Snapshot | None:
         return self.cache.snapshot_for(self.group)
 
+    @property
+    def node_id(self) -> str:
+        return self.node.node_id if self.node is not None else ""
+
     def _identify(self, request: Any) -> None:
         if self.node is None:
             node_id = request.node.id or f"anonymous-{self._prefix}"
@@ -208,7 +212,7 @@ class SotwSession(_Session):
         snapshot = self.snapshot()
         if watch is None or not watch.open or snapshot is None:
             return []
-        typed = snapshot.of(type_url)
+        typed = snapshot.of(type_url, self.node_id)
         version = typed.subset_version(watch.names)
         if version == watch.sent_version and not watch.force:
             return []
@@ -288,7 +292,7 @@ class DeltaSession(_Session):
             return []
         if watch.pending_nonce and not watch.force:
             return []  # wait for the ACK of what is in flight: the newest state goes next
-        typed = snapshot.of(type_url)
+        typed = snapshot.of(type_url, self.node_id)
         in_scope = (lambda n: True) if watch.wildcard else watch.subscribed.__contains__
         changed = [
             r

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from envoy.config.core.v3 import base_pb2
+from envoy.config.core.v3 import base_pb2, config_source_pb2
 from google.protobuf import any_pb2, duration_pb2
 from google.protobuf.message import Message
 
@@ -10,6 +10,13 @@ from google.protobuf.message import Message
 def duration(seconds: float) -> duration_pb2.Duration:
     whole = int(seconds)
     return duration_pb2.Duration(seconds=whole, nanos=round((seconds - whole) * 1e9))
+
+
+def ads_source() -> config_source_pb2.ConfigSource:
+    """Resources that come over the same ADS stream (EDS, RDS, SDS)."""
+    return config_source_pb2.ConfigSource(
+        ads=config_source_pb2.AggregatedConfigSource(), resource_api_version=config_source_pb2.V3
+    )
 
 
 def packed(message: Message) -> any_pb2.Any:

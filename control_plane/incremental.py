@@ -20,6 +20,7 @@ from google.protobuf.message import Message
 from control_plane.mesh import MeshState
 from control_plane.resources import build_resources
 from control_plane.snapshot import PackedResource, Snapshot, build_snapshot, pack
+from control_plane.upstream_tls import node_secrets
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class SnapshotBuilder:
             type_url: {name: current[(type_url, name)].packed for name in by_name}
             for type_url, by_name in resources.items()
         }
-        snapshot = build_snapshot(resources, packed)
+        # Each Envoy's own identity: a few small secrets, packed again at every build.
+        snapshot = build_snapshot(resources, packed, node_secrets(state.listener.upstream_tls))
         self._made, self.made, self.reused = current, made, reused
         return snapshot

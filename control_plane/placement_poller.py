@@ -24,7 +24,8 @@ from typing import Any
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from control_plane.mesh import EndpointAddress
+from control_plane.mesh import EndpointAddress, UpstreamTls
+from infermesh.pki import server_dns_name
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,17 @@ def grpc_target(address: EndpointAddress) -> str:
     return f"[{address.host}]:{address.port}" if ":" in address.host else address.key
 
 
-def open_channel(address: EndpointAddress) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(grpc_target(address), options=CHANNEL_OPTIONS)
+def open_channel(address: EndpointAddress, tls: UpstreamTls | None = None) -> grpc.aio.Channel:
+    """A channel to the server; with ``tls``, mutual TLS as the control plane's identity,
+    the server checked against its own certificate name (``pki.server_dns_name``), not just
+    its IP: a certificate for another server on the same host does not pass."""
+    target = grpc_target(address)
+    me = tls.control_plane if tls is not None else None
+    if tls is None or me is None:
+        return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    credentials = grpc.ssl_channel_credentials(tls.ca_pem, me.key_pem, me.cert_pem)
+    name = ("grpc.ssl_target_name_override", server_dns_name(address.key, tls.trust_domain))
+    return grpc.aio.secure_channel(target, credentials, options=(*CHANNEL_OPTIONS, name))
 
 
 async def probe_endpoint(
@@ -75,6 +85,7 @@ async def probe_endpoint(
     timeout_s: float,
     channel: grpc.aio.Channel | None = None,
     credential: Metadata = (),
+    tls: UpstreamTls | None = None,
 ) -> EndpointReport:
     """Asks one server for its READY model versions and readiness; never raises.
 
@@ -83,7 +94,7 @@ async def probe_endpoint(
     model-repository API (``--restricted-api``).
     """
     own = channel is None
-    chan = open_channel(address) if channel is None else channel
+    chan = open_channel(address, tls) if channel is None else channel
     try:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(chan)
         index_request = service_pb2.RepositoryIndexRequest(ready=True)
@@ -156,8 +167,10 @@ class PlacementPoller:
         keep_channels_up_to_s: float = 10.0,
         unreachable_after: int = 2,
         credential: Metadata = (),
+        tls: UpstreamTls | None = None,
     ) -> None:
         self.credential = credential  # sent with RepositoryIndex (never logged)
+        self.tls = tls  # mutual TLS to the servers (listener.upstream_tls), None: plaintext
         self.keep_channels_up_to_s = keep_channels_up_to_s
         self.unreachable_after = unreachable_after  # failed probes in a row (see _damped)
         self._failed: dict[EndpointAddress, int] = {}  # reachable ones' failures in a row
@@ -237,6 +250,15 @@ class PlacementPoller:
                 await asyncio.wait(probes)
             channels, self._channels = list(self._channels.values()), {}
             await asyncio.gather(*(c.close() for c in channels))
+
+    async def set_tls(self, tls: UpstreamTls | None) -> None:
+        """New certificates (or none): the channels made with the old ones are closed, so the
+        next probes handshake with these."""
+        if tls == self.tls:
+            return
+        self.tls = tls
+        channels, self._channels = list(self._channels.values()), {}
+        await asyncio.gather(*(c.close() for c in channels))
 
     def request_probe(self, addresses: Iterable[EndpointAddress]) -> None:
         """Probes these endpoints at the next tick, ahead of the cycle (unknown ones ignored)."""
@@ -381,7 +403,8 @@ class PlacementPoller:
             if not keep and address in self._channels:  # the cycle got long: let it go
                 await self._channels.pop(address).close()
             report = self._damped(
-                address, await probe_endpoint(address, self.timeout_s, channel, self.credential)
+                address,
+                await probe_endpoint(address, self.timeout_s, channel, self.credential, self.tls),
             )
         if address in self._members:
             self._fresh[address] = report
@@ -405,7 +428,7 @@ class PlacementPoller:
 
     def _channel(self, address: EndpointAddress) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = open_channel(address)
+            self._channels[address] = open_channel(address, self.tls)
         return self._channels[address]
 
     def _publish(self) -> None:

@@ -32,9 +32,9 @@ from envoy.type.v3 import range_pb2
 from google.protobuf.message import Message
 from google.protobuf.wrappers_pb2 import UInt32Value
 
-from control_plane import edge, edge_limits, exposure, identity
-from control_plane.clusters import ads_source, build_assignment, build_cluster, socket_address
-from control_plane.envoy_values import duration, packed, set_header
+from control_plane import edge, edge_limits, exposure, identity, upstream_tls
+from control_plane.clusters import build_assignment, build_cluster, socket_address
+from control_plane.envoy_values import ads_source, duration, packed, set_header
 from control_plane.lanes import (
     INPUT_BYTES_HEADER,
     MAX_INT64,
@@ -67,11 +67,13 @@ from control_plane.protection import (
     rate_limit_filter,
     route_rate_limit,
 )
-
-LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
-ROUTE_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
-CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
-ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+from control_plane.snapshot import (
+    CLUSTER_TYPE,
+    ENDPOINT_TYPE,
+    LISTENER_TYPE,
+    ROUTE_TYPE,
+    SECRET_TYPE,
+)
 
 HCM_FILTER = "envoy.filters.network.http_connection_manager"
 ROUTER_FILTER = "envoy.filters.http.router"
@@ -472,15 +474,18 @@ def build_resources(state: MeshState, made: Make = fresh) -> dict[str, dict[str,
                     lambda: aggregate_cluster(name, list(pair)))  # fmt: skip
 
     rest_ports = dict(state.rest_ports)
+    tls = state.listener.upstream_tls
+    trust_domain = tls.trust_domain if tls is not None else ""
 
     def assignment(name: str) -> Message:
         # A REST twin shares the gRPC cluster's tuple (cheap to compare); ports shift here.
         twin = is_rest_cluster(name)
         offset = state.listener.rest.port_offset if twin else 0
-        key = (members[name], name in primaries, offset, state.rest_ports if twin else ())
+        key = (members[name], name in primaries, offset, state.rest_ports if twin else (),
+               trust_domain)  # fmt: skip
         return made(ENDPOINT_TYPE, name, key, lambda: build_assignment(
             name, edge.rest_assignments(members[name], offset, rest_ports) if twin
-            else members[name], name in primaries))  # fmt: skip
+            else members[name], name in primaries, trust_domain))  # fmt: skip
 
     clusters = {name: cluster(name) for name in names}
     clusters.update({name: aggregate(name, pair) for name, pair in fallbacks.items()})
@@ -491,12 +496,18 @@ def build_resources(state: MeshState, made: Make = fresh) -> dict[str, dict[str,
         tuple(m.name for m in state.models) if state.listener.auth.rate_limited else (),
     )
     listener = made(LISTENER_TYPE, LISTENER_NAME, listener_key, lambda: build_listener(state))
-    return {
+    built = {
         LISTENER_TYPE: {LISTENER_NAME: listener},
         ROUTE_TYPE: {ROUTE_CONFIG_NAME: route_config},
         CLUSTER_TYPE: dict(sorted(clusters.items())),
         ENDPOINT_TYPE: {name: assignment(name) for name in names},
     }
+    if tls is not None:  # the CA, for every node (each node's own identity: node_secrets)
+        ca = made(
+            SECRET_TYPE, upstream_tls.CA_SECRET, tls.ca_pem, lambda: upstream_tls.ca_secret(tls)
+        )
+        built[SECRET_TYPE] = {upstream_tls.CA_SECRET: ca}
+    return built
 
 
 def fallback_members(state: MeshState, named: set[str]) -> dict[str, tuple[str, str]]:

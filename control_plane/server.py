@@ -166,6 +166,7 @@ class ControlPlane:
             credential=(settings.model_server_credential,)
             if settings.model_server_credential
             else (),
+            tls=self.topology.listener.upstream_tls,
         )
         self.last_rebuild: dict[str, Any] = {}
         self.mesh_state: MeshState | None = None  # what the current snapshot was built from
@@ -443,6 +444,7 @@ class ControlPlane:
         self.poller.max_probes_per_s = topology.placement.max_probes_per_s
         self.poller.max_concurrent_probes = topology.placement.max_concurrent_probes
         self.poller.unreachable_after = topology.placement.unreachable_after
+        await self.poller.set_tls(topology.listener.upstream_tls)
         self.scraper.interval_s = topology.telemetry.scrape_interval_s
         self.scraper.set_targets(topology.scrape_targets)
         await self.slices.sync(topology.endpoints)
@@ -453,8 +455,10 @@ class ControlPlane:
     def _fingerprints(self) -> tuple[TopologyFingerprint | None, ...]:
         """The topology file's, then those of the files it names (API keys, JWKS): a key
         added or revoked reaches Envoy without a restart."""
+        tls = self.topology.listener.upstream_tls
         paths: tuple[str | os.PathLike[str], ...] = (
             self.settings.topology, *self.topology.listener.auth.files,
+            *(tls.files if tls is not None else ()),
         )  # fmt: skip
         return tuple(topology_fingerprint(path) for path in paths)
 

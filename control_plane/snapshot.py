@@ -20,9 +20,14 @@ LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
 ROUTE_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
 CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
-# Push order after a change: clusters before their endpoints, listeners before their routes.
-TYPE_ORDER = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE)
-SHORT_NAMES = {CLUSTER_TYPE: "CDS", ENDPOINT_TYPE: "EDS", LISTENER_TYPE: "LDS", ROUTE_TYPE: "RDS"}
+SECRET_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
+# Push order after a change: secrets before the clusters that use them, clusters before their
+# endpoints, listeners before their routes.
+TYPE_ORDER = (SECRET_TYPE, CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE)
+SHORT_NAMES = {
+    SECRET_TYPE: "SDS", CLUSTER_TYPE: "CDS", ENDPOINT_TYPE: "EDS", LISTENER_TYPE: "LDS",
+    ROUTE_TYPE: "RDS",
+}  # fmt: skip
 DEFAULT_GROUP = "*"
 
 
@@ -71,14 +76,26 @@ def pack(name: str, message: Any, type_url: str) -> PackedResource:
     return PackedResource(name, _digest([data]), packed)
 
 
+def _typed(items: Mapping[str, PackedResource]) -> TypeResources:
+    """The type's version is a digest of its resources' names and versions (no re-hashing)."""
+    return TypeResources(_digest(f"{n}={items[n].version}" for n in sorted(items)), dict(items))
+
+
 @dataclass(frozen=True)
 class Snapshot:
-    """One consistent set of LDS, RDS, CDS and EDS resources."""
+    """One consistent set of LDS, RDS, CDS, EDS and SDS resources. ``node_secrets``: the
+    secrets that differ per node (each Envoy's own identity), node id -> name -> resource;
+    a node sees them beside the shared ones, under the same names as every other node."""
 
     resources: Mapping[str, TypeResources] = field(default_factory=dict)
+    node_secrets: Mapping[str, Mapping[str, PackedResource]] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, resources: Mapping[str, Mapping[str, Any]]) -> Snapshot:
+    def build(
+        cls,
+        resources: Mapping[str, Mapping[str, Any]],
+        node_secrets: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> Snapshot:
         """Packs messages (type URL -> name -> message) and versions each type by content."""
         return cls.from_packed(
             {
@@ -87,25 +104,35 @@ class Snapshot:
                     for name, message in resources.get(type_url, {}).items()
                 }
                 for type_url in TYPE_ORDER
-            }
+            },
+            pack_node_secrets(node_secrets or {}),
         )
 
     @classmethod
-    def from_packed(cls, packed: Mapping[str, Mapping[str, PackedResource]]) -> Snapshot:
-        """A snapshot of resources already packed (type URL -> name -> resource): each type's
-        version is a digest of its resources' names and versions, so nothing is re-hashed."""
-        typed = {}
-        for type_url in TYPE_ORDER:
-            items = packed.get(type_url, {})
-            version = _digest(f"{n}={items[n].version}" for n in sorted(items))
-            typed[type_url] = TypeResources(version, dict(items))
-        return cls(typed)
+    def from_packed(
+        cls,
+        packed: Mapping[str, Mapping[str, PackedResource]],
+        node_secrets: Mapping[str, Mapping[str, PackedResource]] | None = None,
+    ) -> Snapshot:
+        """A snapshot of resources already packed (type URL -> name -> resource)."""
+        typed = {type_url: _typed(packed.get(type_url, {})) for type_url in TYPE_ORDER}
+        return cls(typed, dict(node_secrets or {}))
 
-    def of(self, type_url: str) -> TypeResources:
-        return self.resources.get(type_url) or TypeResources(_digest([]), {})
+    def of(self, type_url: str, node_id: str = "") -> TypeResources:
+        """A type's resources as ``node_id`` sees them (its own secrets included)."""
+        shared = self.resources.get(type_url) or TypeResources(_digest([]), {})
+        own = self.node_secrets.get(node_id) if type_url == SECRET_TYPE else None
+        return _typed({**shared.items, **own}) if own else shared
 
     def versions(self) -> dict[str, str]:
-        return {SHORT_NAMES[t]: self.of(t).version for t in TYPE_ORDER}
+        """Each type's version; SDS's covers every node's own secrets too, so a renewed
+        identity is a change."""
+        found = {SHORT_NAMES[t]: self.of(t).version for t in TYPE_ORDER}
+        own = sorted(f"{node}/{n}={r.version}" for node, items in self.node_secrets.items()
+                     for n, r in items.items())  # fmt: skip
+        if own:
+            found["SDS"] = _digest([found["SDS"], *own])
+        return found
 
     def consistency_errors(self, messages: Mapping[str, Mapping[str, Any]]) -> list[str]:
         """Every EDS name is a CDS cluster's service; every RDS name a listener's route config."""
@@ -141,13 +168,27 @@ def _listener_route_names(listeners: Mapping[str, Any]) -> set[str]:
     return names
 
 
+def pack_node_secrets(
+    secrets: Mapping[str, Mapping[str, Any]],
+) -> dict[str, dict[str, PackedResource]]:
+    return {
+        node: {name: pack(name, message, SECRET_TYPE) for name, message in items.items()}
+        for node, items in secrets.items()
+    }
+
+
 def build_snapshot(
     resources: Mapping[str, Mapping[str, Any]],
     packed: Mapping[str, Mapping[str, PackedResource]] | None = None,
+    node_secrets: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Snapshot:
     """Builds a snapshot and checks it; raises InconsistentSnapshot listing every problem.
     ``packed``: the same resources already packed (the incremental builder's), used as is."""
-    snapshot = Snapshot.build(resources) if packed is None else Snapshot.from_packed(packed)
+    snapshot = (
+        Snapshot.build(resources, node_secrets)
+        if packed is None
+        else Snapshot.from_packed(packed, pack_node_secrets(node_secrets or {}))
+    )
     errors = snapshot.consistency_errors(resources)
     if errors:
         raise InconsistentSnapshot("; ".join(errors))

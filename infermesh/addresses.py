@@ -11,3 +11,14 @@ def is_ip(value: object) -> bool:
         return isinstance(value, str) and bool(ipaddress.ip_address(value))
     except ValueError:
         return False
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine only (a host name other than localhost may resolve
+    anywhere, so it is not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -73,13 +73,30 @@ class Workload:
 
 
 def model_server(address: str, trust_domain: str = DEFAULT_TRUST_DOMAIN) -> Workload:
-    """The identity of the model server at ``host:port`` (its advertised address)."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise CertificateError(f"model server address {address!r}: expected host:port")
-    host = host.strip("[]")
+    """The identity of the model server at ``host:port`` (its advertised address). Besides
+    its SPIFFE ID and address it names ``server_dns_name``: Envoy sends that as the SNI of
+    each connection to the server and checks the certificate carries it, so a certificate
+    for one server does not pass at another's address."""
+    host, port = _split_address(address)
     ips, dns = ((host,), ()) if is_ip(host) else ((), (host,))
+    dns = (*dns, server_dns_name(address, trust_domain))
     return workload("model-server", (host.replace(":", "."), port), trust_domain, dns, ips)
+
+
+def server_dns_name(address: str, trust_domain: str = DEFAULT_TRUST_DOMAIN) -> str:
+    """``p8001.127.0.0.1.model-server.infermesh.local`` for ``127.0.0.1:8001``: a DNS name
+    per server (an SNI cannot be an IP address), port first so labels stay short."""
+    host, port = _split_address(address)
+    if ":" in host:  # IPv6: every group written out, so no label starts or ends with '-'
+        host = ipaddress.ip_address(host).exploded.replace(":", "-")
+    return f"p{port}.{host}.model-server.{trust_domain}"
+
+
+def _split_address(address: str) -> tuple[str, str]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise CertificateError(f"model server address {address!r}: expected host:port")
+    return host.strip("[]"), port
 
 
 def envoy(node_id: str, trust_domain: str = DEFAULT_TRUST_DOMAIN) -> Workload:
@@ -214,7 +231,7 @@ def load_authority(directory: Path) -> Authority:
     key = read_private_key(key_path)
     if key.public_key() != cert.public_key():
         raise CertificateError(f"{key_path}: this key does not belong to {cert_path}")
-    return Authority(cert, key, _trust_domain_of_ca(cert))
+    return Authority(cert, key, trust_domain_of_ca(cert))
 
 
 def issue(
@@ -388,7 +405,7 @@ def _check_validity(cert: x509.Certificate, path: Path) -> None:
         raise CertificateError(f"{path}: expired at {cert.not_valid_after_utc:%Y-%m-%d %H:%M:%S}Z")
 
 
-def _trust_domain_of_ca(cert: x509.Certificate) -> str:
+def trust_domain_of_ca(cert: x509.Certificate) -> str:
     names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     text = str(names[0].value) if names else ""
     prefix = "InferMesh CA "

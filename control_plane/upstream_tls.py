@@ -1,0 +1,143 @@
+"""Mutual TLS from Envoy to the model servers, with the certificates served over SDS.
+
+``listener.upstream_tls: {pki_dir: DIR}`` in the topology names the directory ``infermesh
+certs`` writes: the mesh CA (``ca.crt``) and one certificate and key per Envoy node
+(``envoy_<node-id>.crt``/``.key``). The control plane reads them (checked as a start-up would:
+signed by the CA, within their validity, the key matching, the identity the file name says)
+and puts them in the snapshot as SDS ``Secret`` resources on the same ADS stream:
+
+- ``mesh-ca``: the validation context, the same for every node;
+- ``envoy-identity``: each node's own certificate and key, served to that node alone.
+
+Every model cluster (and its REST twin) then connects with an ``UpstreamTlsContext`` that
+presents ``envoy-identity``, trusts ``mesh-ca`` only, sends each endpoint's
+``pki.server_dns_name`` as SNI (the EDS entry's hostname) and accepts the server only if its
+certificate carries that name (``auto_host_sni`` + ``auto_sni_san_validation``): a server with
+another server's certificate, or one from another CA, gets no connection, and Envoy's health
+checks (the same transport socket) mark it down.
+
+A renewed file is a changed file: the control plane re-reads it and pushes the new secret, and
+Envoy uses it for new connections without a restart. A file that fails its checks keeps the
+last good topology (and so the last good secret) in use and shows in ``/status``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.transport_sockets.tls.v3 import common_pb2, secret_pb2, tls_pb2
+
+from control_plane.envoy_values import ads_source, packed
+from control_plane.mesh import UpstreamTls, WorkloadKeys
+from control_plane.schema import Checker
+from infermesh import pki
+
+CA_SECRET = "mesh-ca"
+IDENTITY_SECRET = "envoy-identity"
+TLS_SOCKET = "envoy.transport_sockets.tls"
+_KEYS = {"pki_dir": "path", "control_plane": "name"}
+DEFAULT_CONTROL_PLANE = "control-plane"
+
+
+def parse_upstream_tls(c: Checker, value: object, path: str, base: Path) -> UpstreamTls | None:
+    """``listener.upstream_tls`` (None when absent): its files read and checked now."""
+    if value is None:
+        return None
+    m = c.mapping(value, path)
+    if m is None:
+        return None
+    c.keys(m, path, _KEYS, required=("pki_dir",))
+    given = m.get("pki_dir")
+    if not isinstance(given, str) or not given:
+        c.fail(f"{path}.pki_dir", "must be a directory (infermesh certs --dir)", given)
+        return None
+    name = m.get("control_plane", DEFAULT_CONTROL_PLANE)
+    directory = Path(given) if Path(given).is_absolute() else base / given
+    tls, errors = read_pki(directory, str(name))
+    c.errors.extend(f"{path}.pki_dir: {e}" for e in errors)
+    return tls
+
+
+def read_pki(
+    directory: Path, control_plane: str = DEFAULT_CONTROL_PLANE
+) -> tuple[UpstreamTls | None, list[str]]:
+    """The CA, every Envoy identity and the control plane's in ``directory``, and what is
+    wrong with them (each naming the file; never key material)."""
+    ca_path = directory / "ca.crt"
+    try:
+        ca = pki.read_certificate(ca_path)
+    except pki.CertificateError as exc:
+        return None, [str(exc)]
+    domain = pki.trust_domain_of_ca(ca)
+    errors: list[str] = []
+
+    def load(stem: str, who: pki.Workload) -> WorkloadKeys | None:
+        cert_path = directory / f"{stem}.crt"
+        try:
+            creds = pki.load_credentials(
+                cert_path, cert_path.with_suffix(".key"), ca_path, who.spiffe_id
+            )
+        except pki.CertificateError as exc:
+            errors.append(str(exc))
+            return None
+        return WorkloadKeys(
+            who.name[-1], creds.cert_pem, creds.key_pem, creds.not_after.timestamp()
+        )
+
+    envoys = []
+    for cert_path in sorted(directory.glob("envoy_*.crt")):
+        node_id = cert_path.stem.removeprefix("envoy_")
+        try:
+            who = pki.envoy(node_id, domain)
+        except pki.CertificateError as exc:
+            errors.append(f"{cert_path}: {exc}")
+            continue
+        if (keys := load(cert_path.stem, who)) is not None:
+            envoys.append(keys)
+    if not envoys and not errors:
+        errors.append(f"{directory}: no envoy_<node-id>.crt (infermesh certs issue envoy NODE)")
+    own = pki.control_plane(control_plane, domain)
+    me = load(own.file_stem, own)
+    ca_pem = ca_path.read_bytes()
+    return UpstreamTls(str(directory), domain, ca_pem, tuple(envoys), me), errors
+
+
+def ca_secret(tls: UpstreamTls) -> secret_pb2.Secret:
+    trusted = base_pb2.DataSource(inline_bytes=tls.ca_pem)
+    context = common_pb2.CertificateValidationContext(trusted_ca=trusted)
+    return secret_pb2.Secret(name=CA_SECRET, validation_context=context)
+
+
+def identity_secret(identity: WorkloadKeys) -> secret_pb2.Secret:
+    certificate = common_pb2.TlsCertificate(
+        certificate_chain=base_pb2.DataSource(inline_bytes=identity.cert_pem),
+        private_key=base_pb2.DataSource(inline_bytes=identity.key_pem),
+    )
+    return secret_pb2.Secret(name=IDENTITY_SECRET, tls_certificate=certificate)
+
+
+def node_secrets(tls: UpstreamTls | None) -> dict[str, dict[str, Any]]:
+    """Node id -> the secrets only that node gets (its identity)."""
+    if tls is None:
+        return {}
+    return {e.name: {IDENTITY_SECRET: identity_secret(e)} for e in tls.envoys}
+
+
+def transport_socket(alpn: str) -> base_pb2.TransportSocket:
+    """The model clusters' TLS: Envoy's identity and the CA over SDS (ADS), the SNI from each
+    endpoint's hostname, and the server's certificate checked against that name."""
+    sds = [secret_pb2.SdsSecretConfig(name=IDENTITY_SECRET, sds_config=ads_source())]
+    context = tls_pb2.UpstreamTlsContext(
+        common_tls_context=tls_pb2.CommonTlsContext(
+            tls_certificate_sds_secret_configs=sds,
+            validation_context_sds_secret_config=secret_pb2.SdsSecretConfig(
+                name=CA_SECRET, sds_config=ads_source()
+            ),
+            alpn_protocols=[alpn],
+        ),
+        auto_host_sni=True,
+        auto_sni_san_validation=True,
+    )
+    return base_pb2.TransportSocket(name=TLS_SOCKET, typed_config=packed(context))

@@ -1,0 +1,165 @@
+"""Mutual TLS from Envoy (and the control plane's probes) to real model servers, with Envoy's
+certificate and the CA served over SDS on the ADS stream (control_plane.upstream_tls).
+
+Real certificates (infermesh.pki), real Envoy, real TLS model servers: traffic flows through
+Envoy over mTLS; a process on a server's address with another server's valid certificate gets
+no traffic (Envoy checks the certificate against that server's own name); every certificate
+is renewed under load without a failed request and without a restart."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from infermesh import pki
+from tests.envoy_support import Envoy, free_port
+from tests.mesh_support import ControlPlaneThread, start_plane_and_envoy, write_topology
+from tests.support import ServerProcess, Traffic, metric_value, start_server, wait_for
+
+pytestmark = pytest.mark.integration
+NODE = "envoy-sotw"  # tests.mesh_support's Envoy node id
+
+
+@dataclass
+class TlsMesh:
+    pki_dir: Path
+    authority: pki.Authority
+    repo: Path
+    logs: Path
+    addresses: list[str]  # the topology's endpoints: two servers run, the third is free
+    servers: dict[str, ServerProcess]  # address -> server
+    plane: ControlPlaneThread
+    envoy: Envoy
+
+
+def start_tls_server(
+    pki_dir: Path, repo: Path, logs: Path, address: str, identity: str | None = None
+) -> ServerProcess:
+    """A TLS server on ``address`` presenting the certificate of the server at ``identity``
+    (its own by default; another's makes it a rogue, which then also claims that address)."""
+    who = pki.model_server(identity or address)
+    args = ["--port", address.rsplit(":", 1)[1],
+            "--tls-cert", str(pki_dir / f"{who.file_stem}.crt"),
+            "--tls-key", str(pki_dir / f"{who.file_stem}.key"),
+            "--tls-ca", str(pki_dir / "ca.crt")]  # fmt: skip
+    if identity is not None:
+        args += ["--advertise-address", identity]
+    return start_server(repo, logs, *args, wait_ready=False)
+
+
+def _issue_all(authority: pki.Authority, directory: Path, addresses: list[str]) -> None:
+    for who in (pki.envoy(NODE), pki.control_plane(), *map(pki.model_server, addresses)):
+        pki.issue(authority, who, directory)
+
+
+@pytest.fixture
+def tls_mesh(demo_repo: Path, tmp_path: Path) -> Iterator[TlsMesh]:
+    pki_dir, logs = tmp_path / "pki", tmp_path / "logs"
+    authority = pki.init_authority(pki_dir)
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    _issue_all(authority, pki_dir, addresses)
+    repo = tmp_path / "repo"
+    shutil.copytree(demo_repo / "classifier", repo / "classifier")
+    with contextlib.ExitStack() as stops:
+        servers = {}
+        for address in addresses[:2]:
+            servers[address] = start_tls_server(pki_dir, repo, logs, address)
+            stops.callback(servers[address].stop)
+        listener = free_port()
+        # Slow to drop an unreachable endpoint (50 failed probes, 10 s), so Envoy's own
+        # certificate check is what keeps a rogue out in the rogue test.
+        top = {
+            "listener": {"upstream_tls": {"pki_dir": str(pki_dir)}},
+            "placement": {"poll_interval_s": 0.2, "timeout_s": 1.0, "unreachable_after": 50},
+        }
+        topology = write_topology(tmp_path / "topology.yaml", listener, addresses, top=top)
+        plane, envoy = start_plane_and_envoy(stops, tmp_path, topology, listener, healthy=2)
+        yield TlsMesh(pki_dir, authority, repo, logs, addresses, servers, plane, envoy)
+
+
+def _served(server: ServerProcess) -> float:
+    return metric_value(server.metrics(), "inference_requests_total", code="OK")
+
+
+def _envoy_serials(envoy: Envoy) -> set[str]:
+    """Serial numbers of the certificates Envoy holds (its identity and the CA)."""
+    found = set()
+    for entry in json.loads(envoy.admin("/certs"))["certificates"]:
+        for cert in entry.get("cert_chain", []) + entry.get("ca_cert", []):
+            found.add(cert["serial_number"])
+    return found
+
+
+def _serial(path: Path) -> str:
+    return format(pki.read_certificate(path).serial_number, "x")
+
+
+def _counter_sum(envoy: Envoy, pattern: str) -> int:
+    text = envoy.admin(f"/stats?filter={pattern}")
+    return sum(int(line.rsplit(":", 1)[1]) for line in text.splitlines() if ":" in line)
+
+
+def test_traffic_flows_over_mutual_tls(tls_mesh: TlsMesh) -> None:
+    with Traffic(f"127.0.0.1:{tls_mesh.envoy.port}", clients=2) as traffic:
+        traffic.wait_ok(40)
+    assert not traffic.errors, traffic.errors[:3]
+    assert all(_served(s) > 0 for s in tls_mesh.servers.values())
+    envoy_cert = tls_mesh.pki_dir / f"envoy_{NODE}.crt"
+    assert _serial(envoy_cert) in _envoy_serials(tls_mesh.envoy)  # it came over SDS
+    assert _counter_sum(tls_mesh.envoy, r"model_classifier\.ssl\.handshake$") > 0
+    status = json.dumps(tls_mesh.plane.admin_get("/status"))
+    assert "PRIVATE KEY" not in status and "PRIVATE KEY" not in tls_mesh.envoy.log()
+
+
+def test_a_process_with_another_servers_certificate_gets_no_traffic(tls_mesh: TlsMesh) -> None:
+    """The first server dies and a process takes its address with a valid mesh certificate,
+    the second server's: Envoy refuses it (the certificate does not name that address) and
+    the traffic goes on to the second server."""
+    first, second = tls_mesh.addresses[:2]
+    tls_mesh.servers[first].stop()
+    rogue = start_tls_server(tls_mesh.pki_dir, tls_mesh.repo, tls_mesh.logs, first, identity=second)
+    try:
+        wait_for(lambda: _listening(rogue), 30, "the rogue to listen")
+        refused = r"model_classifier\.ssl\.fail_verify_san$"
+        wait_for(lambda: _counter_sum(tls_mesh.envoy, refused) > 0, 15, "Envoy's SAN refusal")
+        with Traffic(f"127.0.0.1:{tls_mesh.envoy.port}", clients=2) as traffic:
+            traffic.wait_ok(40)
+        assert _served(rogue) == 0
+        assert _served(tls_mesh.servers[second]) >= 40
+    finally:
+        rogue.stop()
+
+
+def _reloaded(server: ServerProcess) -> Callable[[], bool]:
+    return lambda: "certificate reloaded" in server.log()
+
+
+def _listening(server: ServerProcess) -> bool:
+    try:
+        server.metrics()
+    except OSError:
+        return False
+    return True
+
+
+def test_every_certificate_is_renewed_under_load_without_a_failure(tls_mesh: TlsMesh) -> None:
+    envoy_cert = tls_mesh.pki_dir / f"envoy_{NODE}.crt"
+    with Traffic(f"127.0.0.1:{tls_mesh.envoy.port}", clients=2) as traffic:
+        traffic.wait_ok(20)
+        _issue_all(tls_mesh.authority, tls_mesh.pki_dir, tls_mesh.addresses)
+        new_serial = _serial(envoy_cert)
+        wait_for(
+            lambda: new_serial in _envoy_serials(tls_mesh.envoy),
+            30,
+            "Envoy to hold its renewed certificate (SDS)",
+        )
+        for server in tls_mesh.servers.values():
+            wait_for(_reloaded(server), 30, "a server's reload")
+        traffic.wait_ok(40)
+    assert not traffic.errors, traffic.errors[:3]

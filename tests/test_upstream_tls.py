@@ -1,0 +1,109 @@
+"""listener.upstream_tls (control_plane.upstream_tls): what the topology accepts and refuses,
+and the resources Envoy gets: TLS clusters with SNI and SAN checks, EDS hostnames, the CA
+for every node and each node's identity for that node alone. Real certificates; no Envoy
+here (tests/test_mtls_mesh.py runs one)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from envoy.extensions.transport_sockets.tls.v3 import secret_pb2, tls_pb2
+
+from control_plane.mesh import EndpointAddress, EndpointAssignment, MeshState, model_cluster
+from control_plane.resources import build_resources
+from control_plane.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, SECRET_TYPE, Snapshot
+from control_plane.topology import TopologyError, parse_topology
+from control_plane.upstream_tls import CA_SECRET, IDENTITY_SECRET, node_secrets
+from infermesh import pki
+
+
+@pytest.fixture
+def pki_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "pki"
+    authority = pki.init_authority(directory)
+    for who in (pki.envoy("envoy-1"), pki.envoy("envoy-2"), pki.control_plane()):
+        pki.issue(authority, who, directory)
+    return directory
+
+
+def _topology(pki_dir: Path, **more: Any) -> dict[str, Any]:
+    return {
+        "listener": {"upstream_tls": {"pki_dir": str(pki_dir)}},
+        "models": [{"name": "classifier", "sla_p99_ms": 50, "capacity_qps": 1000}],
+        **more,
+    }
+
+
+def _errors(data: dict[str, Any]) -> list[str]:
+    with pytest.raises(TopologyError) as info:
+        parse_topology(data, "t.yaml")
+    return list(info.value.errors)
+
+
+def test_the_pki_directory_is_read_and_keys_stay_out_of_reprs(pki_dir: Path) -> None:
+    tls = parse_topology(_topology(pki_dir)).listener.upstream_tls
+    assert tls is not None and tls.trust_domain == "infermesh.local"
+    assert [e.name for e in tls.envoys] == ["envoy-1", "envoy-2"]
+    assert tls.control_plane is not None and tls.control_plane.name == "control-plane"
+    assert "PRIVATE" not in repr(tls) and b"PRIVATE KEY" in tls.envoys[0].key_pem
+
+
+def test_unusable_files_are_topology_errors_naming_them(pki_dir: Path) -> None:
+    (pki_dir / "envoy_envoy-2.key").write_bytes((pki_dir / "envoy_envoy-1.key").read_bytes())
+    (errors,) = _errors(_topology(pki_dir))
+    assert "listener.upstream_tls.pki_dir:" in errors and "envoy_envoy-2.key" in errors
+    assert "does not belong to" in errors and "BEGIN" not in errors
+    (errors,) = _errors(_topology(pki_dir / "nowhere"))
+    assert "ca.crt: certificate file not found" in errors
+
+
+def test_keys_are_never_served_off_loopback(pki_dir: Path) -> None:
+    (error,) = _errors(_topology(pki_dir, xds={"host": "0.0.0.0", "port": 18000}))
+    assert "xds.host must be a loopback address" in error
+
+
+def _state(pki_dir: Path) -> MeshState:
+    listener = parse_topology(_topology(pki_dir)).listener
+    members = (EndpointAssignment(EndpointAddress("127.0.0.1", 8001)),)
+    return MeshState(listener, (), {model_cluster("classifier"): members})
+
+
+def test_clusters_check_each_servers_own_name(pki_dir: Path) -> None:
+    state = _state(pki_dir)
+    built: Any = build_resources(state)
+    cluster = built[CLUSTER_TYPE][model_cluster("classifier")]
+    context = tls_pb2.UpstreamTlsContext()
+    assert cluster.transport_socket.typed_config.Unpack(context)
+    assert context.auto_host_sni and context.auto_sni_san_validation
+    common = context.common_tls_context
+    assert [s.name for s in common.tls_certificate_sds_secret_configs] == [IDENTITY_SECRET]
+    assert common.validation_context_sds_secret_config.name == CA_SECRET
+    assert list(common.alpn_protocols) == ["h2"]
+    (entry,) = built[ENDPOINT_TYPE][model_cluster("classifier")].endpoints[0].lb_endpoints
+    assert entry.endpoint.hostname == "p8001.127.0.0.1.model-server.infermesh.local"
+    assert entry.endpoint.hostname in pki.model_server("127.0.0.1:8001").dns
+
+
+def test_each_node_gets_its_own_identity_and_the_shared_ca(pki_dir: Path) -> None:
+    state = _state(pki_dir)
+    snapshot = Snapshot.build(build_resources(state), node_secrets(state.listener.upstream_tls))
+
+    def identity_of(node: str) -> bytes:
+        secret = secret_pb2.Secret()
+        assert snapshot.of(SECRET_TYPE, node).items[IDENTITY_SECRET].packed.Unpack(secret)
+        return bytes(secret.tls_certificate.certificate_chain.inline_bytes)
+
+    assert identity_of("envoy-1") == (pki_dir / "envoy_envoy-1.crt").read_bytes()
+    assert identity_of("envoy-2") == (pki_dir / "envoy_envoy-2.crt").read_bytes()
+    assert set(snapshot.of(SECRET_TYPE, "stranger").items) == {CA_SECRET}  # no one else's key
+    assert snapshot.of(SECRET_TYPE, "envoy-1").version != snapshot.of(SECRET_TYPE, "x").version
+    # A renewed identity is a new snapshot version (so it is pushed).
+    renewed_dir = pki_dir
+    authority = pki.load_authority(renewed_dir)
+    pki.issue(authority, pki.envoy("envoy-2"), renewed_dir)
+    again = _state(pki_dir)
+    later = Snapshot.build(build_resources(again), node_secrets(again.listener.upstream_tls))
+    assert later.versions()["SDS"] != snapshot.versions()["SDS"]
+    assert later.versions()["CDS"] == snapshot.versions()["CDS"]
