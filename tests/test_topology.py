@@ -211,7 +211,7 @@ ERROR_CASES = [
     ("listener.health_check_interval_s", 0, "listener.health_check_interval_s: must be > 0, got 0"),
     ("listener.health_checks", "some", 'listener.health_checks: must be one of all, model, got "some"'),  # noqa: E501
     ("listener.connect_timeout_s", -0.1, "listener.connect_timeout_s: must be > 0, got -0.1"),
-    ("listener.prot", 1, "listener.prot: unknown key (expected one of: host, port, health_check_interval_s, health_checks, connect_timeout_s, max_retries, retry_budget_percent, body_routing, lb_policy, access_log, rest, grpc_web, cors, expose, limits, auth)"),  # noqa: E501
+    ("listener.prot", 1, "listener.prot: unknown key (expected one of: host, port, health_check_interval_s, health_checks, connect_timeout_s, max_retries, retry_budget_percent, body_routing, lb_policy, access_log, rest, grpc_web, cors, expose, limits, auth, upstream_tls)"),  # noqa: E501
     ("listener", [], "listener: must be a mapping with string keys, got []"),
     ("xds.port", 70000, "xds.port: must be a port in 1..65535, got 70000"),
     ("xds.host", "a b", 'xds.host: must be a host name or IP, got "a b"'),
@@ -286,7 +286,7 @@ def test_many_errors_are_reported_at_once(tmp_path: Path) -> None:
         'line 3: duplicate key "xds" (first at line 2)',
         "listener.prot: unknown key (expected one of: host, port, health_check_interval_s, "
         "health_checks, connect_timeout_s, max_retries, retry_budget_percent, body_routing, "
-        "lb_policy, access_log, rest, grpc_web, cors, expose, limits, auth)",
+        "lb_policy, access_log, rest, grpc_web, cors, expose, limits, auth, upstream_tls)",
         "listener.port: must be a port in 1..65535, got 0",
         'listener.body_routing: must be true or false, got "maybe"',
         # A file must say who may call the listener, even that anyone may.
