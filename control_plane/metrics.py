@@ -125,6 +125,12 @@ class ControlPlaneMetrics:
             ["cluster", "endpoint"],
             registry=r,
         )
+        self.certificate_expiry = Gauge(
+            "certificate_expiry_timestamp_seconds",
+            "when each certificate the control plane serves (Envoy's, over SDS) or uses expires",
+            ["identity"],
+            registry=r,
+        )
         self.endpoint_health = Gauge(
             "xds_endpoint_health",
             "1 for the EDS health pushed for each endpoint in each cluster",

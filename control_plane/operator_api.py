@@ -12,6 +12,7 @@ import time
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
+from control_plane import upstream_tls
 from control_plane.admin import AdminError
 from control_plane.live_view import build_frame
 from control_plane.mesh import EndpointAddress, EndpointHealth
@@ -169,5 +170,7 @@ class OperatorApi:
                 m.name: dict(m.version_split) for m in self.plane.effective_topology().models
             },
             "nodes": self.plane.nodes.as_json(),
-            "warnings": security_warnings(self.plane.topology.listener),
+            "upstream_tls": upstream_tls.status(self.plane.topology.listener.upstream_tls),
+            "warnings": security_warnings(self.plane.topology.listener)
+            + upstream_tls.warnings(self.plane.topology.listener.upstream_tls),
         }

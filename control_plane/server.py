@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
+from control_plane import upstream_tls
 from control_plane.admin import AdminServer, AdminTokens, check_exposure
 from control_plane.ads import AdsServicer
 from control_plane.canary_runs import CanaryRuns
@@ -125,6 +126,7 @@ class ControlPlane:
         for warning in security_warnings(self.topology.listener):
             log.warning("%s", warning)
         self.metrics = ControlPlaneMetrics()
+        self._publish_certificates()
         self.cache = SnapshotCache()
         self.nodes = NodeRegistry()
         self.slices_changed = asyncio.Event()
@@ -445,12 +447,20 @@ class ControlPlane:
         self.poller.max_concurrent_probes = topology.placement.max_concurrent_probes
         self.poller.unreachable_after = topology.placement.unreachable_after
         await self.poller.set_tls(topology.listener.upstream_tls)
+        self._publish_certificates()
         self.scraper.interval_s = topology.telemetry.scrape_interval_s
         self.scraper.set_targets(topology.scrape_targets)
         await self.slices.sync(topology.endpoints)
         self.endpoints = await self.resolver.resolve(topology.endpoints)
         await self.poller.poll_once()
         self.rebuild(f"topology reloaded ({reason})")
+
+    def _publish_certificates(self) -> None:
+        """certificate_expiry_timestamp_seconds{identity}: alert on it (renewal stopped)."""
+        tls = self.topology.listener.upstream_tls
+        self.metrics.certificate_expiry.clear()
+        for spiffe_id, expiry in upstream_tls.served_identities(tls) if tls else ():
+            self.metrics.certificate_expiry.labels(spiffe_id).set(expiry)
 
     def _fingerprints(self) -> tuple[TopologyFingerprint | None, ...]:
         """The topology file's, then those of the files it names (API keys, JWKS): a key

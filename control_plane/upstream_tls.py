@@ -23,6 +23,8 @@ last good topology (and so the last good secret) in use and shows in ``/status``
 
 from __future__ import annotations
 
+import datetime as dt
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,9 @@ IDENTITY_SECRET = "envoy-identity"
 TLS_SOCKET = "envoy.transport_sockets.tls"
 _KEYS = {"pki_dir": "path", "control_plane": "name"}
 DEFAULT_CONTROL_PLANE = "control-plane"
+# A workload certificate is renewed at 2/3 of its life (16 h of 24): one with less than this
+# left was not renewed in time, and /status says so.
+OVERDUE_S = 6 * 3600
 
 
 def parse_upstream_tls(c: Checker, value: object, path: str, base: Path) -> UpstreamTls | None:
@@ -141,3 +146,44 @@ def transport_socket(alpn: str) -> base_pb2.TransportSocket:
         auto_sni_san_validation=True,
     )
     return base_pb2.TransportSocket(name=TLS_SOCKET, typed_config=packed(context))
+
+
+def served_identities(tls: UpstreamTls) -> list[tuple[str, float]]:
+    """(SPIFFE ID, expiry as Unix time) of every certificate the control plane serves or uses."""
+    found = [(pki.envoy(e.name, tls.trust_domain).spiffe_id, e.not_after) for e in tls.envoys]
+    if tls.control_plane is not None:
+        me = pki.control_plane(tls.control_plane.name, tls.trust_domain).spiffe_id
+        found.append((me, tls.control_plane.not_after))
+    return found
+
+
+def status(tls: UpstreamTls | None, now: float | None = None) -> dict[str, Any] | None:
+    """/status's view: the trust domain and each identity with its expiry (never a key)."""
+    if tls is None:
+        return None
+    at = time.time() if now is None else now
+    return {
+        "pki_dir": tls.pki_dir,
+        "trust_domain": tls.trust_domain,
+        "identities": [
+            {
+                "identity": spiffe_id,
+                "expires": dt.datetime.fromtimestamp(expiry, dt.UTC).isoformat(),
+                "hours_left": round((expiry - at) / 3600, 2),
+            }
+            for spiffe_id, expiry in served_identities(tls)
+        ],
+    }
+
+
+def warnings(tls: UpstreamTls | None, now: float | None = None) -> list[str]:
+    """Certificates not renewed in time: a renewal job that stopped shows here first."""
+    if tls is None:
+        return []
+    at = time.time() if now is None else now
+    return [
+        f"certificate for {spiffe_id} expires in {(expiry - at) / 3600:.1f} h: it was due for "
+        f"renewal (infermesh certs rotate --dir {tls.pki_dir})"
+        for spiffe_id, expiry in served_identities(tls)
+        if expiry - at < OVERDUE_S
+    ]

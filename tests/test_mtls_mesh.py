@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 
 from infermesh import pki
 from tests.envoy_support import Envoy, free_port
@@ -113,8 +114,15 @@ def test_traffic_flows_over_mutual_tls(tls_mesh: TlsMesh) -> None:
     envoy_cert = tls_mesh.pki_dir / f"envoy_{NODE}.crt"
     assert _serial(envoy_cert) in _envoy_serials(tls_mesh.envoy)  # it came over SDS
     assert _counter_sum(tls_mesh.envoy, r"model_classifier\.ssl\.handshake$") > 0
-    status = json.dumps(tls_mesh.plane.admin_get("/status"))
-    assert "PRIVATE KEY" not in status and "PRIVATE KEY" not in tls_mesh.envoy.log()
+    status = tls_mesh.plane.admin_get("/status")
+    identities = [i["identity"] for i in status["upstream_tls"]["identities"]]
+    assert f"spiffe://infermesh.local/envoy/{NODE}" in identities
+    assert "PRIVATE KEY" not in json.dumps(status) and "PRIVATE KEY" not in tls_mesh.envoy.log()
+    metrics = generate_latest(tls_mesh.plane.plane.metrics.registry).decode()
+    series = (
+        f'certificate_expiry_timestamp_seconds{{identity="spiffe://infermesh.local/envoy/{NODE}"}}'
+    )
+    assert series in metrics
 
 
 def test_a_process_with_another_servers_certificate_gets_no_traffic(tls_mesh: TlsMesh) -> None:

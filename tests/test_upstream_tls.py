@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from envoy.extensions.transport_sockets.tls.v3 import secret_pb2, tls_pb2
 
+from control_plane import upstream_tls
 from control_plane.mesh import EndpointAddress, EndpointAssignment, MeshState, model_cluster
 from control_plane.resources import build_resources
 from control_plane.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, SECRET_TYPE, Snapshot
@@ -107,3 +108,24 @@ def test_each_node_gets_its_own_identity_and_the_shared_ca(pki_dir: Path) -> Non
     later = Snapshot.build(build_resources(again), node_secrets(again.listener.upstream_tls))
     assert later.versions()["SDS"] != snapshot.versions()["SDS"]
     assert later.versions()["CDS"] == snapshot.versions()["CDS"]
+
+
+def test_status_lists_each_identity_and_warns_when_renewal_is_overdue(pki_dir: Path) -> None:
+    tls = parse_topology(_topology(pki_dir)).listener.upstream_tls
+    assert tls is not None
+    shown = upstream_tls.status(tls)
+    assert shown is not None and shown["trust_domain"] == "infermesh.local"
+    names = [i["identity"] for i in shown["identities"]]
+    assert names == [
+        "spiffe://infermesh.local/envoy/envoy-1",
+        "spiffe://infermesh.local/envoy/envoy-2",
+        "spiffe://infermesh.local/control-plane/control-plane",
+    ]
+    assert all(23.9 < i["hours_left"] <= 24.0 for i in shown["identities"])
+    assert "PRIVATE" not in str(shown)
+    assert upstream_tls.warnings(tls) == []  # fresh: nothing to say
+    expiry = tls.envoys[0].not_after
+    late = upstream_tls.warnings(tls, now=expiry - 3600)  # an hour left on every one
+    assert len(late) == 3 and "envoy/envoy-1 expires in 1.0 h" in late[0]
+    assert f"infermesh certs rotate --dir {pki_dir}" in late[0]
+    assert upstream_tls.status(None) is None and upstream_tls.warnings(None) == []
