@@ -68,8 +68,9 @@ def ready_members(
     return members
 
 
-# model -> endpoint -> (the telemetry and labels its signals were made from, the signals)
-SignalsMade = dict[str, dict[str, tuple[EndpointTelemetry | None, Labels, EndpointSignals]]]
+# model -> endpoint -> (the telemetry, labels and server readiness its signals were made
+# from, the signals)
+SignalsMade = dict[str, dict[str, tuple[EndpointTelemetry | None, Labels, bool, EndpointSignals]]]
 
 
 def pool_signals(
@@ -91,13 +92,15 @@ def pool_signals(
         key = address.key
         seen = telemetry.get(key)
         known = labels.get(key, ()) if labels is not None else ()
+        report = reports.get(address)
+        ready = report is not None and report.server_ready
         before = last.get(key)
-        if before is not None and before[0] is seen and before[1] == known:
+        if before is not None and before[0] is seen and before[1] == known and before[2] == ready:
             this[key] = before
-            signals.append(before[2])
+            signals.append(before[3])
             continue
-        signal = _signals(model, address, seen, known, labels is not None)
-        this[key] = (seen, known, signal)
+        signal = _signals(model, address, seen, known, labels is not None, ready)
+        this[key] = (seen, known, ready, signal)
         signals.append(signal)
     return signals
 
@@ -108,6 +111,7 @@ def _signals(
     seen: EndpointTelemetry | None,
     known: Labels,
     labelled: bool,
+    server_ready: bool = False,
 ) -> EndpointSignals:
     if seen is None:
         return EndpointSignals(address.key, stale=True, labels=known)
@@ -115,7 +119,10 @@ def _signals(
     return EndpointSignals(
         endpoint=address.key,
         stale=seen.stale,
-        draining=bool(seen.draining and seen.draining.value),
+        # Draining is taken from telemetry only once the server's own health agrees (its
+        # ServerReady, asked by placement at once on the hint): a report alone, which anyone
+        # who reaches the OTLP port can send, cannot take servers out of their pools.
+        draining=bool(seen.draining and seen.draining.value) and not server_ready,
         qps=_value(per_model.qps if per_model else seen.qps),
         p99_ms=_value(per_model.p99_ms if per_model else seen.p99_ms),
         error_rate=_value(seen.error_rate),
