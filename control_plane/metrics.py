@@ -125,6 +125,12 @@ class ControlPlaneMetrics:
             ["cluster", "endpoint"],
             registry=r,
         )
+        self.telemetry_reports_rejected = Counter(
+            "telemetry_reports_rejected",
+            "OTLP reports refused because the sender is not the workload they report for",
+            ["reason"],
+            registry=r,
+        )
         self.certificate_expiry = Gauge(
             "certificate_expiry_timestamp_seconds",
             "when each certificate the control plane serves (Envoy's, over SDS) or uses expires",

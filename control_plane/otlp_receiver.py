@@ -26,7 +26,9 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
+from control_plane import otlp_identity
 from control_plane.envoy_stats import is_envoy
+from control_plane.mesh import UpstreamTls
 from control_plane.otlp_decode import Point, PointTuple, decode_request
 from control_plane.otlp_wire import decode_fast
 
@@ -110,8 +112,12 @@ class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
         envoy: EnvoySink | None = None,
         decoders: Executor | None = None,
         tally: Tally | None = None,
+        trust_domain: str | None = None,
     ) -> None:
         self.store = store
+        # Mutual TLS on: each report is checked against its sender's identity first.
+        self.trust_domain = trust_domain
+        self.refusals = otlp_identity.RefusalLog()
         self.tally = tally  # instead of ``metrics``: a shard counts for the control plane
         self.envoy = envoy
         self.decoders = decoders  # decode in these processes; None: in a worker thread
@@ -122,6 +128,8 @@ class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
         self, request: ExportMetricsServiceRequest | bytes, context: grpc.aio.ServicerContext
     ) -> ExportMetricsServiceResponse:
         started = time.perf_counter()
+        if self.trust_domain is not None:
+            await self._check_sender(request, context)
         try:
             if self.decoders is not None and isinstance(request, bytes):
                 loop = asyncio.get_running_loop()
@@ -144,6 +152,29 @@ class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
             rejected_data_points=result.rejected, error_message=message
         )
         return ExportMetricsServiceResponse(partial_success=partial)
+
+    async def _check_sender(
+        self, request: ExportMetricsServiceRequest | bytes, context: grpc.aio.ServicerContext
+    ) -> None:
+        """PERMISSION_DENIED unless every resource is the sender's own (otlp_identity)."""
+        assert self.trust_domain is not None
+        try:
+            parsed = (
+                ExportMetricsServiceRequest.FromString(request)
+                if isinstance(request, bytes)
+                else request
+            )
+        except DecodeError:
+            return  # Export answers INVALID_ARGUMENT
+        peer = otlp_identity.peer_id(context)
+        refused = otlp_identity.refusal(peer, self.trust_domain, parsed)
+        if refused is None:
+            return
+        reason, message = refused
+        if self.metrics is not None:
+            self.metrics.telemetry_reports_rejected.labels(reason).inc()
+        self.refusals(peer or "unknown", reason, message)
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
 
     def _ingest(self, request: ExportMetricsServiceRequest | bytes, now: float) -> IngestResult:
         max_points, split = self.store.max_points_per_request, self.envoy is not None
@@ -205,19 +236,30 @@ async def start_receiver(
     decoders: Executor | None = None,
     tally: Tally | None = None,
     reuse_port: bool = False,
+    tls: Callable[[], UpstreamTls | None] | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """A started grpc.aio server with the receiver on HOST:PORT (0: a free port), and the
-    bound port. Stop it with ``await server.stop(grace)``. ``decoders`` (``start_decoders``)
-    decode the requests in other processes; the caller shuts them down. ``reuse_port``: the
-    port is shared with the other telemetry shards (SO_REUSEPORT); off, a second control
-    plane on the same port fails to start instead of silently taking half the exports."""
+    bound port. Stop it with ``await server.stop(grace)``. ``tls``: the mesh's certificates as
+    they are now (asked on each handshake): mutual TLS, each report bound to its sender.
+    ``decoders`` (``start_decoders``) decode the requests in other processes; the caller
+    shuts them down. ``reuse_port``: the port is shared with the other telemetry shards
+    (SO_REUSEPORT); off, a second control plane on the same port fails to start instead of
+    silently taking half the exports."""
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", int(reuse_port)),
         ]
     )
-    add_receiver(MetricsReceiver(store, metrics, clock, envoy, decoders, tally), server)
-    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    current = tls() if tls is not None else None
+    domain = current.trust_domain if current is not None else None
+    receiver = MetricsReceiver(store, metrics, clock, envoy, decoders, tally, domain)
+    add_receiver(receiver, server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound = (
+        server.add_secure_port(address, otlp_identity.server_credentials(tls))
+        if tls is not None and current is not None
+        else server.add_insecure_port(address)
+    )
     await server.start()
     return server, bound

@@ -265,6 +265,7 @@ class ControlPlane:
             port,
             envoy=self.envoy_stats,
             decoders=self.decoders,
+            tls=(lambda: self.topology.listener.upstream_tls) if t.tls else None,
         )
 
     async def stop(self) -> None:

@@ -72,6 +72,8 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
       shard_nice: 5                 # 0..19: shards' CPU priority below the control plane's
                                     # (os.nice): decisions and Envoy's updates come first
       scrape_interval_s: 2.0        # > 0: scrapes of kind-triton endpoints' /metrics
+      tls: false                    # mutual TLS, each report bound to the sender's identity
+                                    # (needs listener.upstream_tls; not with shards yet)
     models:                         # required, at least one
       - name: classifier            # letters, digits, '_', '.', '-'; unique
         sla_p99_ms: 50              # required, > 0
@@ -172,6 +174,9 @@ class TelemetryOptions:
     # of CPU, Envoy's updates come first and ingest falls behind (telemetry_shard_delay_seconds).
     shard_nice: int = 5
     scrape_interval_s: float = 2.0  # Prometheus scrapes of kind-triton endpoints
+    # Mutual TLS on the OTLP port: a report is taken only from the identity it reports for
+    # (control_plane.otlp_identity); needs listener.upstream_tls
+    tls: bool = False
 
 
 ENDPOINT_KINDS = ("infermesh", "triton")  # how the control plane reads an endpoint's signals
@@ -306,7 +311,7 @@ _TELEMETRY = {
     "host": "host", "port": "port", "window_s": "positive",
     "stale_after_intervals": "positive", "forget_after_s": "positive", "decoder_processes": "count",
     "shards": "count", "push_tolerance": "fraction", "shard_nice": "nice",
-    "scrape_interval_s": "positive",
+    "scrape_interval_s": "positive", "tls": "bool",
 }  # fmt: skip
 _TOP = (
     "listener", "xds", "admin", "placement", "telemetry", "models", "endpoints", "tenants",
@@ -355,6 +360,18 @@ def _build(
         if getattr(placement, name) == 0:
             c.errors.append(f"placement.{name}: must be >= 1, got 0")
     telemetry = TelemetryOptions(**c.section(root, "telemetry", _TELEMETRY, d.telemetry))
+    if telemetry.tls and listener.upstream_tls is None:
+        c.errors.append(
+            "telemetry.tls: needs listener.upstream_tls (its pki_dir holds the control plane's "
+            "certificate and the CA)"
+        )
+    if telemetry.tls and telemetry.shards:
+        c.errors.append("telemetry.tls: not with telemetry.shards yet (issue 26)")
+    if telemetry.tls and listener.health_checks == "model":
+        c.errors.append(
+            "telemetry.tls: not with listener.health_checks: model yet, which reads Envoy's "
+            "stats, and Envoy's stat sink has no TLS yet (issue 26)"
+        )
     if telemetry.shards and telemetry.decoder_processes:
         c.errors.append(
             "telemetry: set shards or decoder_processes, not both (shards decode in their "

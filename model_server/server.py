@@ -259,6 +259,7 @@ class ModelServer:
                 self.metrics.registry,
                 self.advertised,
                 self.refresh_memory,
+                self.tls,
             )
             self.exporters.append(exporter)
             self._spawn(exporter.run())

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
 from model_server import __version__
+from model_server.peers import ServerTls
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +172,13 @@ class OtlpExporter:
         registry: CollectorRegistry,
         instance_id: str,
         refresh: Callable[[], None] | None = None,
+        tls: ServerTls | None = None,
     ) -> None:
         self.endpoint = endpoint
+        # Mutual TLS as this server (its own certificate): the control plane takes a report
+        # only from the server it is for (control_plane.otlp_identity).
+        self.tls = tls
+        self._generation = tls.generation if tls is not None else 0
         self.interval = max(interval, MIN_INTERVAL_S)
         self.timeout = min(self.interval, MAX_EXPORT_TIMEOUT_S)
         self.registry = registry
@@ -184,9 +190,18 @@ class OtlpExporter:
         self._channel: grpc.aio.Channel | None = None
         self._stub: metrics_service_pb2_grpc.MetricsServiceStub | None = None
 
-    def _stub_now(self) -> metrics_service_pb2_grpc.MetricsServiceStub:
+    async def _stub_now(self) -> metrics_service_pb2_grpc.MetricsServiceStub:
+        tls = self.tls
+        if tls is not None and tls.generation != self._generation:
+            self._generation = tls.generation  # renewed: a new channel, a new handshake
+            await self.close()
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.endpoint)
+            if tls is None:
+                self._channel = grpc.aio.insecure_channel(self.endpoint)
+            else:
+                mine = tls.current
+                credentials = grpc.ssl_channel_credentials(mine.ca_pem, mine.key_pem, mine.cert_pem)
+                self._channel = grpc.aio.secure_channel(self.endpoint, credentials)
             self._stub = metrics_service_pb2_grpc.MetricsServiceStub(self._channel)
         return self._stub
 
@@ -196,7 +211,8 @@ class OtlpExporter:
             if self.refresh is not None:
                 self.refresh()
             request = build_request(self.registry, self.instance_id)
-            await self._stub_now().Export(request, timeout=self.timeout)
+            stub = await self._stub_now()
+            await stub.Export(request, timeout=self.timeout)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

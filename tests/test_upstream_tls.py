@@ -129,3 +129,14 @@ def test_status_lists_each_identity_and_warns_when_renewal_is_overdue(pki_dir: P
     assert len(late) == 3 and "envoy/envoy-1 expires in 1.0 h" in late[0]
     assert f"infermesh certs rotate --dir {pki_dir}" in late[0]
     assert upstream_tls.status(None) is None and upstream_tls.warnings(None) == []
+
+
+def test_telemetry_tls_needs_the_pki_and_is_refused_where_not_built_yet(pki_dir: Path) -> None:
+    needs = {"models": _topology(pki_dir)["models"], "telemetry": {"tls": True}}
+    assert "telemetry.tls: needs listener.upstream_tls" in _errors(needs)[0]
+    sharded = _topology(pki_dir, telemetry={"tls": True, "shards": 2})
+    assert "not with telemetry.shards yet" in _errors(sharded)[0]
+    model_checks = _topology(pki_dir, telemetry={"tls": True})
+    model_checks["listener"]["health_checks"] = "model"
+    assert "Envoy's stat sink has no TLS yet" in _errors(model_checks)[0]
+    assert parse_topology(_topology(pki_dir, telemetry={"tls": True})).telemetry.tls

@@ -1,0 +1,109 @@
+"""Telemetry bound to identity: with ``telemetry.tls`` the OTLP port speaks only mutual TLS,
+and a report is taken only from the workload it reports for.
+
+A model server's certificate names it (``spiffe://TD/model-server/HOST/PORT``); every resource
+of its report must carry ``service.instance.id`` ``HOST:PORT``. An Envoy's certificate
+(``/envoy/NODE``) may send Envoy's own stats only (its stat sink). Anything else is refused
+with PERMISSION_DENIED before a point is stored, counted in
+``telemetry_reports_rejected_total{reason}``, and logged (at most once a minute per peer and
+reason) with the peer and the identity it claimed. So a process that can reach the port can
+neither fake another server's draining, memory or latency nor, without a mesh certificate,
+connect at all.
+
+The receiver presents the control plane's certificate; a renewed one is taken at the next
+handshake (gRPC asks for it on each).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+)
+
+from control_plane.envoy_stats import is_envoy
+from control_plane.mesh import UpstreamTls
+from infermesh import pki
+
+log = logging.getLogger(__name__)
+LOG_EVERY_S = 60.0
+INSTANCE_ID = "service.instance.id"
+
+
+def server_credentials(tls: Callable[[], UpstreamTls | None]) -> grpc.ServerCredentials:
+    """The control plane's certificate, client certificates from the mesh CA required; the
+    files' current state is asked for (``tls()``) on each handshake."""
+    given: list[UpstreamTls | None] = [tls()]
+
+    def configuration(current: UpstreamTls) -> grpc.ServerCertificateConfiguration:
+        me = current.control_plane
+        if me is None:
+            raise pki.CertificateError(f"{current.pki_dir}: no control-plane certificate")
+        return grpc.ssl_server_certificate_configuration(
+            [(me.key_pem, me.cert_pem)], root_certificates=current.ca_pem
+        )
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
+        current = tls()
+        if current is given[0] or current is None or current.control_plane is None:
+            return None
+        given[0] = current
+        return configuration(current)
+
+    first = given[0]
+    if first is None:
+        raise pki.CertificateError("telemetry.tls needs listener.upstream_tls")
+    return grpc.dynamic_ssl_server_credentials(
+        configuration(first), fetch, require_client_authentication=True
+    )
+
+
+def peer_id(context: grpc.aio.ServicerContext) -> str | None:
+    values = context.auth_context().get("peer_spiffe_id") or []
+    return values[0].decode() if values else None
+
+
+def refusal(
+    spiffe_id: str | None, trust_domain: str, request: ExportMetricsServiceRequest
+) -> tuple[str, str] | None:
+    """None when every resource is the peer's own, else (reason, message)."""
+    who = pki.parse_spiffe_id(spiffe_id) if spiffe_id else None
+    if who is None or who.trust_domain != trust_domain:
+        return (
+            "not_a_workload",
+            f"{spiffe_id or 'a peer without a SPIFFE ID'} is not a mesh workload",
+        )
+    for resource in request.resource_metrics:
+        if who.kind == "envoy":
+            if not is_envoy(resource):
+                return "not_envoy_stats", f"{spiffe_id} may send Envoy's stats only"
+            continue
+        if who.kind != "model-server":
+            return "kind", f"{spiffe_id} may not send telemetry"
+        claimed = next(
+            (a.value.string_value for a in resource.resource.attributes if a.key == INSTANCE_ID),
+            "",
+        )
+        own = ":".join(who.name)
+        if claimed != own:
+            return "other_identity", f"{spiffe_id} reported for {claimed or 'no instance id'!r}"
+    return None
+
+
+class RefusalLog:
+    """One line per peer and reason a minute at most: a flood of refused reports does not
+    flood the log."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, str], float] = {}
+
+    def __call__(self, peer: str, reason: str, message: str) -> None:
+        now = time.monotonic()
+        key = (peer, reason)
+        if now - self._last.get(key, -LOG_EVERY_S) >= LOG_EVERY_S:
+            self._last[key] = now
+            log.warning("telemetry refused from %s (%s): %s", peer, reason, message)
