@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from control_plane.metrics import ControlPlaneMetrics
@@ -36,6 +37,7 @@ from control_plane.snapshot import (
     Snapshot,
     SnapshotCache,
 )
+from infermesh import pki
 
 log = logging.getLogger(__name__)
 WILDCARD_TYPES = (LISTENER_TYPE, CLUSTER_TYPE)
@@ -334,19 +336,65 @@ class DeltaSession(_Session):
 
 
 class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
+    """``trust_domain`` (xds.tls): the stream's peer must be an Envoy of the mesh whose
+    certificate names the node id it sends, or it is refused before anything is sent: a node
+    is served its own private key over SDS, so a node id is never taken on its word."""
+
     def __init__(
-        self, cache: SnapshotCache, nodes: NodeRegistry, metrics: ControlPlaneMetrics
+        self,
+        cache: SnapshotCache,
+        nodes: NodeRegistry,
+        metrics: ControlPlaneMetrics,
+        trust_domain: str | None = None,
     ) -> None:
         self._make: Callable[[type[_Session]], _Session] = lambda kind: kind(cache, nodes, metrics)
+        self.trust_domain = trust_domain
 
     async def StreamAggregatedResources(
         self, request_iterator: AsyncIterator[Any], context: Any
     ) -> AsyncIterator[Any]:
-        async for response in self._make(SotwSession).run(request_iterator):
+        requests = await self._checked(request_iterator, context)
+        async for response in self._make(SotwSession).run(requests):
             yield response
 
     async def DeltaAggregatedResources(
         self, request_iterator: AsyncIterator[Any], context: Any
     ) -> AsyncIterator[Any]:
-        async for response in self._make(DeltaSession).run(request_iterator):
+        requests = await self._checked(request_iterator, context)
+        async for response in self._make(DeltaSession).run(requests):
             yield response
+
+    async def _checked(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+        """The requests, once the first one's node id is the peer certificate's (with TLS)."""
+        if self.trust_domain is None:
+            return requests
+        values = context.auth_context().get("peer_spiffe_id") or []
+        peer = values[0].decode() if values else ""
+        who = pki.parse_spiffe_id(peer) if peer else None
+        if who is None or who.kind != "envoy" or who.trust_domain != self.trust_domain:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, f"{peer or 'this peer'} is not a mesh Envoy"
+            )
+        assert who is not None
+        iterator = aiter(requests)
+        first = await anext(iterator, None)
+        if first is None:
+            return _empty()
+        if first.node.id != who.name[0]:
+            log.warning("xds: %s claimed node %r: refused", peer, first.node.id)
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{peer} may speak as node {who.name[0]!r} only, not {first.node.id!r}",
+            )
+        return _prepend(first, iterator)
+
+
+async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    yield first
+    async for item in rest:
+        yield item
+
+
+async def _empty() -> AsyncIterator[Any]:
+    return
+    yield  # pragma: no cover - makes this an async generator

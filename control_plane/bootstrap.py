@@ -12,6 +12,7 @@ import json
 import os
 import resource
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,7 @@ def render_bootstrap(
     admin_port: int,
     delta: bool,
     otlp_port: int | Sequence[int | str] | None = None,
+    xds_tls: XdsTls | None = None,
 ) -> dict[str, Any]:
     """The bootstrap as plain data (Envoy reads it as YAML or JSON).
 
@@ -169,6 +171,10 @@ def render_bootstrap(
             ],
         },
     }
+    if xds_tls is not None:
+        config["static_resources"]["clusters"][0]["transport_socket"] = xds_transport_socket(
+            xds_tls, node_id
+        )
     if otlp_port is not None:
         targets = [_target(xds_host, item) for item in _ports(otlp_port)]
         names = [OTLP_CLUSTER if i == 0 else f"{OTLP_CLUSTER}_{i + 1}"
@@ -177,6 +183,78 @@ def render_bootstrap(
             config["static_resources"]["clusters"].append(xds_cluster(host, [port], name))
         config.update(stats_sink(names, node_id))
     return config
+
+
+@dataclass(frozen=True)
+class XdsTls:
+    """ADS over mutual TLS (the topology's ``xds.tls``): ``pki_dir`` as ``infermesh certs``
+    writes it, and the trust domain whose control planes Envoy accepts."""
+
+    pki_dir: str
+    trust_domain: str
+
+
+IDENTITY_SDS, CA_SDS = "xds-identity", "xds-ca"
+SECRET_TYPE_URL = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
+
+
+def xds_transport_socket(tls: XdsTls, node_id: str) -> dict[str, Any]:
+    """Envoy's TLS to the control plane: its own certificate and the CA from files through
+    file-based SDS (``write_sds_files``; no ADS yet to fetch them from), reloaded when a file is
+    moved into the directory (as ``infermesh certs`` writes them: a renewal needs no restart),
+    and only a control plane of the trust domain accepted."""
+
+    def sds(name: str, file: str) -> dict[str, Any]:
+        source = {"path": f"{tls.pki_dir}/{file}", "watched_directory": {"path": tls.pki_dir}}
+        return {
+            "name": name,
+            "sds_config": {"path_config_source": source, "resource_api_version": "V3"},
+        }
+
+    peer = {"san_type": "URI", "matcher": {"prefix": f"spiffe://{tls.trust_domain}/control-plane/"}}
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
+            "UpstreamTlsContext",
+            "common_tls_context": {
+                "tls_certificate_sds_secret_configs": [
+                    sds(IDENTITY_SDS, f"envoy_{node_id}.sds.json")
+                ],
+                "combined_validation_context": {
+                    "default_validation_context": {"match_typed_subject_alt_names": [peer]},
+                    "validation_context_sds_secret_config": sds(CA_SDS, "ca.sds.json"),
+                },
+                "alpn_protocols": ["h2"],
+            },
+        },
+    }
+
+
+def write_sds_files(pki_dir: Path, node_id: str) -> None:
+    """The two SDS files ``xds_transport_socket`` names, next to the certificates: they only
+    point at the PEM files, so they are written once (atomically) and stay valid across
+    renewals."""
+    root = pki_dir.resolve()
+    files = {
+        f"envoy_{node_id}.sds.json": {
+            "@type": SECRET_TYPE_URL,
+            "name": IDENTITY_SDS,
+            "tls_certificate": {
+                "certificate_chain": {"filename": str(root / f"envoy_{node_id}.crt")},
+                "private_key": {"filename": str(root / f"envoy_{node_id}.key")},
+            },
+        },
+        "ca.sds.json": {
+            "@type": SECRET_TYPE_URL,
+            "name": CA_SDS,
+            "validation_context": {"trusted_ca": {"filename": str(root / "ca.crt")}},
+        },
+    }
+    for name, secret in files.items():
+        tmp = pki_dir / f".{name}.tmp"
+        tmp.write_text(json.dumps({"resources": [secret]}, indent=2) + "\n")
+        os.replace(tmp, pki_dir / name)
 
 
 def _ports(ports: int | Sequence[int | str]) -> list[int | str]:

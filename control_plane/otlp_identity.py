@@ -10,15 +10,13 @@ reason) with the peer and the identity it claimed. So a process that can reach t
 neither fake another server's draining, memory or latency nor, without a mesh certificate,
 connect at all.
 
-The receiver presents the control plane's certificate; a renewed one is taken at the next
-handshake (gRPC asks for it on each).
+The receiver presents the control plane's certificate (``upstream_tls.server_credentials``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import grpc
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
@@ -26,40 +24,11 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 
 from control_plane.envoy_stats import is_envoy
-from control_plane.mesh import UpstreamTls
 from infermesh import pki
 
 log = logging.getLogger(__name__)
 LOG_EVERY_S = 60.0
 INSTANCE_ID = "service.instance.id"
-
-
-def server_credentials(tls: Callable[[], UpstreamTls | None]) -> grpc.ServerCredentials:
-    """The control plane's certificate, client certificates from the mesh CA required; the
-    files' current state is asked for (``tls()``) on each handshake."""
-    given: list[UpstreamTls | None] = [tls()]
-
-    def configuration(current: UpstreamTls) -> grpc.ServerCertificateConfiguration:
-        me = current.control_plane
-        if me is None:
-            raise pki.CertificateError(f"{current.pki_dir}: no control-plane certificate")
-        return grpc.ssl_server_certificate_configuration(
-            [(me.key_pem, me.cert_pem)], root_certificates=current.ca_pem
-        )
-
-    def fetch() -> grpc.ServerCertificateConfiguration | None:
-        current = tls()
-        if current is given[0] or current is None or current.control_plane is None:
-            return None
-        given[0] = current
-        return configuration(current)
-
-    first = given[0]
-    if first is None:
-        raise pki.CertificateError("telemetry.tls needs listener.upstream_tls")
-    return grpc.dynamic_ssl_server_credentials(
-        configuration(first), fetch, require_client_authentication=True
-    )
 
 
 def peer_id(context: grpc.aio.ServicerContext) -> str | None:

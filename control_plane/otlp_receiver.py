@@ -26,7 +26,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
-from control_plane import otlp_identity
+from control_plane import otlp_identity, upstream_tls
 from control_plane.envoy_stats import is_envoy
 from control_plane.mesh import UpstreamTls
 from control_plane.otlp_decode import Point, PointTuple, decode_request
@@ -257,7 +257,7 @@ async def start_receiver(
     add_receiver(receiver, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     bound = (
-        server.add_secure_port(address, otlp_identity.server_credentials(tls))
+        server.add_secure_port(address, upstream_tls.server_credentials(tls))
         if tls is not None and current is not None
         else server.add_insecure_port(address)
     )

@@ -191,11 +191,21 @@ class ControlPlane:
         self.grpc_server = grpc.aio.server(
             options=[("grpc.keepalive_time_ms", 30_000), ("grpc.so_reuseport", 0)]
         )
+        tls = t.listener.upstream_tls if t.xds_tls else None
+        domain = tls.trust_domain if tls is not None else None
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(
-            AdsServicer(self.cache, self.nodes, self.metrics), self.grpc_server
+            AdsServicer(self.cache, self.nodes, self.metrics, domain), self.grpc_server
         )
         xds_port = t.xds.port if self.settings.xds_port is None else self.settings.xds_port
-        self.xds_port = self.grpc_server.add_insecure_port(f"{t.xds.host}:{xds_port}")
+        address = f"{t.xds.host}:{xds_port}"
+        self.xds_port = (
+            self.grpc_server.add_secure_port(
+                address,
+                upstream_tls.server_credentials(lambda: self.topology.listener.upstream_tls),
+            )
+            if tls is not None
+            else self.grpc_server.add_insecure_port(address)
+        )
         admin_port = t.admin.port if self.settings.admin_port is None else self.settings.admin_port
         self.admin = AdminServer(
             t.admin.host,

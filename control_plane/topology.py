@@ -48,7 +48,8 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
         pki_dir: ../.infermesh/pki  # infermesh certs' directory; needs xds.host on loopback
     tenants:                        # optional: what each tenant may do (control_plane.tenants)
       team-a: {models: [classifier], rate_limit: {requests_per_s: 50}}
-    xds: {host: 127.0.0.1, port: 18000}      # where the control plane serves ADS
+    xds: {host: 127.0.0.1, port: 18000}      # where the control plane serves ADS; tls: true
+                                             # for mTLS (needs listener.upstream_tls)
     admin: {host: 127.0.0.1, port: 19000}    # the control plane's status HTTP
     placement:                      # model server polling (control_plane.placement_poller)
       poll_interval_s: 1.0          # > 0: each endpoint probed once per interval, staggered
@@ -119,6 +120,7 @@ import dataclasses
 import functools
 import hashlib
 import os
+import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,6 +223,8 @@ class Topology:
     telemetry: TelemetryOptions = TelemetryOptions()
     policies: tuple[tuple[str, PoolPolicy], ...] = ()  # (model name, routing policy)
     canaries: tuple[tuple[str, CanaryPolicy], ...] = ()  # (model name, canary progression)
+    # xds.tls: ADS over mutual TLS, each Envoy held to the node id its certificate names
+    xds_tls: bool = False
 
     # Derived once per topology (it is immutable): routing reads the labels every recompute and
     # every snapshot build reads the REST ports, over every endpoint of a fleet.
@@ -303,6 +307,7 @@ _LISTENER = {
     "auth": "mapping", "upstream_tls": "mapping",
 }  # fmt: skip
 _BIND = {"host": "host", "port": "port"}
+_XDS = {**_BIND, "tls": "bool"}
 _PLACEMENT = {
     "poll_interval_s": "positive", "timeout_s": "positive", "max_probes_per_s": "positive",
     "max_concurrent_probes": "count", "unreachable_after": "count",
@@ -346,13 +351,17 @@ def _build(
         c, given.get("upstream_tls"), "listener.upstream_tls", _folder(source)
     )
     listener = ListenerOptions(**fields)
-    xds = EndpointAddress(**c.section(root, "xds", _BIND, d.xds))
-    if listener.upstream_tls is not None and not is_loopback(xds.host):
-        # Envoy's key goes out over SDS, and xDS does not authenticate its clients yet.
+    xds_default = types.SimpleNamespace(host=d.xds.host, port=d.xds.port, tls=False)
+    xds_fields = c.section(root, "xds", _XDS, xds_default)
+    xds_tls = bool(xds_fields.pop("tls"))
+    xds = EndpointAddress(**xds_fields)
+    if xds_tls and listener.upstream_tls is None:
+        c.errors.append("xds.tls: needs listener.upstream_tls (its pki_dir holds the certificates)")
+    if listener.upstream_tls is not None and not xds_tls and not is_loopback(xds.host):
+        # Envoy's key goes out over SDS: only to clients that proved they are that Envoy.
         c.errors.append(
-            f"listener.upstream_tls: serves each Envoy's private key over xDS, which does not "
-            f"authenticate its clients yet (issue 26): xds.host must be a loopback address, "
-            f"got {xds.host}"
+            f"listener.upstream_tls: serves each Envoy's private key over xDS: with xds.host "
+            f"{xds.host} (not loopback) set xds.tls: true, so only a proven Envoy gets its own"
         )
     admin = EndpointAddress(**c.section(root, "admin", _BIND, d.admin))
     placement = PlacementOptions(**c.section(root, "placement", _PLACEMENT, d.placement))
@@ -396,7 +405,7 @@ def _build(
         raise TopologyError(source, c.errors)
     return Topology(
         listener, xds, admin, placement, models, endpoints, capacity, source, telemetry, policies,
-        canaries,
+        canaries, xds_tls,
     )  # fmt: skip
 
 

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import datetime as dt
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.transport_sockets.tls.v3 import common_pb2, secret_pb2, tls_pb2
 
@@ -187,3 +189,32 @@ def warnings(tls: UpstreamTls | None, now: float | None = None) -> list[str]:
         for spiffe_id, expiry in served_identities(tls)
         if expiry - at < OVERDUE_S
     ]
+
+
+def server_credentials(tls: Callable[[], UpstreamTls | None]) -> grpc.ServerCredentials:
+    """The control plane's certificate for its own ports (OTLP, xDS), client certificates from
+    the mesh CA required; the files' current state is asked for (``tls()``) on each handshake,
+    so a renewed certificate is used without a restart."""
+    given: list[UpstreamTls | None] = [tls()]
+
+    def configuration(current: UpstreamTls) -> grpc.ServerCertificateConfiguration:
+        me = current.control_plane
+        if me is None:
+            raise pki.CertificateError(f"{current.pki_dir}: no control-plane certificate")
+        return grpc.ssl_server_certificate_configuration(
+            [(me.key_pem, me.cert_pem)], root_certificates=current.ca_pem
+        )
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
+        current = tls()
+        if current is given[0] or current is None or current.control_plane is None:
+            return None
+        given[0] = current
+        return configuration(current)
+
+    first = given[0]
+    if first is None:
+        raise pki.CertificateError("mutual TLS needs listener.upstream_tls")
+    return grpc.dynamic_ssl_server_credentials(
+        configuration(first), fetch, require_client_authentication=True
+    )

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from control_plane.bootstrap import render_bootstrap
+from control_plane.bootstrap import XdsTls, render_bootstrap, write_sds_files
 from control_plane.server import ControlPlane, ControlPlaneSettings
 from tests.envoy_support import Envoy, free_port, start_envoy
 from tests.support import post_json, wait_for
@@ -96,17 +96,26 @@ def write_topology(
 
 
 def start_ads_envoy(
-    workdir: Path, xds_port: int, listener_port: int, delta: bool, otlp_port: int | None = None
+    workdir: Path,
+    xds_port: int,
+    listener_port: int,
+    delta: bool,
+    otlp_port: int | None = None,
+    xds_tls: XdsTls | None = None,
 ) -> Envoy:
     admin_port = free_port()
+    node_id = f"envoy-{'delta' if delta else 'sotw'}"
+    if xds_tls is not None:
+        write_sds_files(Path(xds_tls.pki_dir), node_id)
     config = render_bootstrap(
-        node_id=f"envoy-{'delta' if delta else 'sotw'}",
+        node_id=node_id,
         node_cluster="infermesh",
         xds_host="127.0.0.1",
         xds_port=xds_port,
         admin_port=admin_port,
         delta=delta,
         otlp_port=otlp_port,
+        xds_tls=xds_tls,
     )
     return start_envoy(config, workdir, admin_port, listener_port)
 
@@ -119,6 +128,7 @@ def start_plane_and_envoy(
     healthy: int,
     otlp_port: int = 0,
     envoy_stats: bool = False,
+    xds_tls: XdsTls | None = None,
 ) -> tuple[ControlPlaneThread, Envoy]:
     """The control plane (in a thread) and Envoy over SotW ADS, stopped by ``stops``; returns
     once Envoy's /clusters lists ``healthy`` healthy endpoint entries. ``envoy_stats``: Envoy
@@ -126,7 +136,9 @@ def start_plane_and_envoy(
     plane = ControlPlaneThread(topology, otlp_port=otlp_port)
     stops.callback(plane.stop)
     sink = plane.plane.otlp_port if envoy_stats else None
-    envoy = start_ads_envoy(workdir, plane.plane.xds_port, listener_port, False, otlp_port=sink)
+    envoy = start_ads_envoy(
+        workdir, plane.plane.xds_port, listener_port, False, otlp_port=sink, xds_tls=xds_tls
+    )
     stops.callback(envoy.stop)
     wait_for(
         lambda: envoy.admin("/clusters").count("::health_flags::healthy") >= healthy,

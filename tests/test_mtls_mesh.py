@@ -15,9 +15,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from prometheus_client import generate_latest
 
+from control_plane.bootstrap import XdsTls
+from control_plane.snapshot import CLUSTER_TYPE
 from infermesh import pki
 from tests.envoy_support import Envoy, free_port
 from tests.mesh_support import ControlPlaneThread, start_plane_and_envoy, write_topology
@@ -59,8 +64,10 @@ def _issue_all(authority: pki.Authority, directory: Path, addresses: list[str]) 
         pki.issue(authority, who, directory)
 
 
-@pytest.fixture
-def tls_mesh(demo_repo: Path, tmp_path: Path) -> Iterator[TlsMesh]:
+@pytest.fixture(params=[False, True], ids=["xds-plaintext", "xds-mtls"])
+def tls_mesh(demo_repo: Path, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[TlsMesh]:
+    """The mesh with mTLS to the servers; xDS itself in plaintext (loopback) or over mTLS."""
+    xds_tls = bool(request.param)
     pki_dir, logs = tmp_path / "pki", tmp_path / "logs"
     authority = pki.init_authority(pki_dir)
     addresses = [f"127.0.0.1:{free_port()}" for _ in range(3)]
@@ -78,9 +85,13 @@ def tls_mesh(demo_repo: Path, tmp_path: Path) -> Iterator[TlsMesh]:
         top = {
             "listener": {"upstream_tls": {"pki_dir": str(pki_dir)}},
             "placement": {"poll_interval_s": 0.2, "timeout_s": 1.0, "unreachable_after": 50},
+            "xds": {"host": "127.0.0.1", "port": 18000, "tls": xds_tls},
         }
         topology = write_topology(tmp_path / "topology.yaml", listener, addresses, top=top)
-        plane, envoy = start_plane_and_envoy(stops, tmp_path, topology, listener, healthy=2)
+        envoy_tls = XdsTls(str(pki_dir), authority.trust_domain) if xds_tls else None
+        plane, envoy = start_plane_and_envoy(
+            stops, tmp_path, topology, listener, healthy=2, xds_tls=envoy_tls
+        )
         yield TlsMesh(pki_dir, authority, repo, logs, addresses, servers, plane, envoy)
 
 
@@ -171,3 +182,42 @@ def test_every_certificate_is_renewed_under_load_without_a_failure(tls_mesh: Tls
             wait_for(_reloaded(server), 30, "a server's reload")
         traffic.wait_ok(40)
     assert not traffic.errors, traffic.errors[:3]
+
+
+def _ads_call(tls_mesh: TlsMesh, who: pki.Workload | None, node_id: str) -> grpc.StatusCode:
+    """One ADS stream to the control plane as ``who`` (None: no client certificate), sending
+    ``node_id``: OK once it is answered, else the refusal's code."""
+    target = f"127.0.0.1:{tls_mesh.plane.plane.xds_port}"
+    ca = (tls_mesh.pki_dir / "ca.crt").read_bytes()
+    if who is None:
+        credentials = grpc.ssl_channel_credentials(ca)
+    else:
+        key, cert = (tls_mesh.pki_dir / f"{who.file_stem}.{x}" for x in ("key", "crt"))
+        credentials = grpc.ssl_channel_credentials(ca, key.read_bytes(), cert.read_bytes())
+    first = discovery_pb2.DiscoveryRequest(
+        node=base_pb2.Node(id=node_id, cluster="infermesh"), type_url=CLUSTER_TYPE
+    )
+    with grpc.secure_channel(target, credentials) as channel:
+        stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel)
+        try:
+            next(iter(stub.StreamAggregatedResources(iter([first]), timeout=10)))
+        except grpc.RpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
+def test_xds_serves_only_a_proven_envoy_its_own_node(tls_mesh: TlsMesh) -> None:
+    if not tls_mesh.plane.plane.topology.xds_tls:
+        pytest.skip("xDS over mTLS only")
+    envoy = pki.envoy(NODE)
+    assert _ads_call(tls_mesh, envoy, NODE) == grpc.StatusCode.OK
+    assert _ads_call(tls_mesh, envoy, "envoy-other") == grpc.StatusCode.PERMISSION_DENIED
+    assert _ads_call(tls_mesh, pki.control_plane(), NODE) == grpc.StatusCode.PERMISSION_DENIED
+    assert _ads_call(tls_mesh, None, NODE) == grpc.StatusCode.UNAVAILABLE
+    plain = grpc.insecure_channel(f"127.0.0.1:{tls_mesh.plane.plane.xds_port}")
+    with plain:
+        stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(plain)
+        with pytest.raises(grpc.RpcError) as caught:
+            request = discovery_pb2.DiscoveryRequest(node=base_pb2.Node(id=NODE))
+            next(iter(stub.StreamAggregatedResources(iter([request]), timeout=10)))
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE

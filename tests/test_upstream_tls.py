@@ -60,9 +60,13 @@ def test_unusable_files_are_topology_errors_naming_them(pki_dir: Path) -> None:
     assert "ca.crt: certificate file not found" in errors
 
 
-def test_keys_are_never_served_off_loopback(pki_dir: Path) -> None:
+def test_keys_are_served_off_loopback_only_over_mutual_tls(pki_dir: Path) -> None:
     (error,) = _errors(_topology(pki_dir, xds={"host": "0.0.0.0", "port": 18000}))
-    assert "xds.host must be a loopback address" in error
+    assert "with xds.host 0.0.0.0 (not loopback) set xds.tls: true" in error
+    secured = parse_topology(_topology(pki_dir, xds={"host": "0.0.0.0", "tls": True}))
+    assert secured.xds_tls and secured.xds.host == "0.0.0.0"
+    needs = {"models": _topology(pki_dir)["models"], "xds": {"tls": True}}
+    assert "xds.tls: needs listener.upstream_tls" in _errors(needs)[0]
 
 
 def _state(pki_dir: Path) -> MeshState:
