@@ -120,8 +120,14 @@ def _counter_sum(envoy: Envoy, pattern: str) -> int:
 def test_traffic_flows_over_mutual_tls(tls_mesh: TlsMesh) -> None:
     with Traffic(f"127.0.0.1:{tls_mesh.envoy.port}", clients=2) as traffic:
         traffic.wait_ok(40)
+        # Both servers, over mTLS (a server that joined later ramps up from a tenth of its
+        # weight, so it may take more than 40 calls to be picked).
+        wait_for(
+            lambda: all(_served(s) > 0 for s in tls_mesh.servers.values()),
+            30,
+            "both servers to serve through Envoy",
+        )
     assert not traffic.errors, traffic.errors[:3]
-    assert all(_served(s) > 0 for s in tls_mesh.servers.values())
     envoy_cert = tls_mesh.pki_dir / f"envoy_{NODE}.crt"
     assert _serial(envoy_cert) in _envoy_serials(tls_mesh.envoy)  # it came over SDS
     assert _counter_sum(tls_mesh.envoy, r"model_classifier\.ssl\.handshake$") > 0
