@@ -76,6 +76,9 @@ def named_workload(
     if kind == "model-server":
         who = pki.model_server(name, trust_domain)
         return pki.workload(kind, who.name, trust_domain, [*who.dns, *dns], [*who.ips, *ips])
+    if kind == "control-plane":  # reached on loopback by default; --dns/--ip for the rest
+        who = pki.control_plane(name, trust_domain)
+        return pki.workload(kind, who.name, trust_domain, [*who.dns, *dns], [*who.ips, *ips])
     return pki.workload(kind, tuple(name.split("/")), trust_domain, dns, ips)
 
 

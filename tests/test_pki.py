@@ -156,5 +156,11 @@ def test_the_certs_command(tmp_path: Path) -> None:
     shown = cli("show").stdout
     assert "model-server_127.0.0.1_8001.crt: spiffe://" in shown and "24.0 h left" in shown
     assert "renewed 1" in cli("rotate", "--force").stdout
+    plane = cli("issue", "control-plane", "cp-1", "--dns", "control-plane-1")
+    assert plane.returncode == 0, plane.stderr
+    cert = pki.read_certificate(tmp_path / "control-plane_cp-1.crt")
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["localhost", "control-plane-1"]
+    assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
     bad = cli("issue", "model-server", "no-port")
     assert bad.returncode == 1 and "expected host:port" in bad.stderr
