@@ -99,17 +99,18 @@ def _served(server: ServerProcess) -> float:
     return metric_value(server.metrics(), "inference_requests_total", code="OK")
 
 
-def _envoy_serials(envoy: Envoy) -> set[str]:
-    """Serial numbers of the certificates Envoy holds (its identity and the CA)."""
+def _envoy_serials(envoy: Envoy) -> set[int]:
+    """Serial numbers of the certificates Envoy holds (its identity and the CA). Envoy writes
+    them in hex with the certificate's leading zeros: compared as numbers."""
     found = set()
     for entry in json.loads(envoy.admin("/certs"))["certificates"]:
         for cert in entry.get("cert_chain", []) + entry.get("ca_cert", []):
-            found.add(cert["serial_number"])
+            found.add(int(cert["serial_number"], 16))
     return found
 
 
-def _serial(path: Path) -> str:
-    return format(pki.read_certificate(path).serial_number, "x")
+def _serial(path: Path) -> int:
+    return int(pki.read_certificate(path).serial_number)
 
 
 def _counter_sum(envoy: Envoy, pattern: str) -> int:
