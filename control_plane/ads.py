@@ -368,10 +368,9 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         """The requests, once the first one's node id is the peer certificate's (with TLS)."""
         if self.trust_domain is None:
             return requests
-        values = context.auth_context().get("peer_spiffe_id") or []
-        peer = values[0].decode() if values else ""
-        who = pki.parse_spiffe_id(peer) if peer else None
-        if who is None or who.kind != "envoy" or who.trust_domain != self.trust_domain:
+        peer = pki.peer_spiffe_id(context.auth_context()) or ""
+        who = pki.mesh_peer(peer, self.trust_domain)
+        if who is None or who.kind != "envoy":
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED, f"{peer or 'this peer'} is not a mesh Envoy"
             )

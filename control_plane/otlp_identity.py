@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import time
 
-import grpc
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
 )
@@ -31,17 +30,12 @@ LOG_EVERY_S = 60.0
 INSTANCE_ID = "service.instance.id"
 
 
-def peer_id(context: grpc.aio.ServicerContext) -> str | None:
-    values = context.auth_context().get("peer_spiffe_id") or []
-    return values[0].decode() if values else None
-
-
 def refusal(
     spiffe_id: str | None, trust_domain: str, request: ExportMetricsServiceRequest
 ) -> tuple[str, str] | None:
     """None when every resource is the peer's own, else (reason, message)."""
-    who = pki.parse_spiffe_id(spiffe_id) if spiffe_id else None
-    if who is None or who.trust_domain != trust_domain:
+    who = pki.mesh_peer(spiffe_id, trust_domain)
+    if who is None:
         return (
             "not_a_workload",
             f"{spiffe_id or 'a peer without a SPIFFE ID'} is not a mesh workload",

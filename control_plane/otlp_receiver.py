@@ -31,6 +31,7 @@ from control_plane.envoy_stats import is_envoy
 from control_plane.mesh import UpstreamTls
 from control_plane.otlp_decode import Point, PointTuple, decode_request
 from control_plane.otlp_wire import decode_fast
+from infermesh import pki
 
 if TYPE_CHECKING:
     from control_plane.metrics import ControlPlaneMetrics
@@ -166,7 +167,7 @@ class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
             )
         except DecodeError:
             return  # Export answers INVALID_ARGUMENT
-        peer = otlp_identity.peer_id(context)
+        peer = pki.peer_spiffe_id(context.auth_context())
         refused = otlp_identity.refusal(peer, self.trust_domain, parsed)
         if refused is None:
             return

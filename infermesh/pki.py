@@ -22,10 +22,11 @@ certificate, not signed by the CA, or not the identity the process was told to b
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import ipaddress
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,6 +153,20 @@ def parse_spiffe_id(text: str) -> Workload | None:
         return workload(kind, tuple(rest.split("/")), domain)
     except CertificateError:
         return None
+
+
+@functools.lru_cache(maxsize=4096)
+def mesh_peer(spiffe_id: str | None, trust_domain: str) -> Workload | None:
+    """The workload a verified peer is, if it is one of ``trust_domain``'s (else None).
+    Cached: a server asks on every call, and its peers are few."""
+    who = parse_spiffe_id(spiffe_id) if spiffe_id else None
+    return who if who is not None and who.trust_domain == trust_domain else None
+
+
+def peer_spiffe_id(auth_context: Mapping[str, Sequence[bytes]]) -> str | None:
+    """The SPIFFE ID gRPC read from the peer's certificate (``context.auth_context()``)."""
+    values = auth_context.get("peer_spiffe_id") or []
+    return values[0].decode() if values else None
 
 
 # --- files ----------------------------------------------------------------------------------

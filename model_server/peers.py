@@ -63,22 +63,16 @@ class TlsFiles:
     ca: Path
 
 
-def peer_kind(spiffe_id: str | None, trust_domain: str) -> str | None:
-    """The mesh kind of a verified peer (None: no SPIFFE ID, or another trust domain's)."""
-    who = pki.parse_spiffe_id(spiffe_id) if spiffe_id else None
-    return who.kind if who is not None and who.trust_domain == trust_domain else None
-
-
 def refusal(group: str | None, spiffe_id: str | None, trust_domain: str) -> str | None:
     """None when the peer may call ``group``, else why not (naming the identity, not a key)."""
-    kind = peer_kind(spiffe_id, trust_domain)
-    if kind is None:
+    who = pki.mesh_peer(spiffe_id, trust_domain)
+    if who is None:
         return f"caller {spiffe_id or 'without a SPIFFE ID'} is not a {trust_domain} workload"
     allowed = ALLOWED_KINDS.get(group or "", frozenset())
-    if kind in allowed:
+    if who.kind in allowed:
         return None
-    who = ", ".join(sorted(allowed)) or "no one"
-    return f"{spiffe_id} may not call the {group or 'unknown'} API (allowed: {who})"
+    kinds = ", ".join(sorted(allowed)) or "no one"
+    return f"{spiffe_id} may not call the {group or 'unknown'} API (allowed: {kinds})"
 
 
 class ServerTls:
@@ -182,11 +176,6 @@ def _trust_domain(spiffe_id: str) -> str:
     return who.trust_domain if who else pki.DEFAULT_TRUST_DOMAIN
 
 
-def grpc_peer_id(context: grpc.aio.ServicerContext) -> str | None:
-    values = context.auth_context().get("peer_spiffe_id") or []
-    return values[0].decode() if values else None
-
-
 def rest_peer_id(peercert: Mapping[str, Any] | None) -> str | None:
     """The spiffe:// URI SAN of ``SSLObject.getpeercert()``'s dict (None without one)."""
     sans = (peercert or {}).get("subjectAltName", ())
@@ -203,7 +192,8 @@ def decide(
 ) -> str | None:
     """The peer's permission, then ``--restricted-api`` unless the peer is an operator."""
     refused = refusal(group, spiffe_id, trust_domain)
-    if refused is not None or peer_kind(spiffe_id, trust_domain) == "operator":
+    who = pki.mesh_peer(spiffe_id, trust_domain)  # cached: the same lookup as refusal's
+    if refused is not None or (who is not None and who.kind == "operator"):
         return refused
     return check_metadata(restrictions, group, metadata)
 
@@ -230,8 +220,8 @@ class MeshAccessInterceptor(grpc.aio.ServerInterceptor):
         metadata = details.invocation_metadata or ()
 
         def check(context: grpc.aio.ServicerContext) -> str | None:
-            return decide(group, grpc_peer_id(context), self.trust_domain, self.restrictions,
-                          metadata)  # fmt: skip
+            peer = pki.peer_spiffe_id(context.auth_context())
+            return decide(group, peer, self.trust_domain, self.restrictions, metadata)
 
         return guarded(handler, check)
 
