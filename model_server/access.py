@@ -14,6 +14,7 @@ this module only says whether a caller proved it may use a group at all.
 from __future__ import annotations
 
 import hmac
+import inspect
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,21 +201,59 @@ class RestrictedApiInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _denying(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that answers PERMISSION_DENIED."""
+    """``handler`` answering PERMISSION_DENIED with ``message`` (a unary one without one)."""
+    if handler is not None:
+        return guarded(handler, lambda _context: message)
 
     async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
         await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
 
-    async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
-        yield  # pragma: no cover - makes this an async generator
+    return grpc.unary_unary_rpc_method_handler(deny)
 
-    decode = handler.request_deserializer if handler else None
-    encode = handler.response_serializer if handler else None
-    if handler is not None and handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny_stream, decode, encode)
-    if handler is not None and handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny_stream, decode, encode)
-    if handler is not None and handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny, decode, encode)
-    return grpc.unary_unary_rpc_method_handler(deny, decode, encode)
+
+def guarded(
+    handler: grpc.RpcMethodHandler, check: Callable[[grpc.aio.ServicerContext], str | None]
+) -> grpc.RpcMethodHandler:
+    """``handler`` with ``check`` first: PERMISSION_DENIED with its message when it refuses."""
+    decode, encode = handler.request_deserializer, handler.response_serializer
+    if handler.unary_unary or handler.stream_unary:
+        inner = handler.unary_unary or handler.stream_unary
+
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            refused = check(context)
+            if refused is not None:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
+            result = inner(request, context)
+            return await result if inspect.isawaitable(result) else result
+
+        make = (
+            grpc.unary_unary_rpc_method_handler
+            if handler.unary_unary
+            else grpc.stream_unary_rpc_method_handler
+        )
+        return make(unary, decode, encode)
+    inner = handler.unary_stream or handler.stream_stream
+    make = (
+        grpc.unary_stream_rpc_method_handler
+        if handler.unary_stream
+        else grpc.stream_stream_rpc_method_handler
+    )
+    if inspect.isasyncgenfunction(inner):
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            refused = check(context)
+            if refused is not None:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
+            async for item in inner(request, context):
+                yield item
+
+        return make(stream, decode, encode)
+
+    async def writing(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        # Handlers that answer with context.write() (grpc's aio health Watch) stay that way.
+        refused = check(context)
+        if refused is not None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
+        return await inner(request, context)
+
+    return make(writing, decode, encode)

@@ -23,7 +23,6 @@ another identity) is logged and counted, and the last good certificate stays in 
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import ssl
@@ -37,7 +36,7 @@ from typing import Any
 import grpc
 
 from infermesh import pki
-from model_server.access import GROUP_OF_METHOD, Restriction, check_metadata
+from model_server.access import GROUP_OF_METHOD, Restriction, check_metadata, guarded
 
 log = logging.getLogger(__name__)
 
@@ -224,51 +223,3 @@ class MeshAccessInterceptor(grpc.aio.ServerInterceptor):
             return decide(group, peer, self.trust_domain, self.restrictions, metadata)
 
         return guarded(handler, check)
-
-
-def guarded(
-    handler: grpc.RpcMethodHandler, check: Callable[[grpc.aio.ServicerContext], str | None]
-) -> grpc.RpcMethodHandler:
-    """``handler`` with ``check`` first: PERMISSION_DENIED with its message when it refuses."""
-    decode, encode = handler.request_deserializer, handler.response_serializer
-    if handler.unary_unary or handler.stream_unary:
-        inner = handler.unary_unary or handler.stream_unary
-
-        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            refused = check(context)
-            if refused is not None:
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
-            result = inner(request, context)
-            return await result if inspect.isawaitable(result) else result
-
-        make = (
-            grpc.unary_unary_rpc_method_handler
-            if handler.unary_unary
-            else grpc.stream_unary_rpc_method_handler
-        )
-        return make(unary, decode, encode)
-    inner = handler.unary_stream or handler.stream_stream
-    make = (
-        grpc.unary_stream_rpc_method_handler
-        if handler.unary_stream
-        else grpc.stream_stream_rpc_method_handler
-    )
-    if inspect.isasyncgenfunction(inner):
-
-        async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            refused = check(context)
-            if refused is not None:
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
-            async for item in inner(request, context):
-                yield item
-
-        return make(stream, decode, encode)
-
-    async def writing(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        # Handlers that answer with context.write() (grpc's aio health Watch) stay that way.
-        refused = check(context)
-        if refused is not None:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
-        return await inner(request, context)
-
-    return make(writing, decode, encode)
