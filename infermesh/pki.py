@@ -244,8 +244,7 @@ def load_authority(directory: Path) -> Authority:
     cert_path, key_path = ca_paths(directory)
     cert = read_certificate(cert_path)
     key = read_private_key(key_path)
-    if key.public_key() != cert.public_key():
-        raise CertificateError(f"{key_path}: this key does not belong to {cert_path}")
+    _check_pair(key, cert, key_path, cert_path)
     return Authority(cert, key, trust_domain_of_ca(cert))
 
 
@@ -313,9 +312,6 @@ class Credentials:
     not_after: dt.datetime
     not_before: dt.datetime
 
-    def renew_at(self) -> dt.datetime:
-        return self.not_before + (self.not_after - self.not_before) * RENEW_AFTER
-
     def __repr__(self) -> str:  # never the key
         return f"Credentials({self.spiffe_id}, not_after={self.not_after.isoformat()})"
 
@@ -328,9 +324,8 @@ def load_credentials(
     ca = read_certificate(ca_path)
     _check_validity(ca, ca_path)
     cert = read_certificate(cert_path)
-    key = read_private_key(key_path)
-    if key.public_key() != cert.public_key():
-        raise CertificateError(f"{key_path}: this key does not belong to {cert_path}")
+    key_pem = _read(key_path, "private key")  # read once: the key checked is the key returned
+    _check_pair(_private_key(key_pem, key_path), cert, key_path, cert_path)
     try:
         cert.verify_directly_issued_by(ca)
     except (ValueError, TypeError, InvalidSignature):
@@ -343,7 +338,7 @@ def load_credentials(
         raise CertificateError(f"{cert_path}: is for {identity}, expected {expect}")
     return Credentials(
         cert.public_bytes(serialization.Encoding.PEM),
-        key_path.read_bytes(),
+        key_pem,
         ca.public_bytes(serialization.Encoding.PEM),
         identity,
         cert.not_valid_after_utc,
@@ -357,16 +352,9 @@ def spiffe_id_of(cert: x509.Certificate) -> str | None:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
         return None
-    uris = [u for u in san.get_values_for_type(x509.UniformResourceIdentifier)]
+    uris = san.get_values_for_type(x509.UniformResourceIdentifier)
     spiffe = [u for u in uris if u.startswith("spiffe://")]
     return spiffe[0] if len(spiffe) == 1 else None
-
-
-def spiffe_id_of_pem(pem: bytes) -> str | None:
-    try:
-        return spiffe_id_of(x509.load_pem_x509_certificate(pem))
-    except ValueError:
-        return None
 
 
 def read_certificate(path: Path) -> x509.Certificate:
@@ -378,7 +366,10 @@ def read_certificate(path: Path) -> x509.Certificate:
 
 
 def read_private_key(path: Path) -> ec.EllipticCurvePrivateKey:
-    data = _read(path, "private key")
+    return _private_key(_read(path, "private key"), path)
+
+
+def _private_key(data: bytes, path: Path) -> ec.EllipticCurvePrivateKey:
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError):
@@ -408,6 +399,13 @@ def describe(path: Path) -> str:
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+
+def _check_pair(
+    key: ec.EllipticCurvePrivateKey, cert: x509.Certificate, key_path: Path, cert_path: Path
+) -> None:
+    if key.public_key() != cert.public_key():
+        raise CertificateError(f"{key_path}: this key does not belong to {cert_path}")
 
 
 def _check_validity(cert: x509.Certificate, path: Path) -> None:
