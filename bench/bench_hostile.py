@@ -148,14 +148,20 @@ def h2_frames(port: int, streams: int, extra: list[tuple[str, str]], end: bool) 
     attacker spends its CPU on sending, not on encoding, as a real one would. The ``extra``
     headers are never indexed, so every stream after the first is the same block; no Huffman
     coding (a 100 KiB value took hpack 1.4 s to Huffman-code, longer than a run)."""
+    first, rest = _header_blocks(port, extra)
+    frames = [_headers_frame(1 + 2 * i, rest if i else first, end) for i in range(streams)]
+    return PREFACE + b"".join(frames)
+
+
+def _header_blocks(port: int, extra: list[tuple[str, str]]) -> tuple[bytes, bytes]:
+    """HPACK blocks of a gRPC call's headers and ``extra`` (never indexed): the first stream's
+    (it fills the dynamic table), then every later one's (all indexed but ``extra``)."""
     encoder = hpack.Encoder()
     headers: list[Any] = [
         *_grpc_headers(port),
         *(hpack.NeverIndexedHeaderTuple(k, v) for k, v in extra),
     ]
-    first, rest = encoder.encode(headers, huffman=False), encoder.encode(headers, huffman=False)
-    frames = [_headers_frame(1 + 2 * i, rest if i else first, end) for i in range(streams)]
-    return PREFACE + b"".join(frames)
+    return encoder.encode(headers, huffman=False), encoder.encode(headers, huffman=False)
 
 
 def _headers_frame(stream_id: int, block: bytes, end: bool = False) -> bytes:
@@ -191,12 +197,7 @@ def _stream_flood(
     long as Envoy keeps it, while a reader takes what Envoy answers (as any client's would);
     a new connection when Envoy closes it. Streams after the first are one pre-encoded HPACK
     block, so the attacker's cost is a memcpy. Returns the streams sent."""
-    encoder = hpack.Encoder()
-    headers: list[Any] = [
-        *_grpc_headers(port),
-        *(hpack.NeverIndexedHeaderTuple(k, v) for k, v in extra),
-    ]
-    first, block = encoder.encode(headers, huffman=False), encoder.encode(headers, huffman=False)
+    first, block = _header_blocks(port, extra)
     sent = 0
     while not stop.is_set():
         try:
@@ -337,8 +338,10 @@ def run_once(
     if thread is not None:
         thread.join(timeout=30)
     after = [bms.settled_counts(url) or {} for url in metrics]
-    codes = Counter({code: n - b.get(code, 0) for a, b in zip(after, before, strict=True)
-                     for code, n in a.items()})  # fmt: skip
+    codes: Counter[str] = Counter()  # summed over the servers
+    for a, b in zip(after, before, strict=True):
+        for code, n in a.items():
+            codes[code] += int(n - b.get(code, 0))
     # h2load stops with up to one call in flight per client (-m 1): the servers count those
     # CANCELLED, though no good client saw a failure. At most that many are not counted.
     at_stop = min(int(codes["CANCELLED"]), GOOD_CLIENTS)
