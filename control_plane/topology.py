@@ -45,7 +45,7 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
         mode: api_keys              # api_keys | jwt | off (control_plane.tenants has the rest)
         api_keys_file: ../.infermesh/api-keys   # hashed keys, relative to this file
       upstream_tls:                 # optional: mTLS to the servers (control_plane.upstream_tls)
-        pki_dir: ../.infermesh/pki  # infermesh certs' directory; needs xds.host on loopback
+        pki_dir: ../.infermesh/pki  # infermesh certs' dir; xds.host on loopback or xds.tls
     tenants:                        # optional: what each tenant may do (control_plane.tenants)
       team-a: {models: [classifier], rate_limit: {requests_per_s: 50}}
     xds: {host: 127.0.0.1, port: 18000}      # where the control plane serves ADS; tls: true

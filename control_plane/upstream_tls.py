@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from cryptography.hazmat.primitives import serialization
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.transport_sockets.tls.v3 import common_pb2, secret_pb2, tls_pb2
 
@@ -107,7 +108,7 @@ def read_pki(
         errors.append(f"{directory}: no envoy_<node-id>.crt (infermesh certs issue envoy NODE)")
     own = pki.control_plane(control_plane, domain)
     me = load(own.file_stem, own)
-    ca_pem = ca_path.read_bytes()
+    ca_pem = ca.public_bytes(serialization.Encoding.PEM)  # the CA checked, not a second read
     return UpstreamTls(str(directory), domain, ca_pem, tuple(envoys), me), errors
 
 
