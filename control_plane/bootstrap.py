@@ -108,7 +108,9 @@ def render_bootstrap(
     broken ADS stream reconnects to the next replica. With ``otlp_port``(s), Envoy's own stats
     go to each replica's OTLP receiver every second, one stat sink per replica, so whichever
     replica Envoy follows has seen its stats: a port is on the xDS host, a "HOST:PORT" names
-    its own host (a StatefulSet pod's DNS name in Kubernetes).
+    its own host (a StatefulSet pod's DNS name in Kubernetes). With ``xds_tls`` the stat sinks
+    speak mutual TLS as well, with the same certificate (``telemetry.tls`` binds the stats to
+    the node id it names).
     """
     config: dict[str, Any] = {
         "node": {"id": node_id, "cluster": node_cluster},
@@ -180,7 +182,10 @@ def render_bootstrap(
         names = [OTLP_CLUSTER if i == 0 else f"{OTLP_CLUSTER}_{i + 1}"
                  for i in range(len(targets))]  # fmt: skip
         for name, (host, port) in zip(names, targets, strict=True):
-            config["static_resources"]["clusters"].append(xds_cluster(host, [port], name))
+            cluster = xds_cluster(host, [port], name)
+            if xds_tls is not None:  # the stat sink goes to the same control planes, as itself
+                cluster["transport_socket"] = xds_transport_socket(xds_tls, node_id)
+            config["static_resources"]["clusters"].append(cluster)
         config.update(stats_sink(names, node_id))
     return config
 

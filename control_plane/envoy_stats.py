@@ -82,7 +82,7 @@ def _drop_nodes(series: dict[Any, Any], nodes: set[str]) -> None:
         del series[key]
 
 
-def _node_of(resource: metrics_pb2.ResourceMetrics) -> str:
+def node_of(resource: metrics_pb2.ResourceMetrics) -> str:
     """The reporting Envoy's node id: the fixed tag on its stats ("" without it)."""
     for scope in resource.scope_metrics:
         for metric in scope.metrics:
@@ -119,7 +119,7 @@ class EnvoyStats:
             self.last_report = now
             self._forget_silent_nodes(now)
             for resource in resources:
-                node = _node_of(resource)  # one Envoy's report
+                node = node_of(resource)  # one Envoy's report
                 for scope in resource.scope_metrics:
                     for metric in scope.metrics:
                         known = ENDPOINT_STATS.get(metric.name)

@@ -3,8 +3,9 @@ and a report is taken only from the workload it reports for.
 
 A model server's certificate names it (``spiffe://TD/model-server/HOST/PORT``); every resource
 of its report must carry ``service.instance.id`` ``HOST:PORT``. An Envoy's certificate
-(``/envoy/NODE``) may send Envoy's own stats only (its stat sink). Anything else is refused
-with PERMISSION_DENIED before a point is stored, counted in
+(``/envoy/NODE``) may send Envoy's own stats only (its stat sink), tagged with its own node
+id (the bootstrap's fixed ``infermesh.envoy_node`` tag, by which they are filed). Anything
+else is refused with PERMISSION_DENIED before a point is stored, counted in
 ``telemetry_reports_rejected_total{reason}``, and logged (at most once a minute per peer and
 reason) with the peer and the identity it claimed. So a process that can reach the port can
 neither fake another server's draining, memory or latency nor, without a mesh certificate,
@@ -22,7 +23,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
 )
 
-from control_plane.envoy_stats import is_envoy
+from control_plane.envoy_stats import is_envoy, node_of
 from infermesh import pki
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,9 @@ def refusal(
         if who.kind == "envoy":
             if not is_envoy(resource):
                 return "not_envoy_stats", f"{spiffe_id} may send Envoy's stats only"
+            node = node_of(resource)  # the key EnvoyStats files the whole resource under
+            if node != "/".join(who.name):
+                return "other_identity", f"{spiffe_id} sent stats for node {node or '(none)'!r}"
             continue
         if who.kind != "model-server":
             return "kind", f"{spiffe_id} may not send telemetry"

@@ -74,7 +74,8 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
                                     # (os.nice): decisions and Envoy's updates come first
       scrape_interval_s: 2.0        # > 0: scrapes of kind-triton endpoints' /metrics
       tls: false                    # mutual TLS, each report bound to the sender's identity
-                                    # (needs listener.upstream_tls; not with shards yet)
+                                    # (needs listener.upstream_tls; not with shards yet;
+                                    # Envoy's stats: needs xds.tls, whose certificate it uses)
     models:                         # required, at least one
       - name: classifier            # letters, digits, '_', '.', '-'; unique
         sla_p99_ms: 50              # required, > 0
@@ -376,10 +377,11 @@ def _build(
         )
     if telemetry.tls and telemetry.shards:
         c.errors.append("telemetry.tls: not with telemetry.shards yet (issue 26)")
-    if telemetry.tls and listener.health_checks == "model":
+    if telemetry.tls and listener.health_checks == "model" and not xds_tls:
+        # Envoy's stat sink speaks TLS with the certificate its bootstrap names for xDS.
         c.errors.append(
-            "telemetry.tls: not with listener.health_checks: model yet, which reads Envoy's "
-            "stats, and Envoy's stat sink has no TLS yet (issue 26)"
+            "telemetry.tls: with listener.health_checks: model (which reads Envoy's stats) "
+            "needs xds.tls too: Envoy's stat sink presents the certificate of its xDS TLS"
         )
     if telemetry.shards and telemetry.decoder_processes:
         c.errors.append(

@@ -22,6 +22,7 @@ from control_plane.mesh import (
     model_cluster,
     rest_cluster,
 )
+from control_plane.otlp_identity import refusal
 from tests.envoy_support import free_port
 from tests.mesh_support import start_plane_and_envoy, write_topology
 from tests.support import start_server, wait_for
@@ -208,3 +209,20 @@ def test_an_envoy_gone_quiet_is_forgotten() -> None:
         stats.ingest([envoy_report("new", MODEL, {A.key: 0}, {A.key: t})], now=float(t))
     assert stats.as_json(67.0)["nodes"] == ["new"]
     assert stats.checked_down(67.5) == {stat_name(MODEL): frozenset({A.key})}
+
+
+def test_an_envoy_certificate_may_send_only_its_own_nodes_stats() -> None:
+    """telemetry.tls: Envoy's stats are filed under the node tag, so the tag must be the node
+    the sender's certificate names (control_plane.otlp_identity)."""
+    sender = "spiffe://infermesh.local/envoy/e1"
+
+    def refused(node: str | None) -> tuple[str, str] | None:
+        body = ExportMetricsServiceRequest(resource_metrics=[envoy_report(node, MODEL, {A.key: 1})])
+        return refusal(sender, "infermesh.local", body)
+
+    assert refused("e1") is None
+    assert refused("e2") == ("other_identity", f"{sender} sent stats for node 'e2'")
+    assert refused(None) == ("other_identity", f"{sender} sent stats for node '(none)'")
+    # Another trust domain's Envoy is no workload of this mesh.
+    foreign = refusal(sender, "other.domain", ExportMetricsServiceRequest())
+    assert foreign is not None and foreign[0] == "not_a_workload"

@@ -42,6 +42,7 @@ class TlsMesh:
     servers: dict[str, ServerProcess]  # address -> server
     plane: ControlPlaneThread
     envoy: Envoy
+    xds_tls: bool  # also: telemetry.tls, and Envoy's stat sink over mTLS
 
 
 def start_tls_server(
@@ -86,13 +87,14 @@ def tls_mesh(demo_repo: Path, tmp_path: Path, request: pytest.FixtureRequest) ->
             "listener": {"upstream_tls": {"pki_dir": str(pki_dir)}},
             "placement": {"poll_interval_s": 0.2, "timeout_s": 1.0, "unreachable_after": 50},
             "xds": {"host": "127.0.0.1", "port": 18000, "tls": xds_tls},
+            "telemetry": {"tls": xds_tls},
         }
         topology = write_topology(tmp_path / "topology.yaml", listener, addresses, top=top)
         envoy_tls = XdsTls(str(pki_dir), authority.trust_domain) if xds_tls else None
         plane, envoy = start_plane_and_envoy(
-            stops, tmp_path, topology, listener, healthy=2, xds_tls=envoy_tls
+            stops, tmp_path, topology, listener, healthy=2, envoy_stats=xds_tls, xds_tls=envoy_tls
         )
-        yield TlsMesh(pki_dir, authority, repo, logs, addresses, servers, plane, envoy)
+        yield TlsMesh(pki_dir, authority, repo, logs, addresses, servers, plane, envoy, xds_tls)
 
 
 def _served(server: ServerProcess) -> float:
@@ -141,6 +143,13 @@ def test_traffic_flows_over_mutual_tls(tls_mesh: TlsMesh) -> None:
         f'certificate_expiry_timestamp_seconds{{identity="spiffe://infermesh.local/envoy/{NODE}"}}'
     )
     assert series in metrics
+    if tls_mesh.xds_tls:  # Envoy's stats reach the control plane over mTLS, as its own node
+        wait_for(
+            lambda: tls_mesh.plane.admin_get("/telemetry")["envoy"]["nodes"] == [NODE],
+            15,
+            "Envoy's stats over mutual TLS",
+        )
+        assert "telemetry_reports_rejected_total{" not in metrics
 
 
 def test_a_process_with_another_servers_certificate_gets_no_traffic(tls_mesh: TlsMesh) -> None:

@@ -142,5 +142,7 @@ def test_telemetry_tls_needs_the_pki_and_is_refused_where_not_built_yet(pki_dir:
     assert "not with telemetry.shards yet" in _errors(sharded)[0]
     model_checks = _topology(pki_dir, telemetry={"tls": True})
     model_checks["listener"]["health_checks"] = "model"
-    assert "Envoy's stat sink has no TLS yet" in _errors(model_checks)[0]
+    assert "needs xds.tls too" in _errors(model_checks)[0]
+    model_checks["xds"] = {"tls": True}
+    assert parse_topology(model_checks).listener.health_checks == "model"
     assert parse_topology(_topology(pki_dir, telemetry={"tls": True})).telemetry.tls
