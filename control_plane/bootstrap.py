@@ -7,10 +7,12 @@ control plane. ``python -m control_plane.bootstrap`` re-renders ``envoy/bootstra
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import json
 import os
 import resource
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,7 @@ from typing import Any
 import yaml
 
 from control_plane.envoy_stats import ENVOY_NODE_TAG
+from infermesh import pki
 from infermesh.addresses import is_ip
 
 XDS_CLUSTER = "xds_cluster"
@@ -197,6 +200,7 @@ class XdsTls:
 
     pki_dir: str
     trust_domain: str
+    sds_dir: str = ""  # where write_sds_files put the SDS files ("": pki_dir)
 
 
 IDENTITY_SDS, CA_SDS = "xds-identity", "xds-ca"
@@ -210,7 +214,9 @@ def xds_transport_socket(tls: XdsTls, node_id: str) -> dict[str, Any]:
     and only a control plane of the trust domain accepted."""
 
     def sds(name: str, file: str) -> dict[str, Any]:
-        source = {"path": f"{tls.pki_dir}/{file}", "watched_directory": {"path": tls.pki_dir}}
+        # Re-read when a file is moved into the PKI directory, wherever the SDS file is.
+        path = f"{tls.sds_dir or tls.pki_dir}/{file}"
+        source = {"path": path, "watched_directory": {"path": tls.pki_dir}}
         return {
             "name": name,
             "sds_config": {"path_config_source": source, "resource_api_version": "V3"},
@@ -236,11 +242,12 @@ def xds_transport_socket(tls: XdsTls, node_id: str) -> dict[str, Any]:
     }
 
 
-def write_sds_files(pki_dir: Path, node_id: str) -> None:
-    """The two SDS files ``xds_transport_socket`` names, next to the certificates: they only
-    point at the PEM files, so they are written once (atomically) and stay valid across
-    renewals."""
+def write_sds_files(pki_dir: Path, node_id: str, sds_dir: Path | None = None) -> None:
+    """The two SDS files ``xds_transport_socket`` names, in ``sds_dir`` (default: next to the
+    certificates): they only point at the PEM files, so they are written once (atomically)
+    and stay valid across renewals."""
     root = pki_dir.resolve()
+    out = sds_dir or pki_dir
     files = {
         f"envoy_{node_id}.sds.json": {
             "@type": SECRET_TYPE_URL,
@@ -257,9 +264,9 @@ def write_sds_files(pki_dir: Path, node_id: str) -> None:
         },
     }
     for name, secret in files.items():
-        tmp = pki_dir / f".{name}.tmp"
+        tmp = out / f".{name}.tmp"
         tmp.write_text(json.dumps({"resources": [secret]}, indent=2) + "\n")
-        os.replace(tmp, pki_dir / name)
+        os.replace(tmp, out / name)
 
 
 def _ports(ports: int | Sequence[int | str]) -> list[int | str]:
@@ -381,6 +388,14 @@ def main(argv: list[str] | None = None) -> int:
         "(PORT,PORT or HOST:PORT,HOST:PORT: one per replica)",
     )
     parser.add_argument(
+        "--xds-tls",
+        type=Path,
+        default=None,
+        metavar="PKI_DIR",
+        help="xDS and the stat sinks over mutual TLS with the certificates `infermesh certs` "
+        "keeps there (envoy_NODE.crt/.key and ca.crt; the topology's xds.tls)",
+    )
+    parser.add_argument(
         "--run",
         action="store_true",
         help="exec Envoy on the bootstrap (given inline with --config-yaml unless --out)",
@@ -393,6 +408,11 @@ def main(argv: list[str] | None = None) -> int:
     options = dict(node_id=args.node_id, node_cluster=args.node_cluster, xds_host=args.xds_host,
                    xds_port=args.xds_port, admin_port=args.admin_port, delta=args.delta,
                    otlp_port=args.otlp_port)  # fmt: skip
+    if args.xds_tls is not None:
+        try:
+            options["xds_tls"] = prepare_xds_tls(args.xds_tls, args.node_id)
+        except (pki.CertificateError, OSError) as exc:
+            parser.exit(1, f"{parser.prog}: --xds-tls: {exc}\n")
     if args.run and args.out is None:
         # Inline: a file would outlive the exec (one left in /tmp per Envoy start).
         if "--config-yaml" in envoy_args:
@@ -408,6 +428,24 @@ def main(argv: list[str] | None = None) -> int:
     # exec: Envoy takes this process's PID, so a supervisor's SIGTERM reaches it directly.
     raise_open_file_limit()
     os.execv(command[0], command)
+
+
+def prepare_xds_tls(pki_dir: Path, node_id: str) -> XdsTls:
+    """``--xds-tls``: Envoy's files checked as a start must (a missing, expired or mismatched
+    one names the file), and the SDS files written where this Envoy alone reads them: a
+    directory per PKI directory and node under the temporary directory, so the PKI directory
+    may be read-only (a container's volume) and two meshes on a host do not share them."""
+    root = pki_dir.resolve()
+    ca = pki.ca_paths(root)[0]
+    domain = pki.trust_domain_of_ca(pki.read_certificate(ca))
+    who = pki.envoy(node_id, domain)
+    cert, key = (root / f"{who.file_stem}.{ext}" for ext in ("crt", "key"))
+    pki.load_credentials(cert, key, ca, expect=who.spiffe_id)
+    tag = hashlib.sha256(f"{root}\0{node_id}".encode()).hexdigest()[:16]
+    sds_dir = Path(tempfile.gettempdir()) / f"infermesh-sds-{os.getuid()}-{tag}"
+    sds_dir.mkdir(mode=0o700, exist_ok=True)
+    write_sds_files(root, node_id, sds_dir)
+    return XdsTls(str(root), domain, str(sds_dir))
 
 
 def raise_open_file_limit(wanted: int = 1 << 20) -> int:

@@ -7,6 +7,9 @@
   (``--force``: all of them), keeping each identity and its DNS/IP names. Processes pick the new
   files up on their own (Envoy through the control plane's SDS); nothing restarts.
 - ``show``: each certificate's identity and how long it has left.
+- ``keep KIND:NAME ... [--every S]``: the CA and each listed certificate made when missing or
+  unusable and renewed when due, once or every S seconds (``infermesh.cert_keeper``; compose's
+  ``mesh-certs`` service).
 """
 
 from __future__ import annotations
@@ -18,22 +21,29 @@ from typing import Any
 
 from cryptography import x509
 
-from infermesh import pki
+from infermesh import cert_keeper, pki
 
 PKI_DIR = Path(".infermesh") / "pki"
 
 
 def add_parser(commands: Any, root: Path) -> None:
     certs = commands.add_parser("certs", help="the mesh CA and workload certificates (mTLS)")
-    certs.add_argument("action", choices=("init", "issue", "rotate", "show"))
-    certs.add_argument("kind", nargs="?", help=f"issue: one of {', '.join(pki.KINDS)}")
-    certs.add_argument("name", nargs="?", help="issue: HOST:PORT for a model server, else a name")
+    certs.add_argument("action", choices=("init", "issue", "rotate", "show", "keep"))
+    certs.add_argument(
+        "workload",
+        nargs="*",
+        help=f"issue: KIND NAME (KIND one of {', '.join(pki.KINDS)}; NAME is HOST:PORT for a "
+        "model server); keep: KIND:NAME ... (infermesh.cert_keeper); before any option",
+    )
     certs.add_argument("--dir", type=Path, default=root / PKI_DIR, help="the CA and certs")
     certs.add_argument("--trust-domain", default=pki.DEFAULT_TRUST_DOMAIN, help="init: the CA's")
     certs.add_argument("--hours", type=float, default=pki.WORKLOAD_HOURS, help="issue, rotate")
     certs.add_argument("--dns", action="append", default=[], help="issue: an extra DNS name")
     certs.add_argument("--ip", action="append", default=[], help="issue: an extra IP address")
     certs.add_argument("--force", action="store_true", help="rotate: every certificate, now")
+    certs.add_argument(
+        "--every", type=float, default=0.0, help="keep: run again every this many seconds"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,16 +60,19 @@ def _run(args: argparse.Namespace) -> int:
         authority = pki.init_authority(directory, args.trust_domain)
         print(f"infermesh: a new CA for {authority.trust_domain} in {directory}")
         return 0
+    if args.action == "keep":
+        return cert_keeper.keep(directory, args.workload, args.trust_domain, args.hours, args.every)
     if args.action == "show":
         for path in sorted(directory.glob("*.crt")):
             print(pki.describe(path))
         return 0
     authority = pki.load_authority(directory)
     if args.action == "issue":
-        if not args.kind or not args.name:
+        if len(args.workload) != 2:
             print("infermesh certs issue: needs KIND and NAME", file=sys.stderr)
             return 2
-        who = named_workload(args.kind, args.name, authority.trust_domain, args.dns, args.ip)
+        kind, name = args.workload
+        who = cert_keeper.named_workload(kind, name, authority.trust_domain, args.dns, args.ip)
         files = pki.issue(authority, who, directory, args.hours)
         print(f"infermesh: {who.spiffe_id} -> {files.cert}, {files.key}")
         return 0
@@ -68,18 +81,6 @@ def _run(args: argparse.Namespace) -> int:
     for spiffe_id in renewed:
         print(f"  {spiffe_id}")
     return 0
-
-
-def named_workload(
-    kind: str, name: str, trust_domain: str, dns: list[str], ips: list[str]
-) -> pki.Workload:
-    if kind == "model-server":
-        who = pki.model_server(name, trust_domain)
-        return pki.workload(kind, who.name, trust_domain, [*who.dns, *dns], [*who.ips, *ips])
-    if kind == "control-plane":  # reached on loopback by default; --dns/--ip for the rest
-        who = pki.control_plane(name, trust_domain)
-        return pki.workload(kind, who.name, trust_domain, [*who.dns, *dns], [*who.ips, *ips])
-    return pki.workload(kind, tuple(name.split("/")), trust_domain, dns, ips)
 
 
 def rotate(authority: pki.Authority, directory: Path, hours: float, force: bool) -> list[str]:

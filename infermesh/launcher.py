@@ -174,6 +174,8 @@ def up(compose: Path, root: Path, log_dir: Path) -> int:
             f"  credentials: {root / API_KEY_FILE} (your API key: the examples send it; "
             f'curl -u "$(cat {root / API_KEY_FILE})"), {root / OPERATOR_KEY_FILE} (operator '
             f"key), {root / ADMIN_TOKEN_FILE} (admin token)\n"
+            f"  mTLS:     every hop inside the mesh; certificates in {root / '.infermesh/pki'} "
+            "(`infermesh certs show`), renewed while the mesh runs\n"
             "  Ctrl-C stops the mesh (model servers drain first).",
             flush=True,
         )

@@ -4,7 +4,10 @@ Model control never goes through Envoy's public listener (it refuses it). This t
 model server's own gRPC port, with the operator credential the servers require for their
 model-repository API (``--restricted-api``): by default the header ``infermesh-operator-key``
 with the key in ``.infermesh/operator.key``, which ``infermesh up`` creates. The servers are
-the ones the control plane knows (``/status``), or those given with ``--server``.
+the ones the control plane knows (``/status``), or those given with ``--server``. Where the
+mesh runs mutual TLS (``.infermesh/pki`` holds the local operator's certificate, as ``infermesh
+up`` makes it), the calls go over it as that operator, each server's own name checked; an
+operator certificate alone satisfies the servers' ``--restricted-api``.
 """
 
 from __future__ import annotations
@@ -12,11 +15,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from infermesh import pki, tls_client
 from infermesh.secrets import (
     OPERATOR_HEADER,
     OPERATOR_KEY_FILE,
@@ -49,6 +54,14 @@ def add_parser(commands: Any, admin_help: str, default_admin: str) -> None:
         metavar="HEADER=@FILE",
         help="the servers' --restricted-api header and the file holding its credential",
     )
+    models.add_argument(
+        "--pki",
+        type=Path,
+        default=Path(".infermesh") / "pki",
+        metavar="DIR",
+        help="mutual TLS as the local operator (operator_local.crt/.key, ca.crt there) when "
+        "that certificate is there, as `infermesh up` makes it; else plaintext",
+    )
 
 
 def servers_of(admins: list[str], fetch: Callable[[str, str], dict[str, Any] | None]) -> list[str]:
@@ -74,6 +87,11 @@ def run(
     except SecretError as exc:
         print(f"infermesh: {exc}", file=sys.stderr)
         return 2
+    try:
+        tls = _operator_tls(args.pki)
+    except pki.CertificateError as exc:
+        print(f"infermesh: {exc}", file=sys.stderr)
+        return 2
     servers = args.server or servers_of(admins, fetch)
     if not servers:
         print("infermesh: no model servers: give --server or start the mesh", file=sys.stderr)
@@ -81,15 +99,39 @@ def run(
     failed = 0
     for server in servers:
         try:
-            print(_on_server(server, args, {header: value}))
+            print(_on_server(_client(server, tls), server, args, {header: value}))
         except InferenceServerException as exc:  # the server's own message, never the key
             failed += 1
             print(f"{server}: {exc.status()}: {exc.message()}", file=sys.stderr)
     return 1 if failed else 0
 
 
-def _on_server(server: str, args: argparse.Namespace, headers: dict[str, str]) -> str:
-    client = grpcclient.InferenceServerClient(server)
+def _operator_tls(pki_dir: Path) -> tuple[Path, Path, Path] | None:
+    """The local operator's CA, key and certificate files, or None (plaintext) when the
+    directory has no operator certificate."""
+    if not (pki_dir / f"operator_{tls_client.LOCAL_OPERATOR}.crt").exists():
+        return None
+    return tls_client.operator_files(pki_dir)
+
+
+def _client(server: str, tls: tuple[Path, Path, Path] | None) -> grpcclient.InferenceServerClient:
+    if tls is None:
+        return grpcclient.InferenceServerClient(server)
+    ca, key, cert = tls
+    spiffe_id = pki.spiffe_id_of(pki.read_certificate(cert)) or ""
+    return grpcclient.InferenceServerClient(
+        server, ssl=True, root_certificates=str(ca), private_key=str(key),
+        certificate_chain=str(cert),
+        channel_args=[("grpc.ssl_target_name_override", tls_client.server_name(server, spiffe_id))],
+    )  # fmt: skip
+
+
+def _on_server(
+    client: grpcclient.InferenceServerClient,
+    server: str,
+    args: argparse.Namespace,
+    headers: dict[str, str],
+) -> str:
     try:
         if args.action == "index":
             rows = client.get_model_repository_index(headers=headers).models

@@ -1,7 +1,10 @@
 """Readiness probes shared by compose health checks and the native launcher.
 
     python -m infermesh.probe grpc 127.0.0.1:8001        # KServe ServerReady is true
+    python -m infermesh.probe grpc 127.0.0.1:8001 .infermesh/pki   # the same over mutual TLS,
+                                                          # as the local operator
     python -m infermesh.probe http http://127.0.0.1:9901/ready   # HTTP 200
+    python -m infermesh.probe certs .infermesh/pki       # the certificate keeper has made them
 
 Exit 0 when ready, 1 otherwise (with the reason on stderr).
 """
@@ -10,17 +13,29 @@ from __future__ import annotations
 
 import sys
 import urllib.request
+from pathlib import Path
 
 PROBE_TIMEOUT_S = 2.0
 
 
-def grpc_ready(address: str) -> str | None:
-    """None when the KServe server at ``address`` is ready, else why not."""
+def grpc_ready(address: str, pki_dir: str | None = None) -> str | None:
+    """None when the KServe server at ``address`` is ready, else why not. With ``pki_dir``:
+    over mutual TLS as the local operator, checking the server's own name."""
     import grpc
     from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+    from infermesh import pki, tls_client
+
     try:
-        with grpc.insecure_channel(address) as channel:
+        opened = (
+            tls_client.server_channel(address, tls_client.operator(Path(pki_dir)))
+            if pki_dir
+            else grpc.insecure_channel(address)
+        )
+    except pki.CertificateError as exc:
+        return str(exc)
+    try:
+        with opened as channel:
             stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
             ready = stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=PROBE_TIMEOUT_S)
     except grpc.RpcError as exc:
@@ -38,10 +53,22 @@ def http_ok(url: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or args[0] not in ("grpc", "http"):
-        print("usage: python -m infermesh.probe grpc HOST:PORT | http URL", file=sys.stderr)
+    kind = args[0] if args else ""
+    allowed = {"grpc": (2, 3), "http": (2,), "certs": (2,)}
+    if len(args) not in allowed.get(kind, ()):
+        print(
+            "usage: python -m infermesh.probe grpc HOST:PORT [PKI_DIR] | http URL | certs DIR",
+            file=sys.stderr,
+        )
         return 2
-    problem = grpc_ready(args[1]) if args[0] == "grpc" else http_ok(args[1])
+    if kind == "grpc":
+        problem = grpc_ready(args[1], args[2] if len(args) == 3 else None)
+    elif kind == "certs":
+        from infermesh import cert_keeper
+
+        problem = cert_keeper.ready(Path(args[1]))
+    else:
+        problem = http_ok(args[1])
     if problem:
         print(problem, file=sys.stderr)
         return 1

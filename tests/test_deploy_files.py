@@ -12,6 +12,7 @@ import yaml
 
 from control_plane.cli import build_parser as control_plane_parser
 from control_plane.topology import load_topology
+from infermesh import cert_keeper, pki
 from infermesh.api_keys import ensure_local_credentials
 from infermesh.compose import interpolate, load_services
 from model_server.cli import build_parser as model_server_parser
@@ -28,7 +29,13 @@ def test_compose_commands_parse_with_the_real_command_lines(tmp_path: Path) -> N
     (tmp_path / "deploy").mkdir()
     shutil.copy(ROOT / "deploy" / "topology.yaml", tmp_path / "deploy")
     ensure_local_credentials(tmp_path)
+    # The certificates mesh-certs keeps: every server's, Envoy's, the control plane's.
+    keep = commands["mesh-certs"]
+    assert keep[:3] == ("infermesh", "certs", "keep")
+    kept = [w for w in keep[3:] if ":" in w]
+    cert_keeper.keep_once(tmp_path / ".infermesh" / "pki", kept, "infermesh.local", 24)
     topology = load_topology(tmp_path / "deploy" / "topology.yaml")
+    assert topology.xds_tls and topology.telemetry.tls and topology.listener.upstream_tls
     assert topology.listener.auth.mode == "api_keys" and len(topology.listener.auth.api_keys) == 1
     endpoints = {e.address.key for e in topology.endpoints}  # type: ignore[union-attr]
     servers = [c for name, c in commands.items() if name.startswith("model-server")]
@@ -42,6 +49,10 @@ def test_compose_commands_parse_with_the_real_command_lines(tmp_path: Path) -> N
         advertised.add(args.advertise_address)
         assert f"{args.host}:{args.port}" == args.advertise_address
         otlp_ports.add(tuple(int(e.rpartition(":")[2]) for e in args.otlp_endpoint))
+        # mTLS with the server's own certificate, which mesh-certs keeps
+        assert f"model-server:{args.advertise_address}" in kept
+        who = pki.model_server(args.advertise_address)
+        assert args.tls_cert == Path(".infermesh/pki") / f"{who.file_stem}.crt"
     assert advertised == endpoints  # the control plane polls exactly the servers compose runs
     planes = [
         control_plane_parser().parse_args(list(c[1:]))
@@ -58,6 +69,7 @@ def test_compose_commands_parse_with_the_real_command_lines(tmp_path: Path) -> N
     envoy = commands["envoy"]
     assert envoy[envoy.index("--xds-port") + 1] == "18000,18001"
     assert envoy[envoy.index("--otlp-port") + 1] == "14317,14318"
+    assert envoy[envoy.index("--xds-tls") + 1] == ".infermesh/pki" and "envoy:envoy-1" in kept
 
 
 def test_dependency_order_and_stop_grace() -> None:

@@ -4,6 +4,8 @@ reachable through Envoy, and stopped in reverse order on SIGTERM."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +42,7 @@ def test_up_runs_the_compose_mesh_and_stops_it_in_order(demo_repo: Path, tmp_pat
         mesh.start()
         started = list(mesh.pids().items())
         assert [name for name, _ in started] == [
-            "model-server-1", "model-server-2", "model-server-3", "control-plane-1",
+            "mesh-certs", "model-server-1", "model-server-2", "model-server-3", "control-plane-1",
             "control-plane-2", "envoy", "prometheus",
         ]  # fmt: skip
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{mesh.envoy_port}")
@@ -54,10 +56,28 @@ def test_up_runs_the_compose_mesh_and_stops_it_in_order(demo_repo: Path, tmp_pat
         status = mesh.cli("status")
         assert "model:classifier" in status, status
         assert "routing classifier: version split none" in status, status
+        # Every inner hop is mutual TLS: a plaintext client gets nothing from a model server;
+        # the operator CLI, run in the mesh's directory, works over mTLS as the local operator;
+        # Envoy's stats reach the control plane over mTLS as its own node.
+        direct = grpcclient.InferenceServerClient(
+            f"127.0.0.1:{mesh.server_ports['model-server-1']}"
+        )
+        with pytest.raises(InferenceServerException):
+            direct.is_server_ready()
+        index = subprocess.run(
+            [sys.executable, "-m", "infermesh.cli", "models", "index", "--admin", mesh.admin],
+            cwd=tmp_path, env=mesh.env, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert index.stdout.count("classifier v1  READY") == 3, index.stdout + index.stderr
+        wait_for(
+            lambda: mesh.admin_get("/telemetry")["envoy"]["nodes"] == ["envoy-1"],
+            15,
+            "Envoy's stats over mTLS",
+        )
         assert mesh.stop() == 0
         stopped = re.findall(r"infermesh: (\S+) stopped \(exit (\S+)\)", mesh.log.read_text())
         order = ["prometheus", "envoy", "control-plane-2", "control-plane-1", "model-server-3",
-                 "model-server-2", "model-server-1"]  # fmt: skip
+                 "model-server-2", "model-server-1", "mesh-certs"]  # fmt: skip
         assert stopped == [(name, "0") for name in order]
         for _, pid in started:
             assert not Path(f"/proc/{pid}").exists() or _zombie(pid)

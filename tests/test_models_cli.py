@@ -69,7 +69,8 @@ def test_a_wrong_key_is_refused_by_each_server_and_never_printed(
     servers, _ = pool
     wrong = tmp_path / "wrong.key"
     wrong.write_text("not-the-operator-key-0123456789\n")
-    flags = [arg for s in servers for arg in ("--server", s.url)]
+    # Plaintext servers: no operator certificate here (ROOT may hold a local mesh's).
+    flags = [arg for s in servers for arg in ("--server", s.url)] + ["--pki", str(tmp_path)]
     done = infermesh(
         ROOT, "models", "unload", "classifier", *flags,
         "--credential", f"{OPERATOR_HEADER}=@{wrong}",

@@ -1,0 +1,133 @@
+"""``infermesh certs keep``: the local mesh's certificates, made at first start and renewed
+while it runs.
+
+compose.yaml's ``mesh-certs`` service (and so ``infermesh up``) runs it before anything else:
+
+    infermesh certs keep model-server:127.0.0.1:8001 envoy:envoy-1 control-plane:control-plane \
+        operator:local --every 300
+
+- no CA in the directory: a new one (``ca.crt``, ``ca.key`` 0600);
+- each listed workload whose certificate is missing, unusable (expired, not the CA's, key not
+  matching, another identity) or past two thirds of its life: issued again;
+- then ``READY_FILE`` is written, which ``python -m infermesh.probe certs DIR`` (the service's
+  health check) waits for, and every ``--every`` seconds the same pass runs again.
+
+The workloads read the renewed files on their own (model servers by modification time, the
+control plane through its topology watch, Envoy over SDS): nothing restarts. A pass that fails
+(a full disk, a CA key gone) is logged and retried at the next interval; the last good files
+stay, and ``certificate_expiry_timestamp_seconds`` and ``/status`` show the time running out.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from infermesh import pki
+
+READY_FILE = "keeper.ready"  # written after each full pass: the workloads listed in it
+
+
+def parse_workload(text: str, trust_domain: str) -> pki.Workload:
+    """``KIND:NAME`` (``model-server:127.0.0.1:8001``, ``envoy:envoy-1``) as a Workload."""
+    kind, sep, name = text.partition(":")
+    if not sep or not name:
+        raise pki.CertificateError(
+            f"workload {text!r}: expected KIND:NAME with KIND one of {', '.join(pki.KINDS)}"
+        )
+    return named_workload(kind, name, trust_domain)
+
+
+def named_workload(
+    kind: str, name: str, trust_domain: str, dns: Sequence[str] = (), ips: Sequence[str] = ()
+) -> pki.Workload:
+    """A workload by kind and name, with the names it is reached by (a model server's address
+    and DNS name, a control plane's loopback names) and any extra ``dns`` and ``ips``."""
+    if kind == "model-server":
+        who = pki.model_server(name, trust_domain)
+    elif kind == "control-plane":
+        who = pki.control_plane(name, trust_domain)
+    else:
+        return pki.workload(kind, tuple(name.split("/")), trust_domain, dns, ips)
+    return pki.workload(kind, who.name, trust_domain, [*who.dns, *dns], [*who.ips, *ips])
+
+
+def authority(directory: Path, trust_domain: str) -> tuple[pki.Authority, bool]:
+    """The CA in ``directory``, made first when there is none; and whether it was made."""
+    cert, key = pki.ca_paths(directory)
+    if not cert.exists() and not key.exists():
+        return pki.init_authority(directory, trust_domain), True
+    return pki.load_authority(directory), False
+
+
+def keep_once(directory: Path, names: Sequence[str], trust_domain: str, hours: float) -> list[str]:
+    """One pass: the CA, then every workload's certificate that needs issuing; the SPIFFE IDs
+    issued. Writes ``READY_FILE`` when every certificate is good."""
+    ca, made = authority(directory, trust_domain)
+    issued = [f"a new CA for {ca.trust_domain}"] if made else []
+    for name in names:
+        who = parse_workload(name, ca.trust_domain)
+        if _usable(directory, who):
+            continue
+        pki.issue(ca, who, directory, hours)
+        issued.append(who.spiffe_id)
+    ready = directory / READY_FILE
+    tmp = ready.with_name(f".{READY_FILE}.tmp")
+    tmp.write_text("".join(f"{name}\n" for name in names))
+    tmp.replace(ready)
+    return issued
+
+
+def _usable(directory: Path, who: pki.Workload) -> bool:
+    cert, key = (directory / f"{who.file_stem}.{ext}" for ext in ("crt", "key"))
+    try:
+        pki.load_credentials(cert, key, pki.ca_paths(directory)[0], expect=who.spiffe_id)
+    except pki.CertificateError:
+        return False
+    return not pki.needs_renewal(cert)
+
+
+def keep(
+    directory: Path, names: Sequence[str], trust_domain: str, hours: float, every_s: float
+) -> int:
+    """``keep_once`` now and every ``every_s`` seconds (0: once) until SIGTERM or SIGINT."""
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    (directory / READY_FILE).unlink(missing_ok=True)  # ready again only after this pass
+    directory.mkdir(parents=True, exist_ok=True)
+    first = True
+    while True:
+        try:
+            for what in keep_once(directory, names, trust_domain, hours):
+                print(f"infermesh certs keep: issued {what}", flush=True)
+        except (pki.CertificateError, OSError) as exc:
+            if first:  # nothing to keep serving with: fail the start, naming the file
+                print(f"infermesh certs keep: {exc}", file=sys.stderr)
+                return 1
+            print(f"infermesh certs keep: renewal failed, retrying: {exc}", file=sys.stderr)
+        first = False
+        if every_s <= 0 or stop.wait(every_s):
+            return 0
+
+
+def ready(directory: Path) -> str | None:
+    """None when the keeper has finished a pass and every certificate it keeps is usable now,
+    else why not (``python -m infermesh.probe certs DIR``)."""
+    listed = directory / READY_FILE
+    try:
+        names = listed.read_text().split()
+        domain = pki.trust_domain_of_ca(pki.read_certificate(pki.ca_paths(directory)[0]))
+    except (OSError, pki.CertificateError):
+        return f"{directory}: no certificates kept yet"
+    for name in names:
+        who = parse_workload(name, domain)
+        cert, key = (directory / f"{who.file_stem}.{ext}" for ext in ("crt", "key"))
+        try:
+            pki.load_credentials(cert, key, pki.ca_paths(directory)[0], expect=who.spiffe_id)
+        except pki.CertificateError as exc:
+            return str(exc)
+    return None
