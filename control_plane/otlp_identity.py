@@ -24,6 +24,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 
 from control_plane.envoy_stats import is_envoy, node_of
+from control_plane.topology import TelemetryOptions
 from infermesh import pki
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,23 @@ def refusal(
         if claimed != own:
             return "other_identity", f"{spiffe_id} reported for {claimed or 'no instance id'!r}"
     return None
+
+
+def plaintext_warnings(telemetry: TelemetryOptions) -> list[str]:
+    """What /status and the live view say while telemetry is not bound to identity."""
+    if telemetry.tls:
+        return []
+    where = f"{telemetry.host}:{telemetry.port}"
+    if telemetry.insecure_plaintext:
+        return [
+            f"telemetry on {where} is plaintext and taken from the network "
+            "(telemetry.insecure_plaintext): anyone who reaches it can report for any server; "
+            "set telemetry.tls (docs/security.md)"
+        ]
+    return [
+        f"telemetry on {where} is plaintext (development: loopback only): any local process "
+        "can report for any server; set telemetry.tls (docs/security.md)"
+    ]
 
 
 class RefusalLog:

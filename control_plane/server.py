@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
-from control_plane import upstream_tls
+from control_plane import otlp_identity, upstream_tls
 from control_plane.admin import AdminServer, AdminTokens, check_exposure
 from control_plane.ads import AdsServicer
 from control_plane.canary_runs import CanaryRuns
@@ -123,7 +123,8 @@ class ControlPlane:
         self.topology: Topology = load_with_overrides(settings)
         self.fingerprint = self._fingerprints()
         self.topology_error = ""
-        for warning in security_warnings(self.topology.listener):
+        telemetry = otlp_identity.plaintext_warnings(self.topology.telemetry)
+        for warning in security_warnings(self.topology.listener) + telemetry:
             log.warning("%s", warning)
         self.metrics = ControlPlaneMetrics()
         self._publish_certificates()

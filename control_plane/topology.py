@@ -73,6 +73,8 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
       shard_nice: 5                 # 0..19: shards' CPU priority below the control plane's
                                     # (os.nice): decisions and Envoy's updates come first
       scrape_interval_s: 2.0        # > 0: scrapes of kind-triton endpoints' /metrics
+      insecure_plaintext: false     # without tls: true takes plaintext on a host that is
+                                    # not loopback (development; /status warns)
       tls: false                    # mutual TLS, each report bound to the sender's identity
                                     # (needs listener.upstream_tls; not with shards yet;
                                     # Envoy's stats: needs xds.tls, whose certificate it uses)
@@ -180,6 +182,9 @@ class TelemetryOptions:
     # Mutual TLS on the OTLP port: a report is taken only from the identity it reports for
     # (control_plane.otlp_identity); needs listener.upstream_tls
     tls: bool = False
+    # Without tls, telemetry is plaintext: taken on a loopback host only (development), unless
+    # this says to take it from the network; /status and the live view warn either way.
+    insecure_plaintext: bool = False
 
 
 ENDPOINT_KINDS = ("infermesh", "triton")  # how the control plane reads an endpoint's signals
@@ -317,7 +322,7 @@ _TELEMETRY = {
     "host": "host", "port": "port", "window_s": "positive",
     "stale_after_intervals": "positive", "forget_after_s": "positive", "decoder_processes": "count",
     "shards": "count", "push_tolerance": "fraction", "shard_nice": "nice",
-    "scrape_interval_s": "positive", "tls": "bool",
+    "scrape_interval_s": "positive", "tls": "bool", "insecure_plaintext": "bool",
 }  # fmt: skip
 _TOP = (
     "listener", "xds", "admin", "placement", "telemetry", "models", "endpoints", "tenants",
@@ -374,6 +379,15 @@ def _build(
         c.errors.append(
             "telemetry.tls: needs listener.upstream_tls (its pki_dir holds the control plane's "
             "certificate and the CA)"
+        )
+    if telemetry.tls and telemetry.insecure_plaintext:
+        c.errors.append("telemetry: tls and insecure_plaintext contradict each other; pick one")
+    if not telemetry.tls and not telemetry.insecure_plaintext and not is_loopback(telemetry.host):
+        c.errors.append(
+            f"telemetry.host {telemetry.host}: plaintext telemetry is taken on loopback only, "
+            "since anyone who reaches the port could report for any server; set telemetry.tls: "
+            "true (mesh certificates), or telemetry.insecure_plaintext: true to take it from "
+            "the network anyway (development; /status warns)"
         )
     if telemetry.tls and telemetry.shards:
         c.errors.append("telemetry.tls: not with telemetry.shards yet (issue 26)")

@@ -355,11 +355,13 @@ def test_a_bad_jwt_is_refused_saying_why(
 def test_status_warns_only_while_authentication_is_off(
     tenants: Tenants, demo_repo: Path, tmp_path: Path
 ) -> None:
-    assert tenants.mesh.plane.admin_get("/status")["warnings"] == []
+    # These meshes run plaintext telemetry on loopback: /status says so, and nothing else.
+    (plaintext,) = tenants.mesh.plane.admin_get("/status")["warnings"]
+    assert "is plaintext (development: loopback only)" in plaintext
     frame = tenants.mesh.plane.call(tenants.mesh.plane.plane.api.live_frame())
-    assert frame["warnings"] == []
+    assert frame["warnings"] == [plaintext]
     with edge_mesh(demo_repo, tmp_path, {"auth": {"mode": "off"}}) as open_mesh:
-        (warning,) = open_mesh.plane.admin_get("/status")["warnings"]
+        warning, _ = open_mesh.plane.admin_get("/status")["warnings"]
         assert "authentication is off on the public listener" in warning
         frame = open_mesh.plane.call(open_mesh.plane.plane.api.live_frame())
-        assert frame["warnings"] == [warning]  # the live view's banner
+        assert frame["warnings"][0] == warning  # the live view's banner

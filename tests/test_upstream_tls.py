@@ -13,6 +13,7 @@ from envoy.extensions.transport_sockets.tls.v3 import secret_pb2, tls_pb2
 
 from control_plane import upstream_tls
 from control_plane.mesh import EndpointAddress, EndpointAssignment, MeshState, model_cluster
+from control_plane.otlp_identity import plaintext_warnings
 from control_plane.resources import build_resources
 from control_plane.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, SECRET_TYPE, Snapshot
 from control_plane.topology import TopologyError, parse_topology
@@ -146,3 +147,22 @@ def test_telemetry_tls_needs_the_pki_and_is_refused_where_not_built_yet(pki_dir:
     model_checks["xds"] = {"tls": True}
     assert parse_topology(model_checks).listener.health_checks == "model"
     assert parse_topology(_topology(pki_dir, telemetry={"tls": True})).telemetry.tls
+
+
+def test_plaintext_telemetry_is_taken_on_loopback_only_unless_a_topology_says_otherwise(
+    pki_dir: Path,
+) -> None:
+    models = _topology(pki_dir)["models"]
+    (error,) = _errors({"models": models, "telemetry": {"host": "0.0.0.0"}})
+    assert "telemetry.host 0.0.0.0: plaintext telemetry is taken on loopback only" in error
+    anyway = parse_topology(
+        {"models": models, "telemetry": {"host": "0.0.0.0", "insecure_plaintext": True}}
+    )
+    (warning,) = plaintext_warnings(anyway.telemetry)
+    assert "0.0.0.0:14317 is plaintext and taken from the network" in warning
+    (local,) = plaintext_warnings(parse_topology({"models": models}).telemetry)
+    assert "127.0.0.1:14317 is plaintext (development: loopback only)" in local
+    both = _topology(pki_dir, telemetry={"tls": True, "insecure_plaintext": True})
+    assert "contradict" in _errors(both)[0]
+    secured = _topology(pki_dir, telemetry={"tls": True, "host": "0.0.0.0"})
+    assert plaintext_warnings(parse_topology(secured).telemetry) == []
