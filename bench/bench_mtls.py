@@ -76,10 +76,11 @@ def start_mesh(stack: ExitStack, models: Path, workdir: Path, tls: bool) -> bm.M
     listener = bm.free_port()
     topology = be.write_topology(workdir / "topology.yaml", listener,
                                  [f"{HOST}:{port}" for _, port, _ in servers])  # fmt: skip
+    data = yaml.safe_load(topology.read_text())
+    data["telemetry"] = {"port": bm.free_port()}  # two control planes on one host
     if tls:
-        data = yaml.safe_load(topology.read_text())
         data["listener"]["upstream_tls"] = {"pki_dir": str(workdir / "pki")}
-        topology.write_text(yaml.safe_dump(data))
+    topology.write_text(yaml.safe_dump(data))
     cp_admin, envoy_pid, envoy_admin = bm.start_plane_and_envoy(stack, workdir, topology)
     envoy = bm.Admin(envoy_admin)
     healthy = re.compile(f"^{bm.CLUSTER}::.*::health_flags::healthy$", re.M)

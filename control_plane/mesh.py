@@ -354,6 +354,23 @@ class UpstreamTls:
 
 
 @dataclass(frozen=True)
+class EdgeTls:
+    """TLS on the public listener (control_plane.edge_tls): the certificate clients see, read
+    from files and served to Envoy over SDS."""
+
+    cert_file: str
+    key_file: str
+    cert_pem: bytes = field(repr=False)
+    key_pem: bytes = field(repr=False)  # never in a repr, a log or /status
+    not_after: float = 0.0  # Unix time
+    names: tuple[str, ...] = ()  # the DNS and IP names the certificate carries
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return (self.cert_file, self.key_file)
+
+
+@dataclass(frozen=True)
 class ListenerOptions:
     """The Envoy listener and the cluster options that apply to every model cluster."""
 
@@ -375,6 +392,7 @@ class ListenerOptions:
     limits: ListenerLimits = ListenerLimits()
     auth: EdgeAuth = EdgeAuth()  # client identity and tenants (control_plane.identity)
     upstream_tls: UpstreamTls | None = None  # mTLS to the model servers; None: plaintext
+    tls: EdgeTls | None = None  # TLS for clients on the listener; None: plaintext
 
 
 @dataclass(frozen=True)

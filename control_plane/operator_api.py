@@ -12,7 +12,7 @@ import time
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
-from control_plane import otlp_identity, upstream_tls
+from control_plane import edge_tls, otlp_identity, upstream_tls
 from control_plane.admin import AdminError
 from control_plane.live_view import build_frame
 from control_plane.mesh import EndpointAddress, EndpointHealth
@@ -171,7 +171,9 @@ class OperatorApi:
             },
             "nodes": self.plane.nodes.as_json(),
             "upstream_tls": upstream_tls.status(self.plane.topology.listener.upstream_tls),
+            "edge_tls": edge_tls.status(self.plane.topology.listener.tls),
             "warnings": security_warnings(self.plane.topology.listener)
             + otlp_identity.plaintext_warnings(self.plane.topology.telemetry)
-            + upstream_tls.warnings(self.plane.topology.listener.upstream_tls),
+            + upstream_tls.warnings(self.plane.topology.listener.upstream_tls)
+            + edge_tls.warnings(self.plane.topology.listener.tls),
         }

@@ -32,7 +32,7 @@ from envoy.type.v3 import range_pb2
 from google.protobuf.message import Message
 from google.protobuf.wrappers_pb2 import UInt32Value
 
-from control_plane import edge, edge_limits, exposure, identity, upstream_tls
+from control_plane import edge, edge_limits, edge_tls, exposure, identity, upstream_tls
 from control_plane.clusters import build_assignment, build_cluster, socket_address
 from control_plane.envoy_values import ads_source, duration, packed, set_header
 from control_plane.lanes import (
@@ -182,7 +182,8 @@ def build_listener(state: MeshState) -> listener_pb2.Listener:
         address=socket_address(options.host, options.port),
         filter_chains=[
             listener_components_pb2.FilterChain(
-                filters=[*edge_limits.connection_filters(options.limits), hcm]
+                filters=[*edge_limits.connection_filters(options.limits), hcm],
+                transport_socket=edge_tls.transport_socket() if options.tls else None,
             )
         ],
     )
@@ -507,6 +508,12 @@ def build_resources(state: MeshState, made: Make = fresh) -> dict[str, dict[str,
             SECRET_TYPE, upstream_tls.CA_SECRET, tls.ca_pem, lambda: upstream_tls.ca_secret(tls)
         )
         built[SECRET_TYPE] = {upstream_tls.CA_SECRET: ca}
+    listener_tls = state.listener.tls
+    if listener_tls is not None:  # the public listener's certificate, for every node
+        certificate = made(
+            SECRET_TYPE, edge_tls.EDGE_SECRET, listener_tls, lambda: edge_tls.secret(listener_tls)
+        )
+        built.setdefault(SECRET_TYPE, {})[edge_tls.EDGE_SECRET] = certificate
     return built
 
 

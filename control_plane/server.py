@@ -475,12 +475,13 @@ class ControlPlane:
             self.metrics.certificate_expiry.labels(spiffe_id).set(expiry)
 
     def _fingerprints(self) -> tuple[TopologyFingerprint | None, ...]:
-        """The topology file's, then those of the files it names (API keys, JWKS): a key
-        added or revoked reaches Envoy without a restart."""
-        tls = self.topology.listener.upstream_tls
+        """The topology file's, then those of the files it names (API keys, JWKS, the
+        certificates): a key added or revoked, a certificate renewed, reaches Envoy without a
+        restart."""
+        tls, edge = self.topology.listener.upstream_tls, self.topology.listener.tls
         paths: tuple[str | os.PathLike[str], ...] = (
             self.settings.topology, *self.topology.listener.auth.files,
-            *(tls.files if tls is not None else ()),
+            *(tls.files if tls is not None else ()), *(edge.files if edge is not None else ()),
         )  # fmt: skip
         return tuple(topology_fingerprint(path) for path in paths)
 

@@ -44,6 +44,9 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
       auth:                         # REQUIRED in a topology file: who may call the listener
         mode: api_keys              # api_keys | jwt | off (control_plane.tenants has the rest)
         api_keys_file: ../.infermesh/api-keys   # hashed keys, relative to this file
+      tls:                          # optional: TLS for clients, h2 by ALPN (control_plane.edge_tls)
+        cert_file: edge.crt         # the chain clients see (leaf first), relative to this file
+        key_file: edge.key          # its key (EC or RSA); renewed files reach Envoy over SDS
       upstream_tls:                 # optional: mTLS to the servers (control_plane.upstream_tls)
         pki_dir: ../.infermesh/pki  # infermesh certs' dir; xds.host on loopback or xds.tls
     tenants:                        # optional: what each tenant may do (control_plane.tenants)
@@ -131,7 +134,7 @@ from typing import Any
 
 import yaml
 
-from control_plane import edge, edge_limits, exposure, lanes, tenants, upstream_tls
+from control_plane import edge, edge_limits, edge_tls, exposure, lanes, tenants, upstream_tls
 from control_plane.canary import CanaryPolicy
 from control_plane.endpointslices import KubernetesEndpoint, parse_source
 from control_plane.mesh import EndpointAddress, ListenerOptions, ModelRoute
@@ -310,7 +313,7 @@ _LISTENER = {
     "retry_budget_percent": "percent",
     "body_routing": "bool", "lb_policy": "lb_policy", "access_log": "path", "rest": "mapping",
     "grpc_web": "bool", "cors": "mapping", "expose": "list", "limits": "mapping",
-    "auth": "mapping", "upstream_tls": "mapping",
+    "auth": "mapping", "upstream_tls": "mapping", "tls": "mapping",
 }  # fmt: skip
 _BIND = {"host": "host", "port": "port"}
 _XDS = {**_BIND, "tls": "bool"}
@@ -356,6 +359,7 @@ def _build(
     fields["upstream_tls"] = upstream_tls.parse_upstream_tls(
         c, given.get("upstream_tls"), "listener.upstream_tls", _folder(source)
     )
+    fields["tls"] = edge_tls.parse_edge_tls(c, given.get("tls"), "listener.tls", _folder(source))
     listener = ListenerOptions(**fields)
     xds_default = types.SimpleNamespace(host=d.xds.host, port=d.xds.port, tls=False)
     xds_fields = c.section(root, "xds", _XDS, xds_default)

@@ -1,7 +1,8 @@
 """Calls the demo classifier with the stock Triton client: ``python examples/classify.py``.
 
 Through Envoy it sends the local mesh's API key (``.infermesh/api.key``, made by ``infermesh
-up``; ``INFERMESH_API_KEY`` or ``INFERMESH_API_KEY_FILE`` choose another) as HTTP Basic."""
+up``; ``INFERMESH_API_KEY`` or ``INFERMESH_API_KEY_FILE`` choose another) as HTTP Basic. With
+``--ca FILE`` it speaks TLS to a listener with ``listener.tls``, trusting that CA."""
 
 from __future__ import annotations
 
@@ -20,9 +21,13 @@ def main() -> None:
     parser.add_argument("--model", default="classifier")
     parser.add_argument("--version", default="", help="empty: the newest READY version")
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument(
+        "--ca", default="", help="TLS to the edge (listener.tls), trusting this CA file"
+    )
     args = parser.parse_args()
 
-    client = grpcclient.InferenceServerClient(args.url)
+    tls = {"ssl": True, "root_certificates": args.ca} if args.ca else {}
+    client = grpcclient.InferenceServerClient(args.url, **tls)
     headers = client_headers(Path(__file__).resolve().parent.parent)
     print("server ready:", client.is_server_ready(headers=headers))
     # The repository index is for operators (`infermesh models index`): Envoy's listener

@@ -50,6 +50,8 @@ def named_workload(
         who = pki.model_server(name, trust_domain)
     elif kind == "control-plane":
         who = pki.control_plane(name, trust_domain)
+    elif kind == "edge":
+        who = pki.edge(name, trust_domain)
     else:
         return pki.workload(kind, tuple(name.split("/")), trust_domain, dns, ips)
     return pki.workload(kind, who.name, trust_domain, [*who.dns, *dns], [*who.ips, *ips])

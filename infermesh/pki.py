@@ -27,7 +27,7 @@ import ipaddress
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cryptography import x509
@@ -44,7 +44,7 @@ CA_DAYS = 365
 # Renew once this share of the lifetime has passed (16 h of 24): a failed renewal then has
 # hours to be noticed and retried before anything expires.
 RENEW_AFTER = 2 / 3
-KINDS = ("model-server", "envoy", "control-plane", "operator")
+KINDS = ("model-server", "envoy", "control-plane", "operator", "edge")
 _SEGMENT = re.compile(r"^[A-Za-z0-9._-]+$")
 _TRUST_DOMAIN = re.compile(r"^[a-z0-9._-]+$")
 
@@ -112,6 +112,16 @@ def control_plane(
     ips = tuple(h for h in hosts if is_ip(h))
     dns = tuple(h for h in hosts if not is_ip(h))
     return workload("control-plane", (name,), trust_domain, dns, ips)
+
+
+def edge(host: str, trust_domain: str = DEFAULT_TRUST_DOMAIN) -> Workload:
+    """The public listener's certificate, when the mesh CA makes it (clients then trust
+    ``ca.crt``): named ``host``, and for ``localhost`` the loopback addresses too (the quick
+    start's clients dial 127.0.0.1). No model server accepts it as a client."""
+    if is_ip(host):
+        return workload("edge", (host.replace(":", "."),), trust_domain, (), (host,))
+    ips = ("127.0.0.1", "::1") if host == "localhost" else ()
+    return workload("edge", (host,), trust_domain, (host,), ips)
 
 
 def operator(name: str, trust_domain: str = DEFAULT_TRUST_DOMAIN) -> Workload:
@@ -344,6 +354,42 @@ def load_credentials(
         cert.not_valid_after_utc,
         cert.not_valid_before_utc,
     )
+
+
+@dataclass(frozen=True)
+class ServerPair:
+    """A server certificate (chain) and key that need not be the mesh's: the public
+    listener's, from a public CA or the organisation's own."""
+
+    cert_pem: bytes  # the file as read: the leaf first, then any intermediates
+    key_pem: bytes = field(repr=False)
+    not_after: dt.datetime = dt.datetime.min
+    names: tuple[str, ...] = ()  # the leaf's DNS and IP names
+
+
+def load_server_pair(cert_path: Path, key_path: Path) -> ServerPair:
+    """A server's files, checked as a start-up must: PEM, within validity, key matching the
+    leaf (EC or RSA). The message names the file and the problem, never the key."""
+    cert_pem = _read(cert_path, "certificate")
+    try:
+        leaf = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError:
+        raise CertificateError(f"{cert_path}: not a PEM certificate") from None
+    key_pem = _read(key_path, "private key")
+    try:
+        key = serialization.load_pem_private_key(key_pem, password=None)
+    except (ValueError, TypeError):
+        raise CertificateError(f"{key_path}: not an unencrypted PEM private key") from None
+    if key.public_key() != leaf.public_key():
+        raise CertificateError(f"{key_path}: this key does not belong to {cert_path}")
+    _check_validity(leaf, cert_path)
+    try:
+        san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        names = [*san.get_values_for_type(x509.DNSName)]
+        names += [str(ip) for ip in san.get_values_for_type(x509.IPAddress)]
+    except x509.ExtensionNotFound:
+        names = []
+    return ServerPair(cert_pem, key_pem, leaf.not_valid_after_utc, tuple(names))
 
 
 def spiffe_id_of(cert: x509.Certificate) -> str | None:
