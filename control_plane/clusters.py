@@ -123,23 +123,33 @@ def build_cluster(state: MeshState, name: str) -> cluster_pb2.Cluster:
     if options.upstream_tls is not None:
         alpn = "http/1.1" if rest else "h2"
         result.transport_socket.CopyFrom(upstream_tls.transport_socket(alpn))
+        if options.upstream_tls.plaintext:  # members marked "tls: false" (lb_endpoint)
+            result.transport_socket_matches.append(upstream_tls.plaintext_match())
     return edge.make_rest_cluster(result) if rest else result
 
 
 @functools.lru_cache(maxsize=1 << 15)
-def lb_endpoint(assignment: EndpointAssignment, trust_domain: str = "") -> ep_pb2.LbEndpoint:
+def lb_endpoint(
+    assignment: EndpointAssignment, trust_domain: str = "", plaintext: bool = False
+) -> ep_pb2.LbEndpoint:
     """One endpoint's EDS entry, made once per assignment and copied into each assignment
     that holds it (never mutate one): `servers` at 10,000 endpoints took 66-75 ms to make and
     11-18 ms from made entries, side by side in one process. About 1 KB an entry (32 MiB at
     most). With ``trust_domain`` (upstream mTLS) the entry's hostname is the server's
-    certificate name, which Envoy sends as SNI and checks the certificate against."""
+    certificate name, which Envoy sends as SNI and checks the certificate against; a
+    ``plaintext`` member instead carries the metadata that picks the cluster's plaintext
+    transport socket (``upstream_tls.plaintext_match``)."""
     address = socket_address(assignment.address.host, assignment.address.port)
-    hostname = server_dns_name(assignment.server_address, trust_domain) if trust_domain else ""
-    return ep_pb2.LbEndpoint(
+    checked = trust_domain and not plaintext
+    hostname = server_dns_name(assignment.server_address, trust_domain) if checked else ""
+    entry = ep_pb2.LbEndpoint(
         endpoint=ep_pb2.Endpoint(address=address, hostname=hostname),
         health_status=_HEALTH[assignment.health],
         load_balancing_weight=UInt32Value(value=max(1, assignment.weight)),
     )
+    if trust_domain and plaintext:
+        entry.metadata.filter_metadata[upstream_tls.MATCH_FILTER].update(upstream_tls.PLAINTEXT)
+    return entry
 
 
 def build_assignment(
@@ -147,6 +157,7 @@ def build_assignment(
     assignments: Iterable[EndpointAssignment],
     no_spill: bool = False,
     trust_domain: str = "",
+    plaintext: frozenset[str] = frozenset(),
 ) -> endpoint_pb2.ClusterLoadAssignment:
     """``no_spill``: the cluster keeps all its traffic while any endpoint is healthy (it is the
     first of a fallback aggregate)."""
@@ -156,6 +167,10 @@ def build_assignment(
         load.policy.overprovisioning_factor.value = NO_SPILL_OVERPROVISIONING
     # Envoy needs priorities numbered 0, 1, ... without gaps.
     for level, priority in enumerate(sorted({a.priority for a in ordered})):
-        endpoints = [lb_endpoint(a, trust_domain) for a in ordered if a.priority == priority]
+        endpoints = [
+            lb_endpoint(a, trust_domain, a.server_address in plaintext)
+            for a in ordered
+            if a.priority == priority
+        ]
         load.endpoints.add(lb_endpoints=endpoints, priority=level)
     return load

@@ -342,6 +342,9 @@ class UpstreamTls:
     ca_pem: bytes = field(repr=False)
     envoys: tuple[WorkloadKeys, ...] = ()
     control_plane: WorkloadKeys | None = None
+    # Members that speak plaintext ("tls: false" on the endpoint, e.g. a Triton server
+    # without TLS): HOST:PORT of their gRPC address. Flagged in /status.
+    plaintext: frozenset[str] = frozenset()
 
     @property
     def files(self) -> tuple[str, ...]:

@@ -131,6 +131,12 @@ class ControlPlaneMetrics:
             ["reason"],
             registry=r,
         )
+        self.topology_reload_failures = Counter(
+            "topology_reload_failures",
+            "reloads of the topology (or a file it names: keys, certificates) that failed their "
+            "checks; the last good one stays in use, /status says why",
+            registry=r,
+        )
         self.certificate_expiry = Gauge(
             "certificate_expiry_timestamp_seconds",
             "when each certificate the control plane serves (Envoy's, over SDS) or uses expires",

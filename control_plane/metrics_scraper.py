@@ -10,6 +10,11 @@ thread so the event loop stays free. Failures (refused, timeout, HTTP status, ov
 malformed text) are counted per target, logged at most once per ``log_every_s`` per target,
 and never end the loop. Set ``interval_s`` well under the store's ``window_s`` (a third of it,
 say): latency and rates come from two scrapes inside one window.
+
+With the mesh's certificates (``set_tls``, from ``listener.upstream_tls``) an ``https://``
+metrics URL is fetched over mutual TLS as the control plane, and the member's certificate must
+name that member (``pki.server_dns_name`` of its endpoint key, as Envoy checks it): a process
+at the URL that is not the member gives no telemetry for it. ``http://`` URLs stay plaintext.
 """
 
 from __future__ import annotations
@@ -17,15 +22,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import ssl
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
 
+from control_plane.mesh import UpstreamTls
 from control_plane.telemetry import TelemetryStore
 from control_plane.telemetry_values import IngestResult
 from control_plane.triton_metrics import TritonMapper, TritonScrape
+from infermesh.pki import server_dns_name
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +89,19 @@ class MetricsScraper:
         self._targets: dict[str, _Target] = {}
         self._session: aiohttp.ClientSession | None = None
         self._retiring: set[asyncio.Task[None]] = set()  # cancelled, not yet finished
+        self._tls: tuple[ssl.SSLContext, str] | None = None  # (context, trust domain)
+
+    def set_tls(self, tls: UpstreamTls | None) -> None:
+        """The mesh's certificates for ``https://`` targets (None: the system's trust, no
+        client certificate). Read again at each topology reload, so a renewal is used."""
+        me = tls.control_plane if tls is not None else None
+        if tls is None or me is None:
+            self._tls = None
+            return
+        context = ssl.create_default_context(cadata=tls.ca_pem.decode())
+        stem = f"{tls.pki_dir}/control-plane_{me.name}"
+        context.load_cert_chain(f"{stem}.crt", f"{stem}.key")
+        self._tls = (context, tls.trust_domain)
 
     def set_targets(self, targets: Mapping[str, str]) -> None:
         """Scrapes exactly ``targets`` (endpoint key -> metrics URL) from now on. A target
@@ -161,7 +182,7 @@ class MetricsScraper:
             return None
         target.scrapes += 1
         try:
-            body = await self._fetch(self._session, target.url)
+            body = await self._fetch(self._session, target.url, target.endpoint)
             result, scrape = await self._ingest(target, body)
         except asyncio.CancelledError:
             raise
@@ -178,8 +199,12 @@ class MetricsScraper:
             target.last_ok = self.clock()
         return result
 
-    async def _fetch(self, session: aiohttp.ClientSession, url: str) -> bytes:
-        async with session.get(url, headers={"Accept": "text/plain"}) as response:
+    async def _fetch(self, session: aiohttp.ClientSession, url: str, endpoint: str) -> bytes:
+        options: dict[str, object] = {}
+        if self._tls is not None and url.startswith("https://"):
+            context, domain = self._tls
+            options = {"ssl": context, "server_hostname": server_dns_name(endpoint, domain)}
+        async with session.get(url, headers={"Accept": "text/plain"}, **options) as response:  # type: ignore[arg-type]
             if response.status != 200:
                 raise ScrapeError(f"HTTP {response.status} {response.reason or ''}".strip())
             declared = response.content_length

@@ -56,8 +56,7 @@ def refusal(
             (a.value.string_value for a in resource.resource.attributes if a.key == INSTANCE_ID),
             "",
         )
-        own = ":".join(who.name)
-        if claimed != own:
+        if _server_identity(claimed, who.trust_domain) != spiffe_id:
             return "other_identity", f"{spiffe_id} reported for {claimed or 'no instance id'!r}"
     return None
 
@@ -77,6 +76,15 @@ def plaintext_warnings(telemetry: TelemetryOptions) -> list[str]:
         f"telemetry on {where} is plaintext (development: loopback only): any local process "
         "can report for any server; set telemetry.tls (docs/security.md)"
     ]
+
+
+def _server_identity(instance_id: str, trust_domain: str) -> str | None:
+    """The SPIFFE ID of the server an instance id (HOST:PORT, [V6]:PORT) names, or None.
+    Compared as identities, so an IPv6 address matches its certificate's form."""
+    try:
+        return pki.model_server(instance_id, trust_domain).spiffe_id
+    except pki.CertificateError:
+        return None
 
 
 class RefusalLog:

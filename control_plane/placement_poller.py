@@ -73,7 +73,7 @@ def open_channel(address: EndpointAddress, tls: UpstreamTls | None = None) -> gr
     its IP: a certificate for another server on the same host does not pass."""
     target = grpc_target(address)
     me = tls.control_plane if tls is not None else None
-    if tls is None or me is None:
+    if tls is None or me is None or address.key in tls.plaintext:
         return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
     credentials = grpc.ssl_channel_credentials(tls.ca_pem, me.key_pem, me.cert_pem)
     name = ("grpc.ssl_target_name_override", server_dns_name(address.key, tls.trust_domain))

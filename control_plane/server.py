@@ -56,6 +56,7 @@ from control_plane.topology import (
     Topology,
     TopologyError,
     TopologyFingerprint,
+    listing_fingerprint,
     load_topology,
     topology_fingerprint,
 )
@@ -242,6 +243,7 @@ class ControlPlane:
         else:
             await self._start_receiver(otlp_port)
         self.scraper.set_targets(t.scrape_targets)
+        self.scraper.set_tls(t.listener.upstream_tls)
         await self.scraper.start()
         await self.poller.poll_once()  # the first snapshot already knows what is READY where
         self.rebuild("start")
@@ -445,6 +447,7 @@ class ControlPlane:
             topology = await asyncio.to_thread(load_with_overrides, self.settings)
         except (TopologyError, OSError) as exc:
             self.topology_error = str(exc)
+            self.metrics.topology_reload_failures.inc()
             log.error("topology not reloaded (%s); keeping the last good one: %s", reason, exc)
             return
         if (topology.xds, topology.admin) != (self.topology.xds, self.topology.admin):
@@ -462,6 +465,7 @@ class ControlPlane:
         self._publish_certificates()
         self.scraper.interval_s = topology.telemetry.scrape_interval_s
         self.scraper.set_targets(topology.scrape_targets)
+        self.scraper.set_tls(topology.listener.upstream_tls)
         await self.slices.sync(topology.endpoints)
         self.endpoints = await self.resolver.resolve(topology.endpoints)
         await self.poller.poll_once()
@@ -483,7 +487,9 @@ class ControlPlane:
             self.settings.topology, *self.topology.listener.auth.files,
             *(tls.files if tls is not None else ()), *(edge.files if edge is not None else ()),
         )  # fmt: skip
-        return tuple(topology_fingerprint(path) for path in paths)
+        found = tuple(topology_fingerprint(path) for path in paths)
+        # A new Envoy node's certificate is served once it appears, with no reload asked.
+        return found + ((listing_fingerprint(tls.pki_dir, "envoy_*.crt"),) if tls else ())
 
     async def _watch_topology(self) -> None:
         while True:

@@ -103,7 +103,8 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
     endpoints:                      # optional, default none; each item has exactly one key
       - address: 127.0.0.1:8001     # a static IP:port ([::1]:8001 for IPv6); unique
         labels: {zone: a}           # optional (address only), with kind: infermesh | triton,
-                                    # metrics_url (triton) and rest_port (see examples/)
+                                    # metrics_url (triton), rest_port (see examples/) and
+                                    # tls: false (a plaintext member under upstream_tls)
       - dns: model-servers.local:8001   # a name re-resolved to all its A/AAAA records
       - kubernetes: {service: infermesh-model-server, namespace: infermesh, port: grpc}
                                     # a Service's ready pods, watched through its EndpointSlices
@@ -200,6 +201,7 @@ class StaticEndpoint:
     kind: str = "infermesh"  # "triton": its Prometheus metrics are scraped (no OTLP)
     metrics_url: str = ""  # kind triton: where (default http://HOST:PORT+1/metrics)
     rest_port: int = 0  # its KServe v2 REST port (0: PORT + listener.rest.port_offset)
+    tls: bool = True  # with listener.upstream_tls; false: a plaintext member, flagged
 
     @property
     def key(self) -> str:
@@ -421,6 +423,15 @@ def _build(
     static = [(f"endpoints[{i}].address", e.address.port) for i, e in enumerate(endpoints)
               if isinstance(e, StaticEndpoint) and not e.rest_port]  # fmt: skip
     edge.check_rest_ports(c, listener.rest, static)
+    plaintext = frozenset(e.key for e in endpoints if isinstance(e, StaticEndpoint) and not e.tls)
+    if plaintext and listener.upstream_tls is None:
+        c.errors.append(
+            f"endpoints: tls: false ({', '.join(sorted(plaintext))}) only means something with "
+            "listener.upstream_tls (without it every member is plaintext)"
+        )
+    elif plaintext and listener.upstream_tls is not None:
+        tls = dataclasses.replace(listener.upstream_tls, plaintext=plaintext)
+        listener = dataclasses.replace(listener, upstream_tls=tls)
     if c.errors:
         raise TopologyError(source, c.errors)
     return Topology(
@@ -430,7 +441,7 @@ def _build(
 
 
 _ENDPOINT_KINDS = ("address", "dns", "kubernetes")
-_ENDPOINT_EXTRAS = ("labels", "kind", "metrics_url", "rest_port")  # on an "address" only
+_ENDPOINT_EXTRAS = ("labels", "kind", "metrics_url", "rest_port", "tls")  # on an "address"
 
 
 def _endpoints(c: Checker, value: object) -> tuple[EndpointSource, ...]:
@@ -483,7 +494,8 @@ def _static(c: Checker, m: dict[str, Any], path: str, address: EndpointAddress) 
         c.fail(f"{path}.metrics_url", "must be an http:// or https:// URL", url)
     # Triton's own layout puts HTTP just below gRPC (8000 next to 8001).
     rest_port = c.value(m, path, "rest_port", "port", address.port - 1 if kind == "triton" else 0)
-    return StaticEndpoint(address, labels, kind, url if kind == "triton" else "", rest_port)
+    tls = c.value(m, path, "tls", "bool", True)
+    return StaticEndpoint(address, labels, kind, url if kind == "triton" else "", rest_port, tls)
 
 
 @dataclass(frozen=True)
@@ -491,6 +503,13 @@ class TopologyFingerprint:
     mtime_ns: int
     size: int
     sha256: str
+
+
+def listing_fingerprint(directory: str, pattern: str) -> TopologyFingerprint:
+    """The names in ``directory`` matching ``pattern``: a file added or removed there (a new
+    Envoy node's certificate) is a change."""
+    names = "\n".join(sorted(p.name for p in Path(directory).glob(pattern)))
+    return TopologyFingerprint(0, len(names), hashlib.sha256(names.encode()).hexdigest())
 
 
 def topology_fingerprint(path: str | os.PathLike[str]) -> TopologyFingerprint | None:

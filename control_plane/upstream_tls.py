@@ -31,7 +31,9 @@ from typing import Any
 
 import grpc
 from cryptography.hazmat.primitives import serialization
+from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.transport_sockets.raw_buffer.v3 import raw_buffer_pb2
 from envoy.extensions.transport_sockets.tls.v3 import common_pb2, secret_pb2, tls_pb2
 
 from control_plane.envoy_values import ads_source, packed
@@ -39,6 +41,8 @@ from control_plane.mesh import UpstreamTls, WorkloadKeys
 from control_plane.schema import Checker
 from infermesh import pki
 
+MATCH_FILTER = "envoy.transport_socket_match"  # the endpoint metadata transport socket matches read
+PLAINTEXT = {"infermesh_plaintext": True}  # on "tls: false" members' EDS entries
 CA_SECRET = "mesh-ca"
 IDENTITY_SECRET = "envoy-identity"
 TLS_SOCKET = "envoy.transport_sockets.tls"
@@ -151,6 +155,20 @@ def transport_socket(alpn: str) -> base_pb2.TransportSocket:
     return base_pb2.TransportSocket(name=TLS_SOCKET, typed_config=packed(context))
 
 
+def plaintext_match() -> cluster_pb2.Cluster.TransportSocketMatch:
+    """The raw (plaintext) transport socket for members whose EDS entry carries
+    ``PLAINTEXT``; every other member keeps the cluster's mTLS."""
+    match = cluster_pb2.Cluster.TransportSocketMatch(
+        name="plaintext-member",
+        transport_socket=base_pb2.TransportSocket(
+            name="envoy.transport_sockets.raw_buffer",
+            typed_config=packed(raw_buffer_pb2.RawBuffer()),
+        ),
+    )
+    match.match.update(PLAINTEXT)
+    return match
+
+
 def served_identities(tls: UpstreamTls) -> list[tuple[str, float]]:
     """(SPIFFE ID, expiry as Unix time) of every certificate the control plane serves or uses."""
     found = [(pki.envoy(e.name, tls.trust_domain).spiffe_id, e.not_after) for e in tls.envoys]
@@ -168,6 +186,7 @@ def status(tls: UpstreamTls | None, now: float | None = None) -> dict[str, Any] 
     return {
         "pki_dir": tls.pki_dir,
         "trust_domain": tls.trust_domain,
+        "plaintext_members": sorted(tls.plaintext),
         "identities": [
             {
                 "identity": spiffe_id,
@@ -184,7 +203,12 @@ def warnings(tls: UpstreamTls | None, now: float | None = None) -> list[str]:
     if tls is None:
         return []
     at = time.time() if now is None else now
-    return [
+    plaintext = [
+        f"endpoint {key} is a plaintext member (tls: false): its traffic, health checks and "
+        "probes are neither encrypted nor authenticated"
+        for key in sorted(tls.plaintext)
+    ]
+    return plaintext + [
         f"certificate for {spiffe_id} expires in {(expiry - at) / 3600:.1f} h: it was due for "
         f"renewal (infermesh certs rotate --dir {tls.pki_dir})"
         for spiffe_id, expiry in served_identities(tls)

@@ -68,6 +68,9 @@ def test_sighup_reloads_and_a_broken_reload_keeps_the_last_good(tmp_path: Path) 
         assert "models" in wait_for(error_shown, 10, "the reload error in status")
         with urllib.request.urlopen(status_url, timeout=5) as response:
             assert "127.0.0.1:1" in json.loads(response.read())["endpoints"]  # last good kept
+        metrics_url = status_url.replace("/status", "/metrics")
+        with urllib.request.urlopen(metrics_url, timeout=5) as response:
+            assert "topology_reload_failures_total 1.0" in response.read().decode()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     finally:

@@ -23,9 +23,11 @@ from control_plane.mesh import (
     rest_cluster,
 )
 from control_plane.otlp_identity import refusal
+from infermesh import pki
 from tests.envoy_support import free_port
 from tests.mesh_support import start_plane_and_envoy, write_topology
 from tests.support import start_server, wait_for
+from tests.test_telemetry_store import gauge, request
 
 A = EndpointAddress("127.0.0.1", 9001)
 B = EndpointAddress("127.0.0.1", 9002)
@@ -226,3 +228,17 @@ def test_an_envoy_certificate_may_send_only_its_own_nodes_stats() -> None:
     # Another trust domain's Envoy is no workload of this mesh.
     foreign = refusal(sender, "other.domain", ExportMetricsServiceRequest())
     assert foreign is not None and foreign[0] == "not_a_workload"
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:8001", "[::1]:8001", "[2001:db8::7]:9000"])
+def test_a_server_certificate_may_report_only_for_its_own_address(address: str) -> None:
+    """IPv6 included: the claimed instance id and the certificate compare as identities."""
+    sender = pki.model_server(address).spiffe_id
+    own = request([gauge("server_draining", 1.0)], address)
+    assert refusal(sender, "infermesh.local", own) is None
+    host, _, port = address.rpartition(":")
+    other = request([gauge("server_draining", 1.0)], f"{host}:{int(port) + 1}")
+    refused = refusal(sender, "infermesh.local", other)
+    assert refused is not None and refused[0] == "other_identity"
+    nameless = refusal(sender, "infermesh.local", request([gauge("x", 1.0)], None))
+    assert nameless == ("other_identity", f"{sender} reported for 'no instance id'")

@@ -5,15 +5,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from aiohttp import web
 
 from control_plane.metrics_scraper import INLINE_BODY_BYTES, TASK_PREFIX, MetricsScraper
 from control_plane.telemetry import TelemetryStore
+from control_plane.upstream_tls import read_pki
+from infermesh import pki
 from tests.test_triton_metrics import requests
 
 CAP = 1024 * 1024
@@ -187,3 +191,45 @@ async def test_stop_before_start_and_twice_is_harmless() -> None:
     await scraper.stop()
     await scraper.stop()
     assert scraper_tasks() == []
+
+
+async def test_an_https_target_must_prove_it_is_the_member(tmp_path: Path) -> None:
+    """Under upstream_tls an https:// metrics URL is scraped over mutual TLS, and only a
+    certificate naming the member counts: the same server scraped as another member fails."""
+    pki_dir = tmp_path / "pki"
+    authority = pki.init_authority(pki_dir)
+    member, other = "127.0.0.1:8101", "127.0.0.1:8102"
+    for who in (pki.model_server(member), pki.control_plane(), pki.envoy("e1")):
+        pki.issue(authority, who, pki_dir)
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=pki_dir / "ca.crt")
+    server_context.verify_mode = ssl.CERT_REQUIRED  # the control plane must show its own
+    stem = pki_dir / pki.model_server(member).file_stem
+    server_context.load_cert_chain(f"{stem}.crt", f"{stem}.key")
+    fake = Triton()
+    app = web.Application()
+    app.router.add_get("/good", fake.good)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_context).start()
+    url = f"https://127.0.0.1:{runner.addresses[0][1]}/good"
+    tls, errors = read_pki(pki_dir)
+    assert not errors
+    store = TelemetryStore(window_s=10.0)
+    scraper = MetricsScraper(store, interval_s=0.1, timeout_s=2.0)
+    scraper.set_tls(tls)
+    scraper.set_targets({member: url, other: url})
+    await scraper.start()
+    try:
+
+        def settled() -> bool:
+            stats = scraper.stats()
+            return stats[member].last_ok_age_s is not None and stats[other].failures >= 2
+
+        await wait_for(settled)
+        stats = scraper.stats()
+    finally:
+        await scraper.stop()
+        await runner.cleanup()
+    assert member in store.snapshot(time.monotonic()) and stats[member].failures == 0
+    assert other not in store.snapshot(time.monotonic())
+    assert "certificate" in (stats[other].last_error or "").lower()

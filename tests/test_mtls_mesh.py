@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from prometheus_client import generate_latest
@@ -200,6 +201,27 @@ def test_every_certificate_is_renewed_under_load_without_a_failure(tls_mesh: Tls
     assert not traffic.errors, traffic.errors[:3]
 
 
+def test_a_plaintext_member_serves_and_is_flagged(tls_mesh: TlsMesh) -> None:
+    """A member marked ``tls: false`` (a Triton server without TLS, say) gets plaintext from
+    Envoy and the probes while the others keep mTLS, and /status flags it."""
+    plain = start_server(tls_mesh.repo, tls_mesh.logs)
+    try:
+        path = Path(tls_mesh.plane.plane.settings.topology)
+        data = yaml.safe_load(path.read_text())
+        data["endpoints"].append({"address": plain.url, "tls": False})
+        path.write_text(yaml.safe_dump(data))
+        with Traffic(f"127.0.0.1:{tls_mesh.envoy.port}", clients=2) as traffic:
+            wait_for(lambda: _served(plain) > 0, 40, "the plaintext member to serve")
+            traffic.wait_ok(20)
+        assert not traffic.errors, traffic.errors[:3]
+        assert all(_served(s) > 0 for s in tls_mesh.servers.values())
+        status = tls_mesh.plane.admin_get("/status")
+        assert status["upstream_tls"]["plaintext_members"] == [plain.url]
+        assert any(f"endpoint {plain.url} is a plaintext member" in w for w in status["warnings"])
+    finally:
+        plain.stop()
+
+
 def _ads_call(tls_mesh: TlsMesh, who: pki.Workload | None, node_id: str) -> grpc.StatusCode:
     """One ADS stream to the control plane as ``who`` (None: no client certificate), sending
     ``node_id``: OK once it is answered, else the refusal's code."""
@@ -230,6 +252,15 @@ def test_xds_serves_only_a_proven_envoy_its_own_node(tls_mesh: TlsMesh) -> None:
     assert _ads_call(tls_mesh, envoy, "envoy-other") == grpc.StatusCode.PERMISSION_DENIED
     assert _ads_call(tls_mesh, pki.control_plane(), NODE) == grpc.StatusCode.PERMISSION_DENIED
     assert _ads_call(tls_mesh, None, NODE) == grpc.StatusCode.UNAVAILABLE
+    # A new Envoy's certificate, issued while the mesh runs, is served with no reload asked.
+    pki.issue(tls_mesh.authority, pki.envoy("envoy-new"), tls_mesh.pki_dir)
+
+    def served() -> list[str]:
+        return [i["identity"] for i in tls_mesh.plane.admin_get("/status")["upstream_tls"]
+                ["identities"]]  # fmt: skip
+
+    wait_for(lambda: "spiffe://infermesh.local/envoy/envoy-new" in served(), 15, "envoy-new")
+    assert _ads_call(tls_mesh, pki.envoy("envoy-new"), "envoy-new") == grpc.StatusCode.OK
     plain = grpc.insecure_channel(f"127.0.0.1:{tls_mesh.plane.plane.xds_port}")
     with plain:
         stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(plain)

@@ -166,3 +166,34 @@ def test_plaintext_telemetry_is_taken_on_loopback_only_unless_a_topology_says_ot
     assert "contradict" in _errors(both)[0]
     secured = _topology(pki_dir, telemetry={"tls": True, "host": "0.0.0.0"})
     assert plaintext_warnings(parse_topology(secured).telemetry) == []
+
+
+def test_a_plaintext_member_is_marked_and_flagged_and_the_rest_stay_checked(
+    pki_dir: Path,
+) -> None:
+    endpoints = [{"address": "127.0.0.1:8001"},
+                 {"address": "127.0.0.1:8101", "kind": "triton", "tls": False}]  # fmt: skip
+    topology = parse_topology(_topology(pki_dir, endpoints=endpoints))
+    tls = topology.listener.upstream_tls
+    assert tls is not None and tls.plaintext == frozenset({"127.0.0.1:8101"})
+    members = tuple(EndpointAssignment(EndpointAddress("127.0.0.1", p)) for p in (8001, 8101))
+    built: Any = build_resources(
+        MeshState(topology.listener, (), {model_cluster("classifier"): members})
+    )
+    cluster = built[CLUSTER_TYPE][model_cluster("classifier")]
+    (match,) = cluster.transport_socket_matches
+    assert match.transport_socket.name == "envoy.transport_sockets.raw_buffer"
+    assert dict(match.match) == {"infermesh_plaintext": True}
+    checked, plain = built[ENDPOINT_TYPE][model_cluster("classifier")].endpoints[0].lb_endpoints
+    assert checked.endpoint.hostname == "p8001.127.0.0.1.model-server.infermesh.local"
+    assert not checked.metadata.filter_metadata
+    assert plain.endpoint.hostname == ""
+    meta = plain.metadata.filter_metadata["envoy.transport_socket_match"]
+    assert dict(meta) == {"infermesh_plaintext": True}
+    shown = upstream_tls.status(tls)
+    assert shown is not None and shown["plaintext_members"] == ["127.0.0.1:8101"]
+    (warning,) = upstream_tls.warnings(tls)
+    assert "endpoint 127.0.0.1:8101 is a plaintext member (tls: false)" in warning
+    # Without upstream_tls every member is plaintext: "tls: false" would mean nothing.
+    bare = {"models": _topology(pki_dir)["models"], "endpoints": endpoints}
+    assert "only means something with listener.upstream_tls" in _errors(bare)[0]
