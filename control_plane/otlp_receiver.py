@@ -114,11 +114,13 @@ class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
         decoders: Executor | None = None,
         tally: Tally | None = None,
         trust_domain: str | None = None,
+        on_refused: Callable[[str], None] | None = None,
     ) -> None:
         self.store = store
         # Mutual TLS on: each report is checked against its sender's identity first.
         self.trust_domain = trust_domain
         self.refusals = otlp_identity.RefusalLog()
+        self.on_refused = on_refused  # a shard's count of refusals (it has no ``metrics``)
         self.tally = tally  # instead of ``metrics``: a shard counts for the control plane
         self.envoy = envoy
         self.decoders = decoders  # decode in these processes; None: in a worker thread
@@ -174,6 +176,8 @@ class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
         reason, message = refused
         if self.metrics is not None:
             self.metrics.telemetry_reports_rejected.labels(reason).inc()
+        if self.on_refused is not None:
+            self.on_refused(reason)
         self.refusals(peer or "unknown", reason, message)
         await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
 
@@ -238,6 +242,7 @@ async def start_receiver(
     tally: Tally | None = None,
     reuse_port: bool = False,
     tls: Callable[[], UpstreamTls | None] | None = None,
+    on_refused: Callable[[str], None] | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """A started grpc.aio server with the receiver on HOST:PORT (0: a free port), and the
     bound port. Stop it with ``await server.stop(grace)``. ``tls``: the mesh's certificates as
@@ -254,7 +259,7 @@ async def start_receiver(
     )
     current = tls() if tls is not None else None
     domain = current.trust_domain if current is not None else None
-    receiver = MetricsReceiver(store, metrics, clock, envoy, decoders, tally, domain)
+    receiver = MetricsReceiver(store, metrics, clock, envoy, decoders, tally, domain, on_refused)
     add_receiver(receiver, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     bound = (

@@ -231,12 +231,15 @@ class ControlPlane:
         self.admin_port = self.admin.port
         otlp_port = t.telemetry.port if self.settings.otlp_port is None else self.settings.otlp_port
         if t.telemetry.shards:
+            tls = t.listener.upstream_tls
+            me = tls.control_plane if tls is not None and t.telemetry.tls else None
             self.shards = TelemetryShards(
                 t.telemetry.shards, t.telemetry, self.envoy_stats, self.metrics,
                 # called in a reader thread: the event is set on the loop's
                 on_moved=functools.partial(
                     asyncio.get_running_loop().call_soon_threadsafe, self.routing_wake.set
                 ),
+                pki=(tls.pki_dir, me.name) if tls is not None and me is not None else None,
             )  # fmt: skip
             self.telemetry.shards = self.shards
             self.otlp_port = await asyncio.to_thread(self.shards.start, otlp_port)

@@ -40,7 +40,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
@@ -50,6 +50,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
+from control_plane import upstream_tls
 from control_plane.envoy_stats import used_stats
 from control_plane.gc_tuning import tune_gc
 from control_plane.otlp_receiver import start_receiver
@@ -88,6 +89,7 @@ class Push:
     ignored: dict[str, int]
     timings: tuple[float, ...]
     delay: float = 0.0  # the oldest report in it: from its arrival at the shard to the push
+    rejected: dict[str, int] = field(default_factory=dict)  # telemetry.tls refusals by reason
 
     @property
     def taken(self) -> int:
@@ -96,18 +98,31 @@ class Push:
 
 
 # -- the shard process -----------------------------------------------------------------------
-def run_shard(options: TelemetryOptions, host: str, port: int, conn: Connection) -> None:
+def run_shard(
+    options: TelemetryOptions,
+    host: str,
+    port: int,
+    conn: Connection,
+    pki: tuple[str, str] | None = None,
+) -> None:
     """A shard process's entry point (spawned): serves until the control plane says stop or
-    its end of ``conn`` closes (the control plane is gone)."""
+    its end of ``conn`` closes (the control plane is gone). ``pki``: (directory, control
+    plane name) with ``telemetry.tls``: the shard reads the certificates itself and again
+    when they change."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the parent stops us
     os.nice(options.shard_nice)  # see TelemetryOptions.shard_nice
     logging.basicConfig(level=logging.INFO, format="%(asctime)s shard %(message)s")
     tune_gc()
-    asyncio.run(_Shard(options, conn).serve(host, port))
+    watch = upstream_tls.PkiWatch(*pki) if pki is not None else None
+    asyncio.run(_Shard(options, conn, watch).serve(host, port))
 
 
 class _Shard:
-    def __init__(self, options: TelemetryOptions, conn: Connection) -> None:
+    def __init__(
+        self, options: TelemetryOptions, conn: Connection, pki: upstream_tls.PkiWatch | None
+    ) -> None:
+        self.pki = pki
+        self._rejected: Counter[str] = Counter()
         self.store = TelemetryStore(
             options.window_s,
             options.stale_after_intervals,
@@ -126,6 +141,10 @@ class _Shard:
         self._sent: dict[str, tuple[float, EndpointTelemetry]] = {}  # see split_moved
         self._resend: set[str] = set()
         self._resend_lock = threading.Lock()
+
+    def _refused(self, reason: str) -> None:
+        """A report telemetry.tls refused: counted by the control plane with the next push."""
+        self._rejected[reason] += 1
 
     def ingest(self, resources: Iterable[metrics_pb2.ResourceMetrics], now: float) -> int:
         """The receiver's Envoy sink: what the control plane reads of it is forwarded with the
@@ -148,8 +167,10 @@ class _Shard:
     async def serve(self, host: str, port: int) -> None:
         try:
             server, bound = await start_receiver(
-                self.store, None, host, port, envoy=self, tally=self.tally, reuse_port=True
-            )
+                self.store, None, host, port, envoy=self, tally=self.tally, reuse_port=True,
+                tls=self.pki.current if self.pki is not None else None,
+                on_refused=self._refused,
+            )  # fmt: skip
         except Exception as exc:  # told to the control plane, which fails to start
             self.send(("failed", f"cannot bind {host}:{port}: {exc}"))
             return
@@ -167,6 +188,8 @@ class _Shard:
                 with suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), next_at - loop.time())
                 await self._push()
+                if self.pki is not None:
+                    await asyncio.to_thread(self.pki.refresh)
         finally:
             await server.stop(0.5)
 
@@ -175,10 +198,11 @@ class _Shard:
         # computed in a thread, so exports keep arriving meanwhile.
         points, ignored, timings = self._points, dict(self._ignored), tuple(self._timings)
         self._points, self._ignored, self._timings = 0, Counter(), []
+        rejected, self._rejected = dict(self._rejected), Counter()
         with self._envoy_lock:
             envoy, self._envoy = tuple(self._envoy), []
         try:
-            await asyncio.to_thread(self._send_push, points, ignored, timings, envoy)
+            await asyncio.to_thread(self._send_push, points, ignored, timings, envoy, rejected)
         except OSError:  # the control plane is gone
             self._stop.set()
 
@@ -188,6 +212,7 @@ class _Shard:
         ignored: dict[str, int],
         timings: tuple[float, ...],
         envoy: tuple[tuple[float, bytes], ...],
+        rejected: dict[str, int],
     ) -> None:
         now = time.monotonic()
         reported, forgotten = self.store.changed(now)
@@ -201,10 +226,10 @@ class _Shard:
         for key in forgotten:
             self._sent.pop(key, None)
         hints = self.store.take_placement_hints()
-        if telemetry or touched or forgotten or hints or envoy or points or ignored:
+        if telemetry or touched or forgotten or hints or envoy or points or ignored or rejected:
             delay = max((now - at + t.age_s for at, t in reported.values()), default=0.0)
             push = Push(now, telemetry, touched, moved, frozenset(forgotten), frozenset(hints),
-                        envoy, points, ignored, timings, delay)  # fmt: skip
+                        envoy, points, ignored, timings, delay, rejected)  # fmt: skip
             self.send(("push", push))
 
     def _commands(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -239,8 +264,10 @@ class TelemetryShards:
         envoy: EnvoyStats | None = None,
         metrics: ControlPlaneMetrics | None = None,
         on_moved: Callable[[], object] | None = None,
+        pki: tuple[str, str] | None = None,
     ) -> None:
         self.count = count
+        self.pki = pki  # (directory, control plane name) with telemetry.tls: each shard reads it
         self.on_moved = on_moved  # called (in a reader thread) after a push with moved telemetry
         self.options = options
         self.envoy = envoy
@@ -282,7 +309,7 @@ class TelemetryShards:
         ours, theirs = multiprocessing.Pipe()
         context = multiprocessing.get_context("spawn")
         process = context.Process(
-            target=run_shard, args=(self.options, self._host, port, theirs),
+            target=run_shard, args=(self.options, self._host, port, theirs, self.pki),
             name=f"infermesh-telemetry-shard-{index}", daemon=True,
         )  # fmt: skip
         process.start()
@@ -380,6 +407,8 @@ class TelemetryShards:
             m.telemetry_shard_points.labels(str(index)).inc(push.taken)
             for reason, n in push.ignored.items():
                 m.telemetry_points_ignored.labels(reason).inc(n)
+            for reason, n in push.rejected.items():
+                m.telemetry_reports_rejected.labels(reason).inc(n)
             for seconds in push.timings:
                 m.telemetry_ingest.observe(seconds)
             if push.telemetry or push.touched:

@@ -79,8 +79,8 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
       insecure_plaintext: false     # without tls: true takes plaintext on a host that is
                                     # not loopback (development; /status warns)
       tls: false                    # mutual TLS, each report bound to the sender's identity
-                                    # (needs listener.upstream_tls; not with shards yet;
-                                    # Envoy's stats: needs xds.tls, whose certificate it uses)
+                                    # (needs listener.upstream_tls; Envoy's stats: needs
+                                    # xds.tls, whose certificate its stat sink presents)
     models:                         # required, at least one
       - name: classifier            # letters, digits, '_', '.', '-'; unique
         sla_p99_ms: 50              # required, > 0
@@ -395,8 +395,6 @@ def _build(
             "true (mesh certificates), or telemetry.insecure_plaintext: true to take it from "
             "the network anyway (development; /status warns)"
         )
-    if telemetry.tls and telemetry.shards:
-        c.errors.append("telemetry.tls: not with telemetry.shards yet (issue 26)")
     if telemetry.tls and listener.health_checks == "model" and not xds_tls:
         # Envoy's stat sink speaks TLS with the certificate its bootstrap names for xDS.
         c.errors.append(

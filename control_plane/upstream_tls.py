@@ -23,7 +23,9 @@ last good topology (and so the last good secret) in use and shows in ``/status``
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +45,7 @@ from infermesh import pki
 
 MATCH_FILTER = "envoy.transport_socket_match"  # the endpoint metadata transport socket matches read
 PLAINTEXT = {"infermesh_plaintext": True}  # on "tls: false" members' EDS entries
+log = logging.getLogger(__name__)
 CA_SECRET = "mesh-ca"
 IDENTITY_SECRET = "envoy-identity"
 TLS_SOCKET = "envoy.transport_sockets.tls"
@@ -114,6 +117,45 @@ def read_pki(
     me = load(own.file_stem, own)
     ca_pem = ca.public_bytes(serialization.Encoding.PEM)  # the CA checked, not a second read
     return UpstreamTls(str(directory), domain, ca_pem, tuple(envoys), me), errors
+
+
+class PkiWatch:
+    """The mesh's certificates as read by a process of their own (a telemetry shard): read
+    at start, again when a file changes (checked at most once a second); a renewal that
+    fails its checks is logged and the last good files stay in use."""
+
+    CHECK_EVERY_S = 1.0
+
+    def __init__(self, directory: str, control_plane: str) -> None:
+        self.directory, self.name = Path(directory), control_plane
+        tls, errors = read_pki(self.directory, control_plane)
+        if tls is None or errors:
+            raise pki.CertificateError("; ".join(errors) or f"{directory}: no CA")
+        self._tls, self._seen, self._checked = tls, self._stamp(), time.monotonic()
+
+    def current(self) -> UpstreamTls | None:
+        return self._tls
+
+    def refresh(self) -> None:
+        if time.monotonic() - self._checked < self.CHECK_EVERY_S:
+            return
+        self._checked = time.monotonic()
+        stamp = self._stamp()
+        if stamp == self._seen:
+            return
+        tls, errors = read_pki(self.directory, self.name)
+        if tls is None or errors:
+            log.warning("certificates in %s not reloaded: %s", self.directory, "; ".join(errors))
+            return  # tried again at the next change
+        self._tls, self._seen = tls, stamp
+
+    def _stamp(self) -> tuple[tuple[str, int, int], ...]:
+        found = []
+        for path in sorted(self.directory.glob("*.crt")) + sorted(self.directory.glob("*.key")):
+            with contextlib.suppress(OSError):
+                info = path.stat()
+                found.append((path.name, info.st_mtime_ns, info.st_size))
+        return tuple(found)
 
 
 def ca_secret(tls: UpstreamTls) -> secret_pb2.Secret:

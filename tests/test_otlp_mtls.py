@@ -64,8 +64,12 @@ class Telemetry:
         return (seen.get("draining") or {}).get("value")
 
 
-@pytest.fixture
-def telemetry(demo_repo: Path, tmp_path: Path) -> Iterator[Telemetry]:
+@pytest.fixture(params=[0, 2], ids=["in-process", "2-shards"])
+def telemetry(
+    demo_repo: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Telemetry]:
+    """The receiver in the control plane's process, or in shard processes that read the
+    certificates themselves."""
     pki_dir = tmp_path / "pki"
     authority = pki.init_authority(pki_dir)
     address, other = (f"127.0.0.1:{free_port()}" for _ in range(2))
@@ -77,7 +81,7 @@ def telemetry(demo_repo: Path, tmp_path: Path) -> Iterator[Telemetry]:
     otlp = free_port()
     top = {
         "listener": {"upstream_tls": {"pki_dir": str(pki_dir)}},
-        "telemetry": {"port": otlp, "tls": True},
+        "telemetry": {"port": otlp, "tls": True, "shards": request.param},
     }
     topology = write_topology(tmp_path / "t.yaml", free_port(), [address], top=top)
     with contextlib.ExitStack() as stops:
@@ -106,12 +110,13 @@ def test_reports_are_taken_only_from_the_server_they_are_for(telemetry: Telemetr
     # Another server's valid certificate, claiming this server: refused, counted, logged.
     forger = pki.model_server(telemetry.other)
     assert telemetry.export(forger, address) == grpc.StatusCode.PERMISSION_DENIED
-    assert telemetry.rejected("other_identity") == 1
+    # (a shard's count reaches the control plane with its next push)
+    wait_for(lambda: telemetry.rejected("other_identity") == 1, 10, "the refusal counted")
     # Its own name is fine (the certificate names it).
     assert telemetry.export(forger, telemetry.other) == grpc.StatusCode.OK
     # An operator may not report at all; a plaintext client cannot even connect.
     assert telemetry.export(pki.operator("alice"), address) == grpc.StatusCode.PERMISSION_DENIED
-    assert telemetry.rejected("kind") == 1
+    wait_for(lambda: telemetry.rejected("kind") == 1, 10, "the refusal counted")
     assert telemetry.export(None, address) == grpc.StatusCode.UNAVAILABLE
     # None of it reached the store: the server is still not draining.
     assert telemetry.draining(address) in (0, 0.0, None)

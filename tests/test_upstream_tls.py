@@ -140,7 +140,7 @@ def test_telemetry_tls_needs_the_pki_and_is_refused_where_not_built_yet(pki_dir:
     needs = {"models": _topology(pki_dir)["models"], "telemetry": {"tls": True}}
     assert "telemetry.tls: needs listener.upstream_tls" in _errors(needs)[0]
     sharded = _topology(pki_dir, telemetry={"tls": True, "shards": 2})
-    assert "not with telemetry.shards yet" in _errors(sharded)[0]
+    assert parse_topology(sharded).telemetry.shards == 2  # each shard reads the certificates
     model_checks = _topology(pki_dir, telemetry={"tls": True})
     model_checks["listener"]["health_checks"] = "model"
     assert "needs xds.tls too" in _errors(model_checks)[0]
@@ -197,3 +197,23 @@ def test_a_plaintext_member_is_marked_and_flagged_and_the_rest_stay_checked(
     # Without upstream_tls every member is plaintext: "tls: false" would mean nothing.
     bare = {"models": _topology(pki_dir)["models"], "endpoints": endpoints}
     assert "only means something with listener.upstream_tls" in _errors(bare)[0]
+
+
+def test_a_shards_watch_takes_renewals_and_keeps_the_last_good(
+    pki_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(upstream_tls.PkiWatch, "CHECK_EVERY_S", 0.0)
+    watch = upstream_tls.PkiWatch(str(pki_dir), "control-plane")
+    first = watch.current()
+    assert first is not None and first.control_plane is not None
+    authority = pki.load_authority(pki_dir)
+    renewed = pki.issue(authority, pki.control_plane(), pki_dir)
+    watch.refresh()
+    now = watch.current()
+    assert now is not None and now.control_plane is not None
+    assert now.control_plane.cert_pem == renewed.cert.read_bytes() != first.control_plane.cert_pem
+    renewed.key.write_bytes(pki.issue(authority, pki.envoy("x"), pki_dir).key.read_bytes())
+    watch.refresh()  # a key that does not match: logged, the last good kept
+    assert watch.current() is now
+    with pytest.raises(pki.CertificateError, match="certificate file not found"):
+        upstream_tls.PkiWatch(str(pki_dir / "nowhere"), "control-plane")
