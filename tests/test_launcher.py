@@ -3,9 +3,11 @@ reachable through Envoy, and stopped in reverse order on SIGTERM."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from infermesh import pki
 from infermesh.api_keys import client_headers
 from infermesh.compose import ComposeError, interpolate, load_services, parse_duration
 from tests.scenarios.harness import ComposeMesh
@@ -74,6 +77,25 @@ def test_up_runs_the_compose_mesh_and_stops_it_in_order(demo_repo: Path, tmp_pat
             15,
             "Envoy's stats over mTLS",
         )
+        # Every certificate renewed under load (as mesh-certs does when they are due): no
+        # failed call, no restart, and Envoy holds only the new certificate (for xDS over
+        # file SDS and for the servers over ADS SDS).
+        pki_dir = tmp_path / ".infermesh" / "pki"
+        old = pki.read_certificate(pki_dir / "envoy_envoy-1.crt").serial_number
+        pids = mesh.pids()
+        with mesh.traffic(clients=2, deadline_s=60) as traffic:
+            traffic.wait_ok(20)
+            rotate = subprocess.run(
+                [sys.executable, "-m", "infermesh.cli", "certs", "rotate", "--force",
+                 "--dir", str(pki_dir)],
+                capture_output=True, text=True, timeout=60, check=False,
+            )  # fmt: skip
+            assert "renewed 6 certificate(s)" in rotate.stdout, rotate.stdout + rotate.stderr
+            new = pki.read_certificate(pki_dir / "envoy_envoy-1.crt").serial_number
+            wait_for(lambda: _envoy_serials(mesh) == {new}, 30, "Envoy's renewed certificates")
+            traffic.wait_ok(40)
+        assert not traffic.errors, traffic.errors[:3]
+        assert old != new and mesh.pids() == pids
         assert mesh.stop() == 0
         stopped = re.findall(r"infermesh: (\S+) stopped \(exit (\S+)\)", mesh.log.read_text())
         order = ["prometheus", "envoy", "control-plane-2", "control-plane-1", "model-server-3",
@@ -95,6 +117,14 @@ def _infers(
         return bool(result.as_numpy("probs").shape == (1, 10))
     except Exception:
         return False
+
+
+def _envoy_serials(mesh: ComposeMesh) -> set[int]:
+    """The serial numbers of Envoy's own certificates (not the CA's) in its admin /certs."""
+    url = f"http://127.0.0.1:{mesh.env['INFERMESH_ENVOY_ADMIN_PORT']}/certs"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        entries = json.loads(response.read())["certificates"]
+    return {int(c["serial_number"], 16) for e in entries for c in e.get("cert_chain", [])}
 
 
 def _zombie(pid: int) -> bool:

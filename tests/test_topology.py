@@ -211,7 +211,7 @@ ERROR_CASES = [
     ("listener.health_check_interval_s", 0, "listener.health_check_interval_s: must be > 0, got 0"),
     ("listener.health_checks", "some", 'listener.health_checks: must be one of all, model, got "some"'),  # noqa: E501
     ("listener.connect_timeout_s", -0.1, "listener.connect_timeout_s: must be > 0, got -0.1"),
-    ("listener.prot", 1, "listener.prot: unknown key (expected one of: host, port, health_check_interval_s, health_checks, connect_timeout_s, max_retries, retry_budget_percent, body_routing, lb_policy, access_log, rest, grpc_web, cors, expose, limits, auth, upstream_tls)"),  # noqa: E501
+    ("listener.prot", 1, "listener.prot: unknown key (expected one of: host, port, health_check_interval_s, health_checks, connect_timeout_s, max_retries, retry_budget_percent, body_routing, lb_policy, access_log, rest, grpc_web, cors, expose, limits, auth, upstream_tls, tls)"),  # noqa: E501
     ("listener", [], "listener: must be a mapping with string keys, got []"),
     ("xds.port", 70000, "xds.port: must be a port in 1..65535, got 70000"),
     ("xds.host", "a b", 'xds.host: must be a host name or IP, got "a b"'),
@@ -232,7 +232,7 @@ ERROR_CASES = [
     ("endpoints", [{"dns": "a.local:99999"}], 'endpoints[0].dns: must be host:port with a port in 1..65535, got "a.local:99999"'),  # noqa: E501
     ("endpoints", [{}], "endpoints[0]: needs exactly one of 'address', 'dns' or 'kubernetes'"),
     ("endpoints", [{"address": "1.2.3.4:1", "dns": "a:1"}], "endpoints[0]: needs exactly one of 'address', 'dns' or 'kubernetes'"),  # noqa: E501
-    ("endpoints", [{"adress": "1.2.3.4:1"}], "endpoints[0].adress: unknown key (expected one of: address, dns, kubernetes, labels, kind, metrics_url, rest_port)"),  # noqa: E501
+    ("endpoints", [{"adress": "1.2.3.4:1"}], "endpoints[0].adress: unknown key (expected one of: address, dns, kubernetes, labels, kind, metrics_url, rest_port, tls)"),  # noqa: E501
     ("endpoints", [{"address": "127.0.0.1:1"}, {"address": "127.0.0.1:1"}], 'endpoints[1].address: duplicate endpoint "127.0.0.1:1" (first at endpoints[0])'),  # noqa: E501
     ("endpoints", [{"dns": "a.local:1"}, {"dns": "A.local:1"}], 'endpoints[1].dns: duplicate endpoint "a.local:1" (first at endpoints[0])'),  # noqa: E501
 ]  # fmt: skip
@@ -286,7 +286,7 @@ def test_many_errors_are_reported_at_once(tmp_path: Path) -> None:
         'line 3: duplicate key "xds" (first at line 2)',
         "listener.prot: unknown key (expected one of: host, port, health_check_interval_s, "
         "health_checks, connect_timeout_s, max_retries, retry_budget_percent, body_routing, "
-        "lb_policy, access_log, rest, grpc_web, cors, expose, limits, auth, upstream_tls)",
+        "lb_policy, access_log, rest, grpc_web, cors, expose, limits, auth, upstream_tls, tls)",
         "listener.port: must be a port in 1..65535, got 0",
         'listener.body_routing: must be true or false, got "maybe"',
         # A file must say who may call the listener, even that anyone may.
