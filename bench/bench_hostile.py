@@ -53,6 +53,7 @@ from scale.harness import memory
 
 from control_plane.bootstrap import MAX_HEAP_BYTES
 from infermesh.api_keys import add_key, basic_authorization, new_key
+from infermesh.wire import MODEL_HEADER
 from model_server.demo_models import build_demo_repository
 
 HOST = bm.HOST
@@ -135,7 +136,7 @@ def header_flood(port: int, stop: threading.Event) -> int:
 def _grpc_headers(port: int) -> list[tuple[str, str]]:
     return [(":method", "POST"), (":scheme", "http"), (":path", bms.METHOD),
             (":authority", f"{HOST}:{port}"), ("content-type", "application/grpc"),
-            ("te", "trailers"), ("x-model-name", bm.MODEL_NAME)]  # fmt: skip
+            ("te", "trailers"), (MODEL_HEADER, bm.MODEL_NAME)]  # fmt: skip
 
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # + SETTINGS

@@ -41,13 +41,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from control_plane.bootstrap import ENVOY_DEFAULT_ARGS, render_bootstrap
+from infermesh.wire import MODEL_HEADER
 from model_server.demo_models import MODEL_NAME, build_demo_repository
 
 HOST = bms.HOST
 CP_RE = re.compile(r"control plane listening: xds=127\.0\.0\.1:(\d+) admin=127\.0\.0\.1:(\d+)")
 PROBLEM_RE = re.compile(r" (ERROR|CRITICAL) |Traceback|\]\[(error|critical)\]\[")
 CLUSTER = f"model:{MODEL_NAME}"
-HEADER = ("x-model-name", MODEL_NAME)
+HEADER = (MODEL_HEADER, MODEL_NAME)
 NAMES = ("direct, 1 server", "Envoy + header, 2 servers", "Envoy, body routed, 2 servers")
 NET_ERRORS = (OSError, http.client.HTTPException, grpc.RpcError, KeyError, IndexError)
 

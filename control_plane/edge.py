@@ -42,8 +42,6 @@ from envoy.type.matcher.v3 import regex_pb2, string_pb2
 from control_plane.envoy_values import packed
 from control_plane.lua_routing import LUA_FILTER
 from control_plane.mesh import (
-    MODEL_HEADER,
-    VERSION_HEADER,
     CorsOptions,
     EndpointAddress,
     EndpointAssignment,
@@ -51,6 +49,7 @@ from control_plane.mesh import (
     rest_cluster,
 )
 from control_plane.schema import Checker
+from infermesh.wire import MODEL_HEADER, VERSION_HEADER
 
 GRPC_WEB_FILTER = "envoy.filters.http.grpc_web"
 CORS_FILTER = "envoy.filters.http.cors"

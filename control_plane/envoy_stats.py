@@ -29,6 +29,8 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
+from infermesh.wire import ENVOY_NODE_TAG
+
 ENVOY_SDK_NAME = "envoy"
 # Envoy stat (tag-extracted name) -> our signal name, and whether it is a counter.
 ENDPOINT_STATS = {
@@ -43,7 +45,6 @@ CLUSTER_STATS = {
     "cluster.upstream_rq_active_overflow": "overflow",
 }
 USED_STATS = frozenset(ENDPOINT_STATS) | frozenset(CLUSTER_STATS)
-ENVOY_NODE_TAG = "infermesh.envoy_node"  # a fixed stats tag: the reporting Envoy's node id
 MAX_ENDPOINTS = 10_000
 MAX_CLUSTERS = 10_000
 CHECKED_DOWN_MAX_AGE_S = 3.0  # Envoy flushes stats every second: three missed reports

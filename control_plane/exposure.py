@@ -43,6 +43,7 @@ from control_plane import edge
 from control_plane.envoy_values import packed
 from control_plane.mesh import ListenerOptions
 from control_plane.schema import Checker
+from infermesh.wire import INTERNAL_PREFIX
 
 RBAC_FILTER = "envoy.filters.http.rbac"
 GRPC = "/inference.GRPCInferenceService/"
@@ -100,7 +101,7 @@ DEFAULT_EXPOSE = ListenerOptions().expose  # inference, metadata, health
 NEVER_EXPOSED = ("model-repository", "shared-memory", "trace", "logging")
 # Triton's GET /v2/models/stats would also match the metadata path of a model named "stats".
 STATS = PathRule(exact="/v2/models/stats")
-STRIPPED_PREFIXES = ("x-infermesh-", "x-envoy-")
+STRIPPED_PREFIXES = (INTERNAL_PREFIX, "x-envoy-")
 
 
 def exposed_rules(expose: Iterable[str]) -> list[PathRule]:

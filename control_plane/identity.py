@@ -60,26 +60,23 @@ from google.protobuf.message import Message
 
 from control_plane import edge
 from control_plane.envoy_values import packed, set_header
-from control_plane.mesh import (
-    MODEL_HEADER,
-    OTHER_TENANT,
-    VERSION_HEADER,
-    EdgeAuth,
-    RateLimit,
-    TenantPolicy,
-)
+from control_plane.mesh import OTHER_TENANT, EdgeAuth, RateLimit, TenantPolicy
 from control_plane.protection import enforced_bucket, retry_after_s, token_bucket
+from infermesh.wire import (
+    JWT_TENANT_HEADER,
+    KEY_ID_HEADER,
+    MODEL_HEADER,
+    PRIORITY_HEADER,
+    PRIORITY_PERMISSION_HEADER,
+    TENANT_HEADER,
+    TENANT_LABEL_HEADER,
+    VERSION_HEADER,
+    VERSION_PERMISSION_HEADER,
+)
 
 AUTH_NAMESPACE = "infermesh.auth"  # dynamic metadata: {"tenant": identity}
 ROUTE_NAMESPACE = "infermesh"  # route metadata: {"model": name}
 RBAC_NAMESPACE = "envoy.filters.http.rbac"  # where Envoy's RBAC filters write shadow results
-TENANT_HEADER = "x-infermesh-tenant"
-TENANT_LABEL_HEADER = "x-infermesh-tenant-label"
-PRIORITY_PERMISSION_HEADER = "x-infermesh-priority"  # "allowed" | "denied"
-VERSION_PERMISSION_HEADER = "x-infermesh-version"  # "allowed" | "denied"
-KEY_ID_HEADER = "x-infermesh-key-id"
-JWT_TENANT_HEADER = "x-infermesh-jwt-tenant"  # set by jwt_authn, read into metadata, removed
-PRIORITY_HEADER = "x-priority"
 BASIC_AUTH_FILTER = "envoy.filters.http.basic_auth"
 JWT_FILTER = "envoy.filters.http.jwt_authn"
 HEADER_TO_METADATA_FILTER = "envoy.filters.http.header_to_metadata"

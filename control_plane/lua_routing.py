@@ -11,7 +11,7 @@ as gRPC, since Envoy's grpc_web filter runs before it (``control_plane.edge``).
 
 from __future__ import annotations
 
-from control_plane.mesh import MODEL_HEADER, VERSION_HEADER
+from infermesh.wire import MODEL_HEADER, VERSION_HEADER
 
 LUA_FILTER = "envoy.filters.http.lua"
 

@@ -11,11 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from control_plane.scoring.types import LabelRule
+from infermesh.wire import MODEL_HEADER, PRIORITY_HEADER, VERSION_HEADER
 
 # Request header that selects a model's cluster; the Lua filter sets it from the request body
 # for clients that do not send it (stock tritonclient).
-MODEL_HEADER = "x-model-name"
-VERSION_HEADER = "x-model-version"
 # Cluster for server-level calls (ServerLive, ServerReady, ServerMetadata, RepositoryIndex).
 SERVERS_CLUSTER = "servers"
 LISTENER_NAME = "infermesh"
@@ -225,8 +224,8 @@ class RestOptions:
 
 # What a browser may send (gRPC-Web's own headers and the mesh's routing headers) and read.
 CORS_ALLOW_HEADERS = (
-    "content-type", "x-grpc-web", "x-user-agent", "grpc-timeout", "x-model-name",
-    "x-model-version", "x-priority", "inference-header-content-length", "authorization",
+    "content-type", "x-grpc-web", "x-user-agent", "grpc-timeout", MODEL_HEADER,
+    VERSION_HEADER, PRIORITY_HEADER, "inference-header-content-length", "authorization",
 )  # fmt: skip
 CORS_EXPOSE_HEADERS = ("grpc-status", "grpc-message", "retry-after")
 

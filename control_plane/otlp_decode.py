@@ -27,25 +27,14 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
+from infermesh.wire import TELEMETRY_KINDS
+
 MAX_BUCKETS = 512
 MAX_ATTRIBUTES = 16
 MAX_ATTRIBUTE_CHARS = 128
 MAX_INSTANCE_ID_CHARS = 256  # a longer service.instance.id counts as none
-# What the store reads, and nothing else: a metric kept and never read (the servers' batch-size
-# histogram was one) costs every report its decoding, storing and memory.
-KINDS = {
-    "inference_request_duration_seconds": "histogram",
-    "inference_requests": "counter",
-    "inference_queue_depth": "gauge",
-    "inference_in_flight_requests": "gauge",
-    "accelerator_memory_used_bytes": "gauge",
-    "accelerator_memory_total_bytes": "gauge",
-    "kv_cache_blocks_used": "gauge",
-    "kv_cache_blocks_total": "gauge",
-    "model_state": "gauge",
-    "server_draining": "gauge",
-    "server_label": "gauge",  # routing labels a server reports (name, value)
-}
+# What the store reads, and nothing else (the wire contract's table).
+KINDS = TELEMETRY_KINDS
 DELTA = metrics_pb2.AGGREGATION_TEMPORALITY_DELTA
 _CUMULATIVE = metrics_pb2.AGGREGATION_TEMPORALITY_CUMULATIVE
 _NO_VALUE = metrics_pb2.DATA_POINT_FLAGS_NO_RECORDED_VALUE_MASK

@@ -26,10 +26,10 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from control_plane.envoy_stats import is_envoy, node_of
 from control_plane.topology import TelemetryOptions
 from infermesh import pki
+from infermesh.wire import INSTANCE_ID_ATTRIBUTE as INSTANCE_ID
 
 log = logging.getLogger(__name__)
 LOG_EVERY_S = 60.0
-INSTANCE_ID = "service.instance.id"
 
 
 def refusal(

@@ -33,10 +33,9 @@ from google.protobuf.wrappers_pb2 import UInt32Value
 
 from control_plane.envoy_values import duration, packed, set_header
 from control_plane.mesh import CircuitBreaker, RateLimit
+from infermesh.wire import RATE_LIMITED_HEADER
 
 RATE_LIMIT_FILTER = "envoy.filters.http.local_ratelimit"
-RATE_LIMITED_HEADER = "x-infermesh-rate-limited"
-FALLBACK_HEADER = "x-infermesh-fallback"
 AGGREGATE_CLUSTER = "envoy.clusters.aggregate"
 MIN_FILL_INTERVAL_S = 0.05  # Envoy's lower bound for a token bucket's fill interval
 # A cluster that has a fallback keeps all its traffic while any endpoint is healthy.

@@ -45,10 +45,8 @@ from control_plane.lanes import (
 from control_plane.lua_routing import LUA_FILTER, lua_source
 from control_plane.mesh import (
     LISTENER_NAME,
-    MODEL_HEADER,
     ROUTE_CONFIG_NAME,
     SERVERS_CLUSTER,
-    VERSION_HEADER,
     EdgeAuth,
     MeshState,
     ModelRoute,
@@ -61,7 +59,6 @@ from control_plane.mesh import (
     rest_cluster,
 )
 from control_plane.protection import (
-    FALLBACK_HEADER,
     RATE_LIMIT_FILTER,
     aggregate_cluster,
     rate_limit_filter,
@@ -74,6 +71,7 @@ from control_plane.snapshot import (
     ROUTE_TYPE,
     SECRET_TYPE,
 )
+from infermesh.wire import FALLBACK_HEADER, MODEL_HEADER, VERSION_HEADER
 
 HCM_FILTER = "envoy.filters.network.http_connection_manager"
 ROUTER_FILTER = "envoy.filters.http.router"

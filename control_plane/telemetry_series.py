@@ -15,9 +15,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
 from control_plane.telemetry_values import Signal, VersionTelemetry
+from infermesh import wire
 
-DURATION = "inference_request_duration_seconds"
-REQUESTS = "inference_requests"
+DURATION, REQUESTS = wire.REQUEST_DURATION, wire.REQUESTS
 OK_CODES = frozenset({"ok", "0", "200", "success"})
 MAX_SAMPLES = 256  # per series; a faster exporter shortens the window rather than the memory
 

@@ -62,7 +62,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from control_plane.otlp_decode import Point
 from control_plane.telemetry_series import DURATION, REQUESTS
-from model_server.metrics import LATENCY_BUCKETS_S
+from infermesh.wire import LATENCY_BUCKETS_S
 
 MAX_VERSIONS = 1000  # model versions tracked per endpoint (the store keeps 500 series anyway)
 MAX_ERRORS = 5

@@ -22,12 +22,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from infermesh import pki, tls_client
-from infermesh.secrets import (
-    OPERATOR_HEADER,
-    OPERATOR_KEY_FILE,
-    SecretError,
-    parse_header_secret,
-)
+from infermesh.secrets import OPERATOR_KEY_FILE, SecretError, parse_header_secret
+from infermesh.wire import OPERATOR_HEADER
 
 DEFAULT_CREDENTIAL = f"{OPERATOR_HEADER}=@{OPERATOR_KEY_FILE}"
 

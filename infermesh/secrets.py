@@ -65,7 +65,6 @@ def ensure_secret_file(path: Path) -> bool:
 # --- the local mesh's credentials (``infermesh up``, compose.yaml) ------------------------------
 
 STATE_DIR = Path(".infermesh")
-OPERATOR_HEADER = "infermesh-operator-key"  # model servers' restricted model-repository API
 OPERATOR_KEY_FILE = STATE_DIR / "operator.key"
 ADMIN_TOKEN_FILE = STATE_DIR / "admin.token"  # the control planes' admin write token
 

@@ -1,7 +1,8 @@
 """Every instrument the model server exports, defined once.
 
 Served as Prometheus text on --metrics-port. The OTLP export of the same instruments (the
-telemetry issue) reads the same objects, so names, labels and buckets live only here.
+telemetry issue) reads the same objects. The names the control plane reads, and the latency
+buckets, are the wire contract's (``infermesh.wire``).
 """
 
 from __future__ import annotations
@@ -10,17 +11,8 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-# Fine enough for a P99 of sub-millisecond calls and wide enough for multi-second ones. Between
-# 1 ms and 100 ms, where SLAs live, neighbouring bounds are at most 15% apart, so a P99
-# interpolated inside a bucket is within 15% of the truth; the control plane weights on it.
-_LATENCY_BUCKETS_MS = (
-    0.1, 0.125, 0.15, 0.175, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9,
-    1, 1.15, 1.3, 1.5, 1.75, 2, 2.3, 2.6, 3, 3.5, 4, 4.5, 5, 5.75, 6.5, 7.5, 8.5,
-    10, 11.5, 13, 15, 17.5, 20, 23, 26, 30, 35, 40, 45, 50, 57.5, 65, 75, 85,
-    100, 125, 150, 200, 250, 300, 400, 500, 650, 800,
-    1000, 1250, 1500, 2000, 2500, 3000, 4000, 5000, 6500, 8000, 10000,
-)  # fmt: skip
-LATENCY_BUCKETS_S = tuple(round(ms / 1000, 7) for ms in _LATENCY_BUCKETS_MS)
+from infermesh import wire
+
 LOAD_BUCKETS_MS = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 MODEL_STATES = ("INITIALIZING", "LOADING", "WARMING", "READY", "FAILED", "UNLOADING")
@@ -33,7 +25,7 @@ class ServerMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "inference_requests",
+            wire.REQUESTS,
             "ModelInfer requests answered, by gRPC status code",
             ["model", "version", "code"],
             registry=r,
@@ -53,20 +45,20 @@ class ServerMetrics:
             registry=r,
         )
         self.request_duration = Histogram(
-            "inference_request_duration_seconds",
+            wire.REQUEST_DURATION,
             "ModelInfer time from receipt to answer (validation, queue, compute, encoding)",
             ["model", "version"],
-            buckets=LATENCY_BUCKETS_S,
+            buckets=wire.LATENCY_BUCKETS_S,
             registry=r,
         )
         self.queue_depth = Gauge(
-            "inference_queue_depth",
+            wire.QUEUE_DEPTH,
             "Requests validated and waiting for an execution slot",
             ["model"],
             registry=r,
         )
         self.in_flight = Gauge(
-            "inference_in_flight_requests",
+            wire.IN_FLIGHT,
             "ModelInfer requests received and not yet answered",
             registry=r,
         )
@@ -78,7 +70,7 @@ class ServerMetrics:
             registry=r,
         )
         self.model_state = Gauge(
-            "model_state",
+            wire.MODEL_STATE,
             "1 for the state each loaded model version is in, 0 for the others",
             ["model", "version", "state"],
             registry=r,
@@ -90,13 +82,13 @@ class ServerMetrics:
             registry=r,
         )
         self.memory_used = Gauge(
-            "accelerator_memory_used_bytes",
+            wire.MEMORY_USED,
             "Memory in use on the device (NVML) or by this process (CPU host)",
             ["device", "source"],
             registry=r,
         )
         self.memory_total = Gauge(
-            "accelerator_memory_total_bytes",
+            wire.MEMORY_TOTAL,
             "Device memory (NVML) or this process's memory budget (CPU host)",
             ["device", "source"],
             registry=r,
@@ -112,7 +104,7 @@ class ServerMetrics:
             "inference_queue_duration_seconds",
             "Time a request waited for an execution slot or a dynamic batch",
             ["model"],
-            buckets=LATENCY_BUCKETS_S,
+            buckets=wire.LATENCY_BUCKETS_S,
             registry=r,
         )
         self.executed_batch_size = Histogram(
@@ -133,14 +125,14 @@ class ServerMetrics:
             "generation_time_to_first_token_seconds",
             "From a generation request's arrival to its first token",
             ["model"],
-            buckets=LATENCY_BUCKETS_S,
+            buckets=wire.LATENCY_BUCKETS_S,
             registry=r,
         )
         self.time_per_output_token = Histogram(
             "generation_time_per_output_token_seconds",
             "Mean time between a finished sequence's tokens after the first",
             ["model"],
-            buckets=LATENCY_BUCKETS_S,
+            buckets=wire.LATENCY_BUCKETS_S,
             registry=r,
         )
         self.generated_tokens = Counter(
@@ -152,13 +144,13 @@ class ServerMetrics:
             ["model", "state"], registry=r,
         )  # fmt: skip
         self.kv_blocks_used = Gauge(
-            "kv_cache_blocks_used",
+            wire.KV_BLOCKS_USED,
             "KV-cache blocks in use (0 until generative models exist)",
             ["model"],
             registry=r,
         )
         self.kv_blocks_total = Gauge(
-            "kv_cache_blocks_total",
+            wire.KV_BLOCKS_TOTAL,
             "KV-cache blocks allocated (0 until generative models exist)",
             ["model"],
             registry=r,
@@ -173,9 +165,11 @@ class ServerMetrics:
             "when the certificate in use expires, Unix time (absent without --tls-cert)",
             registry=r,
         )
-        self.draining = Gauge("server_draining", "1 once the server has begun to drain", registry=r)
+        self.draining = Gauge(
+            wire.SERVER_DRAINING, "1 once the server has begun to drain", registry=r
+        )
         self.label = Gauge(
-            "server_label",
+            wire.SERVER_LABEL,
             "1 per routing label of the server (name, value): device_class and --label ones",
             ["name", "value"],
             registry=r,

@@ -11,6 +11,8 @@ from typing import Any
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from infermesh.wire import FALLBACK_HEADER
+from infermesh.wire import VERSION_HEADER as ROUTED_VERSION_HEADER
 from model_server import __version__
 from model_server.errors import (
     InferenceError,
@@ -52,10 +54,8 @@ SERVER_NAME = "infermesh"
 MODEL_CONTROL_MODES = ("none", "explicit", "poll")
 EXTENSIONS = ("model_repository", "model_configuration", "statistics", "binary_tensor_data")
 # Set by Envoy on the share of a version split that a request without a version was sent to.
-ROUTED_VERSION_HEADER = "x-model-version"
 # Set by Envoy on the routes of a model with a fallback (control_plane.protection): a server
 # without the requested model serves this one instead and says so in the response.
-FALLBACK_HEADER = "x-infermesh-fallback"
 FALLBACK_PARAMETER = "infermesh_fallback_from"
 UNKNOWN_MODEL_LABEL = "_unknown"  # never a client-chosen string: label sets stay bounded
 

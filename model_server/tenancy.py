@@ -30,14 +30,16 @@ from typing import Any
 import grpc
 from tritonclient.grpc import service_pb2
 
+from infermesh.wire import (
+    MODEL_HEADER,
+    PRIORITY_PERMISSION_HEADER,
+    TENANT_HEADER,
+    TENANT_LABEL_HEADER,
+    VERSION_PERMISSION_HEADER,
+)
 from model_server.errors import InferenceError, InvalidInput
 
-TENANT_HEADER = "x-infermesh-tenant"
-TENANT_LABEL_HEADER = "x-infermesh-tenant-label"
-PRIORITY_PERMISSION_HEADER = "x-infermesh-priority"
-VERSION_PERMISSION_HEADER = "x-infermesh-version"
 EDGE_HEADERS = (TENANT_HEADER, PRIORITY_PERMISSION_HEADER, VERSION_PERMISSION_HEADER)
-MODEL_HEADER = "x-model-name"
 ANONYMOUS = "anonymous"
 OTHER = "other"
 MAX_LABELS = 64

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import service_pb2
 
+from infermesh.wire import PRIORITY_HEADER
 from model_server.datatypes import (
     CONTENTS_FIELDS,
     DATATYPES,
@@ -241,9 +242,6 @@ def encode_response(
                 np.ascontiguousarray(array, dtype=declared.datatype.numpy).tobytes()
             )
     return response
-
-
-PRIORITY_HEADER = "x-priority"
 
 
 def request_scheduling(

@@ -30,7 +30,6 @@ from control_plane.mesh import (
     LISTENER_NAME,
     ROUTE_CONFIG_NAME,
     SERVERS_CLUSTER,
-    VERSION_HEADER,
     CorsOptions,
     EndpointAddress,
     EndpointAssignment,
@@ -57,6 +56,7 @@ from control_plane.resources import (
 )
 from control_plane.snapshot import build_snapshot
 from control_plane.topology import TopologyError, parse_topology_text
+from infermesh.wire import VERSION_HEADER
 from tests.envoy_support import envoy_binary, free_port
 
 Resources = dict[str, dict[str, Any]]

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from infermesh.api_keys import API_KEY_FILE, API_KEYS_FILE, ensure_local_credentials
-from infermesh.secrets import ADMIN_TOKEN_FILE, OPERATOR_HEADER, OPERATOR_KEY_FILE
+from infermesh.secrets import ADMIN_TOKEN_FILE, OPERATOR_KEY_FILE
+from infermesh.wire import OPERATOR_HEADER
 from tests.support import EXPLICIT, ROOT, ServerProcess, start_server
 
 pytestmark = pytest.mark.integration

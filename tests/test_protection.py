@@ -28,7 +28,7 @@ from control_plane.mesh import (
     fallback_cluster,
     model_cluster,
 )
-from control_plane.protection import FALLBACK_HEADER, RATE_LIMIT_FILTER, token_bucket
+from control_plane.protection import RATE_LIMIT_FILTER, token_bucket
 from control_plane.resources import (
     CLUSTER_TYPE,
     ENDPOINT_TYPE,
@@ -38,6 +38,7 @@ from control_plane.resources import (
 )
 from control_plane.snapshot import build_snapshot
 from control_plane.topology import TopologyError, parse_topology
+from infermesh.wire import FALLBACK_HEADER
 
 A = EndpointAssignment(EndpointAddress("127.0.0.1", 9001))
 B = EndpointAssignment(EndpointAddress("127.0.0.1", 9002))

@@ -36,10 +36,8 @@ from control_plane.exposure import RBAC_FILTER
 from control_plane.lanes import sla_cluster
 from control_plane.mesh import (
     LISTENER_NAME,
-    MODEL_HEADER,
     ROUTE_CONFIG_NAME,
     SERVERS_CLUSTER,
-    VERSION_HEADER,
     EndpointAddress,
     EndpointAssignment,
     EndpointHealth,
@@ -59,6 +57,7 @@ from control_plane.resources import (
     build_resources,
     duration,
 )
+from infermesh.wire import MODEL_HEADER, VERSION_HEADER
 from tests.envoy_support import Envoy, envoy_binary, free_port, start_envoy
 from tests.support import ROOT, ServerProcess, infer_classifier, start_server
 

@@ -48,7 +48,8 @@ from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 from opentelemetry.proto.resource.v1 import resource_pb2
 
-from model_server.metrics import BATCH_BUCKETS, LATENCY_BUCKETS_S
+from infermesh.wire import LATENCY_BUCKETS_S
+from model_server.metrics import BATCH_BUCKETS
 
 EXPORT = "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export"
 CUMULATIVE = metrics_pb2.AGGREGATION_TEMPORALITY_CUMULATIVE
