@@ -41,10 +41,10 @@ def endpoint_state(
         return DRAINING
     if health != "HEALTHY" or override not in (None, "HEALTHY"):
         return EJECTED
-    reason = str(routing.get("reason", ""))
-    if "probation" in reason:
+    state = routing.get("state", "")
+    if state == "probation":
         return PROBATION
-    if "slow start" in reason:
+    if state == "slow_start":
         return SLOW_START
     return SERVING
 

@@ -19,7 +19,12 @@ from control_plane.lanes import fleet_labels
 from control_plane.mesh import EndpointAddress, EndpointHealth
 from control_plane.placement import EndpointReport
 from control_plane.scoring.at_rest import at_rest, signals_moved
-from control_plane.scoring.ejection import EjectionDecision, EjectionState, decide_ejections
+from control_plane.scoring.ejection import (
+    EjectionCause,
+    EjectionDecision,
+    EjectionState,
+    decide_ejections,
+)
 from control_plane.scoring.pipeline import PoolDecision, PoolState, decide_pool
 from control_plane.scoring.slow_start import apply_slow_start
 from control_plane.scoring.types import RECOMPUTE_PERIOD_S, EndpointSignals, Labels, PoolPolicy
@@ -167,11 +172,20 @@ def record_decision(decisions: deque[dict[str, Any]], pool: str, text: str, wall
     decisions.append({"at": round(wall, 3), "pool": pool, "decision": text})
 
 
+@dataclass(frozen=True)
+class RecomputeResult:
+    """What one ``Router.recompute`` did, as values (the decisions' words are in the log)."""
+
+    changed: bool  # Envoy should be told (weights, health or labels moved)
+    new_ejections: tuple[str, ...]  # one cause label per endpoint newly ejected
+    pools_computed: int
+    pools_skipped: int  # at rest: nothing it reads moved past its tolerance
+
+
 class Router:
     def __init__(self) -> None:
         self.pools: dict[str, PoolMemory] = {}
         self.decisions: deque[dict[str, Any]] = deque(maxlen=MAX_DECISIONS)
-        self.new_ejections: list[str] = []  # causes since the caller last took them
         self.labels: dict[str, Labels] = {}  # every endpoint's, as of the last recompute
         self.pools_computed = 0  # pools recomputed, and skipped at rest, since the start
         self.pools_skipped = 0
@@ -190,11 +204,14 @@ class Router:
         telemetry: Mapping[str, EndpointTelemetry],
         reports: Mapping[EndpointAddress, EndpointReport],
         now: float,
-    ) -> bool:
-        """Updates every pool's weights and health; True when Envoy should be told.
-        ``reports`` is replaced, not changed in place, between calls (as placement does)."""
+    ) -> RecomputeResult:
+        """Updates every pool's weights and health; what it did (``changed``: Envoy should
+        be told). ``reports`` is replaced, not changed in place, between calls (as placement
+        does)."""
         changed = False
         wall = time.time()
+        new_ejections: list[str] = []
+        computed, skipped = self.pools_computed, self.pools_skipped
         # Placement replaces its reports mapping when a report changes and never changes one it
         # handed out, so the members are derived once per mapping (a sort of the whole fleet:
         # half of a recompute at rest at 10,000 endpoints).
@@ -230,12 +247,12 @@ class Router:
                 after = ejection.states.get(endpoint)
                 if before.ejected and after is not None and not after.ejected:
                     memory.joined_at[endpoint] = now  # returning: ramp up again
-                    if "p99" in before.reason:
+                    if EjectionCause.LATENCY in before.causes:
                         memory.probation.add(endpoint)
             for endpoint, now_state in ejection.states.items():
                 was = memory.ejections.get(endpoint)
                 if now_state.ejected and (was is None or not was.ejected):
-                    self.new_ejections.append(ejection_cause(now_state.reason))
+                    new_ejections.append(ejection_cause(now_state.causes))
             memory.ejections = dict(ejection.states)
             on_probation = _probation(memory, signals, ejection.states, policy, now)
             ramped = apply_slow_start(decision.weights, memory.joined_at, now, policy.slow_start_s)
@@ -255,7 +272,10 @@ class Router:
             still = at_rest(previous, outcome, memory.joined_at, on_probation, policy, now)
             memory.rest = (signals, policy) if still else None
         self._made = made[1]
-        return changed
+        return RecomputeResult(
+            changed, tuple(new_ejections), self.pools_computed - computed,
+            self.pools_skipped - skipped,
+        )  # fmt: skip
 
     @staticmethod
     def _push_wanted(
@@ -302,6 +322,8 @@ def _explain(explanation: Explanation | None) -> dict[str, Any]:
                 "score": _round(decision.scores.get(s.endpoint)),
                 "weight": weights.get(_address(s.endpoint)),
                 "health": ejection.health.get(s.endpoint, "HEALTHY"),
+                # what a reader (the live view) goes by; "reason" is for people
+                "state": _state(s.endpoint, on_probation, decision, ramped),
                 "reason": _reason(s.endpoint, decision, ejection.health, ejection.reasons)
                 + (
                     f", probation: weight 1 until p99 <= SLA {policy.sla_p99_ms:g} ms"
@@ -337,16 +359,25 @@ def _reason(
     return weight_reason
 
 
+def _state(
+    endpoint: str, on_probation: set[str], decision: PoolDecision, ramped: Mapping[str, int]
+) -> str:
+    """ "probation", "slow_start" or "" (the live view's words for the rest come from health)."""
+    if endpoint in on_probation:
+        return "probation"
+    computed, now = decision.weights.get(endpoint), ramped.get(endpoint)
+    return "slow_start" if computed is not None and now is not None and computed != now else ""
+
+
 def _ramp(computed: int | None, ramped: int | None) -> str:
     if computed is None or ramped is None or computed == ramped:
         return ""
     return f", slow start -> {ramped}"
 
 
-def ejection_cause(reason: str) -> str:
-    """A short label for metrics: memory, latency or errors."""
-    lowered = reason.lower()
-    for cause, word in (("memory", "memory"), ("latency", "p99"), ("errors", "error")):
-        if word in lowered:
-            return cause
+def ejection_cause(causes: frozenset[EjectionCause]) -> str:
+    """One label for metrics, the first of memory, latency, errors (else "other")."""
+    for cause in (EjectionCause.MEMORY, EjectionCause.LATENCY, EjectionCause.ERRORS):
+        if cause in causes:
+            return cause.value
     return "other"

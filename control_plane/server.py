@@ -367,17 +367,16 @@ class ControlPlane:
         now = time.monotonic()
         telemetry = await asyncio.to_thread(self.telemetry.snapshot, now, False)
         started = time.perf_counter()
-        computed, skipped = self.router.pools_computed, self.router.pools_skipped
-        changed = self.router.recompute(self.topology, telemetry, self.poller.reports, now)
+        result = self.router.recompute(self.topology, telemetry, self.poller.reports, now)
         self.metrics.routing_recompute.observe(time.perf_counter() - started)
-        self.metrics.routing_pools.labels("computed").inc(self.router.pools_computed - computed)
-        self.metrics.routing_pools.labels("skipped").inc(self.router.pools_skipped - skipped)
-        for cause in self.router.new_ejections:
+        self.metrics.routing_pools.labels("computed").inc(result.pools_computed)
+        self.metrics.routing_pools.labels("skipped").inc(result.pools_skipped)
+        for cause in result.new_ejections:
             self.metrics.ejections.labels(cause).inc()
-        self.router.new_ejections.clear()
         checks = self._follow_envoy_checks(now)
-        if changed or checks:
-            self.rebuild("telemetry-driven weights or ejections" if changed else "Envoy's checks")
+        if result.changed or checks:
+            why = "telemetry-driven weights or ejections" if result.changed else "Envoy's checks"
+            self.rebuild(why)
 
     def _follow_envoy_checks(self, now: float) -> bool:
         """With ``listener.health_checks: model``: what Envoy's checks of each model's own

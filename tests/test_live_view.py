@@ -35,10 +35,14 @@ ROUTE = {"weight": 100, "health": "HEALTHY", "score": 0.9, "reason": "score 0.90
         ({"reachable": True, "health_override": "DRAINING"}, ROUTE, False, "draining"),
         ({"reachable": True}, ROUTE, True, "draining"),  # the server itself says so
         ({"reachable": True, "health_override": "UNHEALTHY"}, ROUTE, False, "ejected"),
-        ({"reachable": True}, {**ROUTE, "reason": "score 0.9, slow start -> 40"}, False,
-         "slow start"),
-        ({"reachable": True}, {**ROUTE, "reason": "x, probation: weight 1 until p99 <= SLA"},
+        # the typed state decides; the words are for people
+        ({"reachable": True}, {**ROUTE, "state": "slow_start",
+                               "reason": "score 0.9, slow start -> 40"}, False, "slow start"),
+        ({"reachable": True}, {**ROUTE, "state": "probation",
+                               "reason": "x, probation: weight 1 until p99 <= SLA"},
          False, "probation"),
+        ({"reachable": True}, {**ROUTE, "reason": "x, probation: weight 1 until p99 <= SLA"},
+         False, "serving"),
     ],
 )  # fmt: skip
 def test_endpoint_state_in_one_word(

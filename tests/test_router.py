@@ -5,6 +5,7 @@ from __future__ import annotations
 from control_plane.mesh import EndpointAddress, EndpointHealth
 from control_plane.placement import EndpointReport
 from control_plane.routing import Router
+from control_plane.scoring.ejection import EjectionCause
 from control_plane.telemetry_values import EndpointTelemetry, Signal
 from control_plane.topology import Topology, parse_topology
 
@@ -90,3 +91,21 @@ def test_a_generative_pool_moves_away_from_a_full_kv_cache() -> None:
     assert weights[A] * 2 < weights[B]  # nearly full and with a queue: under half the weight
     reason = str(router.explain()["lm"]["endpoints"][A.key]["reason"])
     assert "kv_cache 0.02" in reason and "queue 0.00" in reason
+
+
+def test_a_recompute_says_what_it_did_as_values() -> None:
+    """The result and the states carry typed causes; the words are only for people."""
+    router = Router()
+    first = router.recompute(topology(), {a.key: seen(a, 10.0) for a in (A, B, C)}, REPORTS, 0.0)
+    assert first.changed and first.new_ejections == () and first.pools_computed == 1
+    slow = {A.key: seen(A, 10.0), B.key: seen(B, 10.0), C.key: seen(C, 400.0)}
+    ejected = router.recompute(topology(), slow, REPORTS, 1.0)
+    assert ejected.changed and ejected.new_ejections == ("latency",)
+    state = router.pools["m"].ejections[C.key]
+    assert state.ejected and state.causes == frozenset({EjectionCause.LATENCY})
+    # The same slow server while in back-off: no new ejection is counted.
+    again = router.recompute(topology(), slow, REPORTS, 2.0)
+    assert again.new_ejections == ()
+    back = step(router, 6.5, None)
+    assert back[C.key]["state"] == "probation" and not router.pools["m"].ejections[C.key].causes
+    assert step(router, 8.0, 20.0)[C.key]["state"] == "slow_start"

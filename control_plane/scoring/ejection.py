@@ -6,6 +6,7 @@ Pure: the previous per-endpoint states and the time come in, the new states come
 from __future__ import annotations
 
 import bisect
+import enum
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -20,12 +21,21 @@ FAIL_OPEN_REASON = "every endpoint looks bad: failing open to weights"
 STRIKE_SPACING_S = 0.9 * RECOMPUTE_PERIOD_S  # one latency strike a period (ticks are not exact)
 
 
+class EjectionCause(enum.Enum):
+    """Why the signals say "eject" (the words for people are in the reasons)."""
+
+    MEMORY = "memory"
+    ERRORS = "errors"
+    LATENCY = "latency"
+
+
 @dataclass(frozen=True)
 class EjectionState:
     """What ejection remembers about one endpoint between recomputes."""
 
     ejected: bool = False
-    reason: str = ""
+    reason: str = ""  # for people (/status, decisions)
+    causes: frozenset[EjectionCause] = frozenset()  # while ejected: what the code reads
     ejected_at: float | None = None  # start of the current ejection
     until: float | None = None  # end of the current back-off
     times_ejected: int = 0  # ejections and extensions so far; sets the back-off length
@@ -60,10 +70,11 @@ def _pct(value: float) -> str:
 
 @dataclass(frozen=True)
 class _Verdict:
-    causes: tuple[str, ...]  # why the signals say "eject", empty when they do not
+    causes: tuple[str, ...]  # why the signals say "eject", in words; empty when they do not
     severity: tuple[float, float, float]  # memory, error, latency: larger is worse
     strikes: int
     struck_at: float | None = None
+    kinds: frozenset[EjectionCause] = frozenset()  # ``causes`` as values
 
 
 def _judge(
@@ -82,6 +93,7 @@ def _judge(
     if sig.stale:
         return _Verdict((), (0.0, 0.0, 0.0), 0)
     causes: list[str] = []
+    kinds: set[EjectionCause] = set()
     mem = err = lat = 0.0
     used, total = sig.memory_used_bytes, sig.memory_total_bytes
     if used is not None and total is not None and total > 0:
@@ -89,9 +101,11 @@ def _judge(
         if ratio >= policy.memory_watermark:
             mem = ratio
             causes.append(f"memory {_pct(ratio)} >= watermark {_pct(policy.memory_watermark)}")
+            kinds.add(EjectionCause.MEMORY)
     if sig.error_rate is not None and sig.error_rate >= policy.error_rate_eject:
         err = sig.error_rate
         causes.append(f"error rate {_pct(sig.error_rate)} >= {_pct(policy.error_rate_eject)}")
+        kinds.add(EjectionCause.ERRORS)
     strikes, struck_at = 0, None
     limit = policy.latency_eject_factor * policy.sla_p99_ms
     if others_p99 is not None and policy.latency_eject_vs_pool > 0:
@@ -108,7 +122,8 @@ def _judge(
                 f"p99 {sig.p99_ms:.0f} ms > {policy.latency_eject_factor:g} x SLA "
                 f"{policy.sla_p99_ms:.0f} ms for {strikes} window{'s' if strikes != 1 else ''}"
             )
-    return _Verdict(tuple(causes), (mem, err, lat), strikes, struck_at)
+            kinds.add(EjectionCause.LATENCY)
+    return _Verdict(tuple(causes), (mem, err, lat), strikes, struck_at, frozenset(kinds))
 
 
 class _PoolP99:
@@ -228,7 +243,8 @@ def decide_ejections(
                 # back-off for its latency that is now over its memory says so (otherwise
                 # the back-off's reason stands, so the state does not churn every tick).
                 reason = f"ejected: {why}" if fail_open else prev.reason
-                states[ep] = _with(base, reason=reason)
+                causes = verdict.kinds if fail_open else prev.causes
+                states[ep] = _with(base, reason=reason, causes=causes)
                 reasons[ep] = reason
                 continue
             times = prev.times_ejected + 1
@@ -238,6 +254,7 @@ def decide_ejections(
                 base,
                 ejected=True,
                 reason=reason,
+                causes=verdict.kinds,
                 until=now + out_for,
                 times_ejected=times,
                 ejected_at=prev.ejected_at if prev.ejected else now,
@@ -259,8 +276,9 @@ def decide_ejections(
             reasons[ep] = "healthy"
         if prev.ejected:
             states[ep] = replace(
-                base, ejected=False, until=None, returned_at=now, reason=reasons[ep]
-            )
+                base, ejected=False, until=None, returned_at=now, reason=reasons[ep],
+                causes=frozenset(),
+            )  # fmt: skip
             early = ep in candidates  # cut by the share cap or by failing open
             events.append(f"{ep} returned: {reasons[ep]}." if early else f"{ep} {reasons[ep]}.")
         else:
