@@ -8,13 +8,12 @@ the control plane puts ``run.split()`` in place and rebuilds the snapshot.
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from collections.abc import Callable, Collection, Mapping
-from http import HTTPStatus
 from typing import Any
 
 from control_plane import canary
-from control_plane.admin import AdminError
 from control_plane.canary import CanaryRun, VersionStats
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.routing import record_decision
@@ -22,6 +21,22 @@ from control_plane.telemetry_values import VersionTelemetry
 from control_plane.topology import Topology
 
 REQUEST_FIELDS = ("version", "stable", "abort")
+
+
+class Refusal(enum.Enum):
+    """Why a canary request is refused (the admin API answers 400, 404 and 409)."""
+
+    INVALID = "invalid"  # the request itself is malformed
+    UNKNOWN = "unknown"  # no such model
+    CONFLICT = "conflict"  # the mesh's state does not allow it now
+
+
+class CanaryRejected(Exception):
+    """A canary request that cannot be carried out; the message names the field and why."""
+
+    def __init__(self, refusal: Refusal, message: str) -> None:
+        super().__init__(message)
+        self.refusal = refusal
 
 
 def version_stats(seen: VersionTelemetry | None) -> VersionStats:
@@ -35,7 +50,7 @@ def version_stats(seen: VersionTelemetry | None) -> VersionStats:
 def _version(value: object, field: str) -> str:
     text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
     if not isinstance(text, str) or not text.isdigit():
-        raise AdminError(HTTPStatus.BAD_REQUEST, f'{field}: expected a version number like "2"')
+        raise CanaryRejected(Refusal.INVALID, f'{field}: expected a version number like "2"')
     return str(int(text))
 
 
@@ -59,34 +74,34 @@ class CanaryRuns:
         now: float,
         wall: float,
     ) -> CanaryRun:
-        """Starts or aborts ``model``'s canary as the admin request asks (AdminError if not)."""
+        """Starts or aborts ``model``'s canary as the admin request asks (CanaryRejected if not)."""
         route = next((m for m in topology.models if m.name == model), None)
         if route is None:
-            raise AdminError(HTTPStatus.NOT_FOUND, f"model {model!r} is not in the topology")
+            raise CanaryRejected(Refusal.UNKNOWN, f"model {model!r} is not in the topology")
         current = self.running(model)
         if body.get("abort", False) is not False:
             if body["abort"] is not True or set(body) != {"abort"}:
-                raise AdminError(HTTPStatus.BAD_REQUEST, 'abort: expected {"abort": true} alone')
+                raise CanaryRejected(Refusal.INVALID, 'abort: expected {"abort": true} alone')
             if current is None:
-                raise AdminError(HTTPStatus.CONFLICT, f"no canary of {model} is running")
+                raise CanaryRejected(Refusal.CONFLICT, f"no canary of {model} is running")
             return self._set(canary.abort(current, wall, "aborted by an operator"), wall)
         if "version" not in body:
-            raise AdminError(HTTPStatus.BAD_REQUEST, 'version: required, e.g. {"version": "2"}')
+            raise CanaryRejected(Refusal.INVALID, 'version: required, e.g. {"version": "2"}')
         version = _version(body["version"], "version")
         if current is not None:
-            raise AdminError(
-                HTTPStatus.CONFLICT,
+            raise CanaryRejected(
+                Refusal.CONFLICT,
                 f"a canary of {model} (v{current.canary}) is running: abort it first",
             )
         if version not in ready_versions:
-            raise AdminError(
-                HTTPStatus.CONFLICT, f"version: {model} v{version} is READY on no endpoint"
+            raise CanaryRejected(
+                Refusal.CONFLICT, f"version: {model} v{version} is READY on no endpoint"
             )
         stable = self._stable(body, version, split, ready_versions)
         fields = {k: v for k, v in body.items() if k not in REQUEST_FIELDS}
         policy, errors = canary.parse_policy(fields, topology.canary_policy(model))
         if errors:
-            raise AdminError(HTTPStatus.BAD_REQUEST, "; ".join(errors))
+            raise CanaryRejected(Refusal.INVALID, "; ".join(errors))
         run = canary.start(model, stable, version, policy, route.sla_p99_ms, now, wall)
         return self._set(run, wall)
 
@@ -107,7 +122,7 @@ class CanaryRuns:
         if "stable" in body:
             stable = _version(body["stable"], "stable")
             if stable not in ready_versions:
-                raise AdminError(HTTPStatus.CONFLICT, f"stable: v{stable} is READY on no endpoint")
+                raise CanaryRejected(Refusal.CONFLICT, f"stable: v{stable} is READY on no endpoint")
         else:  # the version with the most traffic now, else the newest other READY one
             weighted = sorted((w, int(v)) for v, w in split if v != version and w > 0)
             others = sorted(int(v) for v in ready_versions if v != version)
@@ -116,11 +131,11 @@ class CanaryRuns:
             elif others:
                 stable = str(others[-1])
             else:
-                raise AdminError(
-                    HTTPStatus.CONFLICT, "stable: no other READY version to compare against"
+                raise CanaryRejected(
+                    Refusal.CONFLICT, "stable: no other READY version to compare against"
                 )
         if stable == version:
-            raise AdminError(HTTPStatus.BAD_REQUEST, "stable: must differ from version")
+            raise CanaryRejected(Refusal.INVALID, "stable: must differ from version")
         return stable
 
     def tick(

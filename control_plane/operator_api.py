@@ -14,12 +14,20 @@ from typing import TYPE_CHECKING, Any
 
 from control_plane import edge_tls, otlp_identity, upstream_tls
 from control_plane.admin import AdminError
+from control_plane.canary_runs import CanaryRejected, Refusal
 from control_plane.live_view import build_frame
 from control_plane.mesh import EndpointAddress, EndpointHealth
 from control_plane.tenants import security_warnings
 
 if TYPE_CHECKING:
     from control_plane.server import ControlPlane
+
+
+REFUSAL_STATUS = {
+    Refusal.INVALID: HTTPStatus.BAD_REQUEST,
+    Refusal.UNKNOWN: HTTPStatus.NOT_FOUND,
+    Refusal.CONFLICT: HTTPStatus.CONFLICT,
+}
 
 
 class OperatorApi:
@@ -106,7 +114,12 @@ class OperatorApi:
         }  # fmt: skip
         route = next((m for m in self.plane.effective_topology().models if m.name == model), None)
         split = route.version_split if route else ()
-        run = self.plane.canaries.request(self.plane.topology, model, body, split, ready, now, wall)
+        try:
+            run = self.plane.canaries.request(
+                self.plane.topology, model, body, split, ready, now, wall
+            )
+        except CanaryRejected as exc:
+            raise AdminError(REFUSAL_STATUS[exc.refusal], str(exc)) from None
         self.plane.splits[model] = run.split()
         self.plane.rebuild(f"canary of {model}: {run.reason}")
         return run.as_json(now)

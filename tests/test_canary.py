@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from control_plane import canary
-from control_plane.admin import AdminError
 from control_plane.canary import CanaryPolicy, CanaryRun, VersionStats, judge, parse_policy
-from control_plane.canary_runs import CanaryRuns
+from control_plane.canary_runs import CanaryRejected, CanaryRuns
 from control_plane.metrics import ControlPlaneMetrics
+from control_plane.operator_api import REFUSAL_STATUS
 from control_plane.telemetry_values import Signal, VersionTelemetry
 from control_plane.topology import TopologyError, parse_topology
 
@@ -178,9 +178,10 @@ def test_bad_requests_get_a_clear_status(
     model: str, body: dict[str, Any], status: HTTPStatus, message: str
 ) -> None:
     canaries, decisions, _ = runs()
-    with pytest.raises(AdminError) as raised:
+    with pytest.raises(CanaryRejected) as raised:
         canaries.request(TOPOLOGY, model, body, (), {"1", "2"}, 0.0, 1000.0)
-    assert raised.value.status == status and str(raised.value).startswith(message)
+    status_sent = REFUSAL_STATUS[raised.value.refusal]  # what the admin API answers
+    assert status_sent == status and str(raised.value).startswith(message)
     assert canaries.runs == {} and not decisions
 
 
@@ -188,9 +189,9 @@ def test_start_tick_and_record() -> None:
     canaries, decisions, metrics = runs()
     run = canaries.request(TOPOLOGY, "classifier", {"version": "2"}, (), {"1", "2"}, 0.0, 1000.0)
     assert (run.stable, run.canary, run.percent, run.policy.steps) == ("1", "2", 10, (10, 100))
-    with pytest.raises(AdminError) as raised:
+    with pytest.raises(CanaryRejected) as raised:
         canaries.request(TOPOLOGY, "classifier", {"version": "2"}, (), {"1", "2"}, 0.1, 1000.1)
-    assert raised.value.status == HTTPStatus.CONFLICT
+    assert REFUSAL_STATUS[raised.value.refusal] == HTTPStatus.CONFLICT
     seen = {
         "2": VersionTelemetry(100, Signal(20, 0.1), Signal(0.0, 0.1)),
         "1": VersionTelemetry(900, Signal(20, 0.1), Signal(0.0, 0.1)),
