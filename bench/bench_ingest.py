@@ -2,7 +2,7 @@
 shards, with nothing else on the host.
 
 Per ``--endpoints`` count: ``--shards`` shard processes started as the control plane starts
-them (``control_plane.telemetry_shards``, in this process's stead) and the scale bench's OTLP
+them (``control_plane.telemetry.shards``, in this process's stead) and the scale bench's OTLP
 generator (``bench/scale/otlp_gen.py``: every endpoint every second, ten points each, 100
 endpoints an Export request, one connection a batch). After ``--warmup`` s, over
 ``--seconds`` s: the points the shards took in (used or not) against what the generator
@@ -30,7 +30,7 @@ from typing import Any
 
 from scale.harness import HOST, PYTHON, Proc, cpu_seconds, note, quantile, wait_until
 
-from control_plane.telemetry_shards import Push, TelemetryShards
+from control_plane.telemetry.shards import Push, TelemetryShards
 from control_plane.topology import TelemetryOptions
 
 SCALE = Path(__file__).resolve().parent / "scale"

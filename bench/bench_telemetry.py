@@ -35,8 +35,8 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceResponse,
 )
 
-from control_plane.otlp_receiver import EXPORT_METHOD, start_receiver
-from control_plane.telemetry import TelemetryStore
+from control_plane.telemetry.receiver import EXPORT_METHOD, start_receiver
+from control_plane.telemetry.store import TelemetryStore
 from model_server.demo_models import MODEL_NAME, build_demo_repository
 from model_server.metrics import ServerMetrics
 from model_server.telemetry import build_request

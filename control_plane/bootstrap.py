@@ -20,9 +20,9 @@ from typing import Any
 
 import yaml
 
-from control_plane.envoy_stats import ENVOY_NODE_TAG
 from infermesh import pki
 from infermesh.addresses import is_ip
+from infermesh.wire import ENVOY_NODE_TAG
 
 XDS_CLUSTER = "xds_cluster"
 OTLP_CLUSTER = "otlp_cluster"
@@ -329,7 +329,7 @@ def heap_action(name: str, threshold: float) -> dict[str, Any]:
 def stats_sink(clusters: Sequence[str] = (OTLP_CLUSTER,), node_id: str = "") -> dict[str, Any]:
     """Envoy's stats over OTLP every second (to each of ``clusters``), cluster tags as
     attributes, fine latency buckets, and the node id as a tag on every stat: the control
-    plane keeps each Envoy's series apart (``envoy_stats.ENVOY_NODE_TAG``)."""
+    plane keeps each Envoy's series apart (``infermesh.wire.ENVOY_NODE_TAG``)."""
     return {
         "stats_flush_interval": duration(1),
         "stats_sinks": [

@@ -17,7 +17,7 @@ from control_plane import canary
 from control_plane.canary import CanaryRun, VersionStats
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.routing import record_decision
-from control_plane.telemetry_values import VersionTelemetry
+from control_plane.telemetry.values import VersionTelemetry
 from control_plane.topology import Topology
 
 REQUEST_FIELDS = ("version", "stable", "abort")

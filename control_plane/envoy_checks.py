@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from control_plane.envoy_stats import stat_name
 from control_plane.mesh import (
     EndpointAddress,
     EndpointAssignment,
     cluster_model,
     is_checked_in_model_scope,
 )
+from control_plane.telemetry.envoy import stat_name
 
 CheckedDown = Mapping[str, frozenset[EndpointAddress]]  # model -> endpoints found down
 

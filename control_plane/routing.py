@@ -29,7 +29,7 @@ from control_plane.scoring.pipeline import PoolDecision, PoolState, decide_pool
 from control_plane.scoring.slow_start import apply_slow_start
 from control_plane.scoring.types import RECOMPUTE_PERIOD_S, EndpointSignals, Labels, PoolPolicy
 from control_plane.scoring.weights import needs_push
-from control_plane.telemetry_values import EndpointTelemetry
+from control_plane.telemetry.values import EndpointTelemetry
 from control_plane.topology import Topology
 
 MAX_DECISIONS = 500

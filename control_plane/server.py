@@ -26,31 +26,32 @@ from typing import Any
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
-from control_plane import otlp_identity, upstream_tls
+from control_plane import upstream_tls
 from control_plane.admin import AdminServer, AdminTokens, check_exposure
 from control_plane.ads import AdsServicer
 from control_plane.canary_runs import CanaryRuns
 from control_plane.endpoint_resolver import EndpointResolver
 from control_plane.endpointslices import EndpointSlices
 from control_plane.envoy_checks import changes, checked_down_by_model
-from control_plane.envoy_stats import EnvoyStats
 from control_plane.fallback import Fallbacks
 from control_plane.incremental import SnapshotBuilder
 from control_plane.live_view import LiveFeed
 from control_plane.mesh import EndpointAddress, EndpointHealth, MeshState
 from control_plane.metrics import ControlPlaneMetrics
-from control_plane.metrics_scraper import MetricsScraper
 from control_plane.nodes import NodeRegistry
 from control_plane.operator_api import OperatorApi
-from control_plane.otlp_receiver import start_decoders, start_receiver
 from control_plane.placement import ClusterMemo, PlacementPoller, build_mesh_state
 from control_plane.routing import Router
 from control_plane.scoring.types import RECOMPUTE_PERIOD_S, Labels
 from control_plane.snapshot import InconsistentSnapshot, SnapshotCache
-from control_plane.telemetry import TelemetryStore
-from control_plane.telemetry_readings import TelemetryReadings
-from control_plane.telemetry_shards import TelemetryShards
-from control_plane.telemetry_values import VersionTelemetry
+from control_plane.telemetry import identity as otlp_identity
+from control_plane.telemetry.envoy import EnvoyStats
+from control_plane.telemetry.readings import TelemetryReadings
+from control_plane.telemetry.receiver import start_decoders, start_receiver
+from control_plane.telemetry.scraper import MetricsScraper
+from control_plane.telemetry.shards import TelemetryShards
+from control_plane.telemetry.store import TelemetryStore
+from control_plane.telemetry.values import VersionTelemetry
 from control_plane.tenants import security_warnings
 from control_plane.topology import (
     Topology,

@@ -61,7 +61,7 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
       max_concurrent_probes: 200    # integer >= 1: probes in flight at most
       unreachable_after: 2          # integer >= 1: failed probes in a row before a reachable
                                     # endpoint leaves its clusters
-    telemetry:                      # the OTLP/gRPC metrics receiver (control_plane.telemetry)
+    telemetry:                      # the OTLP/gRPC metrics receiver (control_plane.telemetry.store)
       host: 127.0.0.1               # a host name or IP to bind
       port: 14317                   # 1..65535
       window_s: 10                  # > 0: the sliding window of rates and percentiles
@@ -177,14 +177,14 @@ class TelemetryOptions:
     decoder_processes: int = 0  # OTLP decoding in this many processes (0: a worker thread)
     shards: int = 0  # receiver and store in this many processes sharing the port (0: none)
     # A shard sends an endpoint again only when a number moved by more than this (relative),
-    # else only that it reported (control_plane.telemetry_moved).
+    # else only that it reported (control_plane.telemetry.moved).
     push_tolerance: float = 0.02
     # Shards run this much nicer than the control plane's process (os.nice): on a host short
     # of CPU, Envoy's updates come first and ingest falls behind (telemetry_shard_delay_seconds).
     shard_nice: int = 5
     scrape_interval_s: float = 2.0  # Prometheus scrapes of kind-triton endpoints
     # Mutual TLS on the OTLP port: a report is taken only from the identity it reports for
-    # (control_plane.otlp_identity); needs listener.upstream_tls
+    # (control_plane.telemetry.identity); needs listener.upstream_tls
     tls: bool = False
     # Without tls, telemetry is plaintext: taken on a loopback host only (development), unless
     # this says to take it from the network; /status and the live view warn either way.

@@ -176,7 +176,7 @@ class OtlpExporter:
     ) -> None:
         self.endpoint = endpoint
         # Mutual TLS as this server (its own certificate): the control plane takes a report
-        # only from the server it is for (control_plane.otlp_identity).
+        # only from the server it is for (control_plane.telemetry.identity).
         self.tls = tls
         self._generation = tls.generation if tls is not None else 0
         self.interval = max(interval, MIN_INTERVAL_S)

@@ -10,15 +10,15 @@ from array import array
 import pytest
 
 from control_plane.mesh import EndpointAddress
-from control_plane.otlp_decode import PointTuple
 from control_plane.placement import EndpointReport
 from control_plane.routing import Router
 from control_plane.scoring.at_rest import at_rest, near, signals_moved
 from control_plane.scoring.ejection import EjectionState
 from control_plane.scoring.pipeline import PoolState
 from control_plane.scoring.types import EndpointSignals, PoolPolicy
-from control_plane.telemetry import TelemetryStore
-from control_plane.telemetry_values import EndpointTelemetry, ModelTelemetry, Signal
+from control_plane.telemetry.decode import PointTuple
+from control_plane.telemetry.store import TelemetryStore
+from control_plane.telemetry.values import EndpointTelemetry, ModelTelemetry, Signal
 from control_plane.topology import Topology, parse_topology
 
 POLICY = PoolPolicy(capacity_qps=100, sla_p99_ms=50)

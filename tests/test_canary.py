@@ -13,7 +13,7 @@ from control_plane.canary import CanaryPolicy, CanaryRun, VersionStats, judge, p
 from control_plane.canary_runs import CanaryRejected, CanaryRuns
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.operator_api import REFUSAL_STATUS
-from control_plane.telemetry_values import Signal, VersionTelemetry
+from control_plane.telemetry.values import Signal, VersionTelemetry
 from control_plane.topology import TopologyError, parse_topology
 
 POLICY = CanaryPolicy(steps=(10, 50, 100), dwell_s=5, min_requests=20)

@@ -13,7 +13,6 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
 from control_plane.envoy_checks import changes, checked_down_by_model
-from control_plane.envoy_stats import ENVOY_NODE_TAG, EnvoyStats, stat_name, used_stats
 from control_plane.lanes import sla_cluster
 from control_plane.mesh import (
     SERVERS_CLUSTER,
@@ -22,7 +21,8 @@ from control_plane.mesh import (
     model_cluster,
     rest_cluster,
 )
-from control_plane.otlp_identity import refusal
+from control_plane.telemetry.envoy import ENVOY_NODE_TAG, EnvoyStats, stat_name, used_stats
+from control_plane.telemetry.identity import refusal
 from infermesh import pki
 from tests.envoy_support import free_port
 from tests.mesh_support import start_plane_and_envoy, write_topology
@@ -215,7 +215,7 @@ def test_an_envoy_gone_quiet_is_forgotten() -> None:
 
 def test_an_envoy_certificate_may_send_only_its_own_nodes_stats() -> None:
     """telemetry.tls: Envoy's stats are filed under the node tag, so the tag must be the node
-    the sender's certificate names (control_plane.otlp_identity)."""
+    the sender's certificate names (control_plane.telemetry.identity)."""
     sender = "spiffe://infermesh.local/envoy/e1"
 
     def refused(node: str | None) -> tuple[str, str] | None:

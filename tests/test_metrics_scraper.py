@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from control_plane.metrics_scraper import INLINE_BODY_BYTES, TASK_PREFIX, MetricsScraper
-from control_plane.telemetry import TelemetryStore
+from control_plane.telemetry.scraper import INLINE_BODY_BYTES, TASK_PREFIX, MetricsScraper
+from control_plane.telemetry.store import TelemetryStore
 from control_plane.upstream_tls import read_pki
 from infermesh import pki
 from tests.test_triton_metrics import requests
@@ -120,7 +120,7 @@ async def test_scrapes_into_the_store_and_reports_failures(
             SLOW: triton.url("slow"),
         }
     )
-    caplog.set_level(logging.WARNING, logger="control_plane.metrics_scraper")
+    caplog.set_level(logging.WARNING, logger="control_plane.telemetry.scraper")
     await scraper.start()
     try:
 

@@ -1,4 +1,4 @@
-"""Telemetry bound to identity (``telemetry.tls``, control_plane.otlp_identity): a real control
+"""Telemetry bound to identity (``telemetry.tls``, control_plane.telemetry.identity): a real control
 plane and a real TLS model server exporting to it. The server's own reports arrive; a report in
 another server's name, sent with a valid mesh certificate, is refused with PERMISSION_DENIED
 and counted; a plaintext client cannot connect; an operator certificate may not report."""
@@ -16,7 +16,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceResponse,
 )
 
-from control_plane.otlp_receiver import EXPORT_METHOD
+from control_plane.telemetry.receiver import EXPORT_METHOD
 from infermesh import pki
 from tests.envoy_support import free_port
 from tests.mesh_support import ControlPlaneThread, write_topology

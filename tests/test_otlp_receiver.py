@@ -21,11 +21,11 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 
-from control_plane.envoy_stats import EnvoyStats
 from control_plane.mesh import model_cluster
 from control_plane.metrics import ControlPlaneMetrics
-from control_plane.otlp_receiver import EXPORT_METHOD, start_decoders, start_receiver
-from control_plane.telemetry import TelemetryStore
+from control_plane.telemetry.envoy import EnvoyStats
+from control_plane.telemetry.receiver import EXPORT_METHOD, start_decoders, start_receiver
+from control_plane.telemetry.store import TelemetryStore
 from tests.test_telemetry_store import BOUNDS, attrs, gauge, request
 
 ENDPOINT = "127.0.0.1:9999"

@@ -20,10 +20,10 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
-from control_plane import otlp_wire
-from control_plane.otlp_decode import decode_request
-from control_plane.otlp_receiver import decode_export
-from control_plane.otlp_wire import decode_fast
+from control_plane.telemetry import otlp_wire
+from control_plane.telemetry.decode import decode_request
+from control_plane.telemetry.otlp_wire import decode_fast
+from control_plane.telemetry.receiver import decode_export
 from model_server.metrics import ServerMetrics
 from model_server.telemetry import build_request
 

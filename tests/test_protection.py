@@ -14,7 +14,6 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
 from control_plane import bootstrap
-from control_plane.envoy_stats import EnvoyStats
 from control_plane.fallback import CircuitState, Fallbacks, step
 from control_plane.mesh import (
     ROUTE_CONFIG_NAME,
@@ -37,6 +36,7 @@ from control_plane.resources import (
     build_resources,
 )
 from control_plane.snapshot import build_snapshot
+from control_plane.telemetry.envoy import EnvoyStats
 from control_plane.topology import TopologyError, parse_topology
 from infermesh.wire import FALLBACK_HEADER
 

@@ -6,7 +6,7 @@ from control_plane.mesh import EndpointAddress, EndpointHealth
 from control_plane.placement import EndpointReport
 from control_plane.routing import Router
 from control_plane.scoring.ejection import EjectionCause
-from control_plane.telemetry_values import EndpointTelemetry, Signal
+from control_plane.telemetry.values import EndpointTelemetry, Signal
 from control_plane.topology import Topology, parse_topology
 
 A, B, C = (EndpointAddress("127.0.0.1", p) for p in (9001, 9002, 9003))

@@ -11,8 +11,8 @@ from typing import Any
 
 from opentelemetry.proto.metrics.v1 import metrics_pb2 as m
 
-from control_plane.telemetry import TelemetryStore
-from control_plane.telemetry_values import Flag, Signal, telemetry_json
+from control_plane.telemetry.store import TelemetryStore
+from control_plane.telemetry.values import Flag, Signal, telemetry_json
 from tests.test_telemetry_store import BOUNDS, counter, gauge, histogram, request
 
 EP2 = "127.0.0.1:8002"

@@ -22,11 +22,11 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 from opentelemetry.proto.metrics.v1 import metrics_pb2 as m
 
-from control_plane.otlp_receiver import EXPORT_METHOD
-from control_plane.telemetry import TelemetryStore
-from control_plane.telemetry_series import version_telemetry
-from control_plane.telemetry_shards import Push, TelemetryShards
-from control_plane.telemetry_values import EndpointTelemetry, Flag, Signal
+from control_plane.telemetry.receiver import EXPORT_METHOD
+from control_plane.telemetry.series import version_telemetry
+from control_plane.telemetry.shards import Push, TelemetryShards
+from control_plane.telemetry.store import TelemetryStore
+from control_plane.telemetry.values import EndpointTelemetry, Flag, Signal
 from control_plane.topology import TelemetryOptions
 from tests.envoy_support import free_port
 from tests.mesh_support import write_topology

@@ -18,7 +18,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceResponse,
 )
 
-from control_plane.otlp_receiver import EXPORT_METHOD
+from control_plane.telemetry.receiver import EXPORT_METHOD
 from tests.envoy_support import Envoy, free_port
 from tests.mesh_support import ControlPlaneThread, start_plane_and_envoy, write_topology
 from tests.support import ServerProcess, Traffic, start_server

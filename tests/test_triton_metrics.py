@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.telemetry import TelemetryStore
-from control_plane.telemetry_values import EndpointTelemetry, Signal
-from control_plane.triton_metrics import TritonMapper, TritonScrape, bucket_shares
+from control_plane.telemetry.store import TelemetryStore
+from control_plane.telemetry.triton import TritonMapper, TritonScrape, bucket_shares
+from control_plane.telemetry.values import EndpointTelemetry, Signal
 
 EP = "10.0.0.7:8001"
 T0_NS = 1_700_000_000 * 10**9

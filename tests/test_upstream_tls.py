@@ -13,9 +13,9 @@ from envoy.extensions.transport_sockets.tls.v3 import secret_pb2, tls_pb2
 
 from control_plane import upstream_tls
 from control_plane.mesh import EndpointAddress, EndpointAssignment, MeshState, model_cluster
-from control_plane.otlp_identity import plaintext_warnings
 from control_plane.resources import build_resources
 from control_plane.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, SECRET_TYPE, Snapshot
+from control_plane.telemetry.identity import plaintext_warnings
 from control_plane.topology import TopologyError, parse_topology
 from control_plane.upstream_tls import CA_SECRET, IDENTITY_SECRET, node_secrets
 from infermesh import pki

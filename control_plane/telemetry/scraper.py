@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import aiohttp
 
 from control_plane.mesh import UpstreamTls
-from control_plane.telemetry import TelemetryStore
-from control_plane.telemetry_values import IngestResult
-from control_plane.triton_metrics import TritonMapper, TritonScrape
+from control_plane.telemetry.store import TelemetryStore
+from control_plane.telemetry.triton import TritonMapper, TritonScrape
+from control_plane.telemetry.values import IngestResult
 from infermesh.pki import server_dns_name
 
 log = logging.getLogger(__name__)

@@ -1,15 +1,15 @@
 """What the control plane reads telemetry from: its own ``TelemetryStore`` (scraped Triton
 endpoints, and every exporter when it receives OTLP itself) merged with its telemetry shards'
-(``control_plane.telemetry_shards``), behind the store's read methods."""
+(``control_plane.telemetry.shards``), behind the store's read methods."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from control_plane.telemetry import TelemetryStore
-from control_plane.telemetry_series import VersionSeries, version_telemetry
-from control_plane.telemetry_shards import TelemetryShards
-from control_plane.telemetry_values import EndpointTelemetry, VersionTelemetry, telemetry_document
+from control_plane.telemetry.series import VersionSeries, version_telemetry
+from control_plane.telemetry.shards import TelemetryShards
+from control_plane.telemetry.store import TelemetryStore
+from control_plane.telemetry.values import EndpointTelemetry, VersionTelemetry, telemetry_document
 
 
 class TelemetryReadings:

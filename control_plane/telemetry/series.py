@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
-from control_plane.telemetry_values import Signal, VersionTelemetry
+from control_plane.telemetry.values import Signal, VersionTelemetry
 from infermesh import wire
 
 DURATION, REQUESTS = wire.REQUEST_DURATION, wire.REQUESTS

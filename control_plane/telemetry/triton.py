@@ -1,7 +1,7 @@
 """Triton's Prometheus metrics, mapped to the ``Point``s our own servers push over OTLP (pure).
 
 A Triton server (or any KServe v2 server exposing Triton's metrics) does not push OTLP, so the
-control plane scrapes its ``/metrics`` (``control_plane.metrics_scraper``) and a ``TritonMapper``
+control plane scrapes its ``/metrics`` (``control_plane.telemetry.scraper``) and a ``TritonMapper``
 per endpoint turns each scrape into what ``TelemetryStore.ingest_points`` takes; scoring cannot
 tell the two kinds of endpoint apart. The mapping:
 
@@ -60,8 +60,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from control_plane.otlp_decode import Point
-from control_plane.telemetry_series import DURATION, REQUESTS
+from control_plane.telemetry.decode import Point
+from control_plane.telemetry.series import DURATION, REQUESTS
 from infermesh.wire import LATENCY_BUCKETS_S
 
 MAX_VERSIONS = 1000  # model versions tracked per endpoint (the store keeps 500 series anyway)

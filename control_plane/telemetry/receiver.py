@@ -26,17 +26,18 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
-from control_plane import otlp_identity, upstream_tls
-from control_plane.envoy_stats import is_envoy
+from control_plane import upstream_tls
 from control_plane.mesh import UpstreamTls
-from control_plane.otlp_decode import Point, PointTuple, decode_request
-from control_plane.otlp_wire import decode_fast
+from control_plane.telemetry import identity as otlp_identity
+from control_plane.telemetry.decode import Point, PointTuple, decode_request
+from control_plane.telemetry.envoy import is_envoy
+from control_plane.telemetry.otlp_wire import decode_fast
 from infermesh import pki
 
 if TYPE_CHECKING:
     from control_plane.metrics import ControlPlaneMetrics
-    from control_plane.telemetry import TelemetryStore
-from control_plane.telemetry_values import IngestResult
+    from control_plane.telemetry.store import TelemetryStore
+from control_plane.telemetry.values import IngestResult
 
 log = logging.getLogger(__name__)
 

@@ -38,8 +38,8 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
 )
 
-from control_plane.otlp_decode import PointTuple, decode_request
-from control_plane.telemetry_series import (
+from control_plane.telemetry.decode import PointTuple, decode_request
+from control_plane.telemetry.series import (
     DURATION,
     REQUESTS,
     Layout,
@@ -55,7 +55,7 @@ from control_plane.telemetry_series import (
     version_telemetry,
     went_back,
 )
-from control_plane.telemetry_values import (
+from control_plane.telemetry.values import (
     EndpointTelemetry,
     Flag,
     IngestResult,

@@ -30,8 +30,7 @@ from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope, KeyVa
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 from opentelemetry.proto.resource.v1 import resource_pb2
 
-from control_plane.envoy_stats import is_envoy
-from control_plane.otlp_decode import (
+from control_plane.telemetry.decode import (
     DELTA,
     KINDS,
     MAX_INSTANCE_ID_CHARS,
@@ -40,6 +39,7 @@ from control_plane.otlp_decode import (
     instance_id,
     sorted_attributes,
 )
+from control_plane.telemetry.envoy import is_envoy
 
 # Each memo is emptied when it reaches this many entries: a fleet repeats a few hundred
 # distinct attribute sets and resources per shard, an exporter that never repeats only costs

@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 
 from control_plane.scoring.at_rest import near
-from control_plane.telemetry_values import EndpointTelemetry, Flag, Signal
+from control_plane.telemetry.values import EndpointTelemetry, Flag, Signal
 
 # An endpoint that reports is sent whole at least this often: what GET /telemetry shows is
 # within push_tolerance of the newest, and never older than this. Each refresh comes after a

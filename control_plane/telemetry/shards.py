@@ -51,17 +51,17 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
 from control_plane import upstream_tls
-from control_plane.envoy_stats import used_stats
 from control_plane.gc_tuning import tune_gc
-from control_plane.otlp_receiver import start_receiver
-from control_plane.telemetry import TelemetryStore
-from control_plane.telemetry_moved import split_moved
-from control_plane.telemetry_series import VersionSeries
-from control_plane.telemetry_values import EndpointTelemetry, IngestResult, read_computed
+from control_plane.telemetry.envoy import used_stats
+from control_plane.telemetry.moved import split_moved
+from control_plane.telemetry.receiver import start_receiver
+from control_plane.telemetry.series import VersionSeries
+from control_plane.telemetry.store import TelemetryStore
+from control_plane.telemetry.values import EndpointTelemetry, IngestResult, read_computed
 
 if TYPE_CHECKING:
-    from control_plane.envoy_stats import EnvoyStats
     from control_plane.metrics import ControlPlaneMetrics
+    from control_plane.telemetry.envoy import EnvoyStats
     from control_plane.topology import TelemetryOptions
 
 log = logging.getLogger(__name__)
