@@ -5,7 +5,7 @@ ServerReady) over grpc.aio. ``PlacementPoller`` probes every endpoint once per c
 kept channel per endpoint, staggered over the cycle and within a probe budget, and calls
 ``on_change`` only when the placement (reachability, server readiness, READY (model, version)
 pairs) changed, so the control plane rebuilds its snapshot only then; both live in
-``control_plane.placement_poller`` and are re-exported here. ``build_mesh_state`` is the pure
+``control_plane.discovery.placement`` and are re-exported here. ``build_mesh_state`` is the pure
 function from a topology and the latest reports to the ``MeshState`` the Envoy resources are
 built from.
 """
@@ -17,18 +17,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from control_plane.lanes import lane_members, matches
-from control_plane.mesh import (
-    SERVERS_CLUSTER,
-    EndpointAddress,
-    EndpointAssignment,
-    EndpointHealth,
-    MeshState,
-    cluster_model,
-    is_checked_in_model_scope,
-    model_cluster,
-)
-from control_plane.placement_poller import (
+from control_plane.discovery.placement import (
     CHANNEL_OPTIONS,
     READY,
     AddressSource,
@@ -40,6 +29,17 @@ from control_plane.placement_poller import (
     grpc_target,
     open_channel,
     probe_endpoint,
+)
+from control_plane.lanes import lane_members, matches
+from control_plane.mesh import (
+    SERVERS_CLUSTER,
+    EndpointAddress,
+    EndpointAssignment,
+    EndpointHealth,
+    MeshState,
+    cluster_model,
+    is_checked_in_model_scope,
+    model_cluster,
 )
 from control_plane.scoring.types import Labels
 from control_plane.topology import Topology

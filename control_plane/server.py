@@ -30,8 +30,8 @@ from control_plane import upstream_tls
 from control_plane.admin import AdminServer, AdminTokens, check_exposure
 from control_plane.ads import AdsServicer
 from control_plane.canary_runs import CanaryRuns
-from control_plane.endpoint_resolver import EndpointResolver
-from control_plane.endpointslices import EndpointSlices
+from control_plane.discovery.kubernetes import EndpointSlices
+from control_plane.discovery.resolver import EndpointResolver
 from control_plane.envoy_checks import changes, checked_down_by_model
 from control_plane.fallback import Fallbacks
 from control_plane.incremental import SnapshotBuilder

@@ -54,7 +54,7 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
     xds: {host: 127.0.0.1, port: 18000}      # where the control plane serves ADS; tls: true
                                              # for mTLS (needs listener.upstream_tls)
     admin: {host: 127.0.0.1, port: 19000}    # the control plane's status HTTP
-    placement:                      # model server polling (control_plane.placement_poller)
+    placement:                      # model server polling (control_plane.discovery.placement)
       poll_interval_s: 1.0          # > 0: each endpoint probed once per interval, staggered
       timeout_s: 1.0                # > 0: deadline of each probe RPC
       max_probes_per_s: 100         # > 0: probe budget; more endpoints stretch the interval
@@ -108,7 +108,7 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
       - dns: model-servers.local:8001   # a name re-resolved to all its A/AAAA records
       - kubernetes: {service: infermesh-model-server, namespace: infermesh, port: grpc}
                                     # a Service's ready pods, watched through its EndpointSlices
-                                    # (control_plane.endpointslices); namespace: the pod's own
+                                    # (control_plane.discovery.kubernetes); namespace: the pod's own
 
 Unknown keys, duplicate keys, duplicate model names and duplicate endpoints are errors. A file
 (``load_topology``) must say ``listener.auth``, even ``mode: off``; a topology built in code
@@ -118,7 +118,7 @@ resolve EDS endpoint addresses): use ``dns:`` for names. ``load_topology`` and
 ``topology_fingerprint`` block (async callers use ``asyncio.to_thread``); a watcher takes the
 fingerprint *before* loading, so a write in between only costs one more reload. The
 ``models:`` section is checked in ``control_plane.topology_models``; the endpoint sources are
-resolved to addresses by ``control_plane.endpoint_resolver``.
+resolved to addresses by ``control_plane.discovery.resolver``.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ import yaml
 
 from control_plane import edge, edge_limits, edge_tls, exposure, lanes, tenants, upstream_tls
 from control_plane.canary import CanaryPolicy
-from control_plane.endpointslices import KubernetesEndpoint, parse_source
+from control_plane.discovery.kubernetes import KubernetesEndpoint, parse_source
 from control_plane.mesh import EndpointAddress, ListenerOptions, ModelRoute
 from control_plane.schema import Checker, UniqueKeyLoader, show
 from control_plane.scoring.types import Labels, PoolPolicy

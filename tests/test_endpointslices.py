@@ -29,15 +29,15 @@ from typing import Any
 
 import pytest
 
-from control_plane import endpointslices
-from control_plane.endpoint_resolver import EndpointResolver
-from control_plane.endpointslices import (
+from control_plane.discovery import kubernetes as endpointslices
+from control_plane.discovery.kubernetes import (
     ApiConfig,
     Backoff,
     EndpointSlices,
     KubernetesEndpoint,
     slice_addresses,
 )
+from control_plane.discovery.resolver import EndpointResolver
 from control_plane.mesh import EndpointAddress
 from control_plane.topology import StaticEndpoint, TopologyError, parse_topology
 from tests.envoy_support import free_port
@@ -425,7 +425,7 @@ async def test_error_event_and_410_gone_list_again(api: FakeKubeApi, token_file:
 async def test_a_dropped_stream_reconnects_and_logs_once(
     api: FakeKubeApi, token_file: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="control_plane.endpointslices")
+    caplog.set_level(logging.INFO, logger="control_plane.discovery.kubernetes")
     api.apply(endpoint_slice("a", {"10.0.0.1": READY}))
     watched = Watched(api, token_file)
     try:

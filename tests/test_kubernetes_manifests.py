@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from control_plane.cli import build_parser as control_plane_parser
-from control_plane.endpointslices import KubernetesEndpoint
+from control_plane.discovery.kubernetes import KubernetesEndpoint
 from control_plane.topology import Topology, parse_topology_text
 from infermesh.api_keys import add_key, new_key
 from model_server.cli import build_parser as model_server_parser

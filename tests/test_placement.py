@@ -351,7 +351,7 @@ def test_a_reachable_endpoint_leaves_after_failed_probes_in_a_row(
         models = BOTH if reachable else frozenset()
         return EndpointReport(address, reachable, models, reachable, "" if reachable else "down")
 
-    monkeypatch.setattr("control_plane.placement_poller.probe_endpoint", probe)
+    monkeypatch.setattr("control_plane.discovery.placement.probe_endpoint", probe)
     deliveries: list[bool] = []
 
     async def scenario() -> list[bool]:

@@ -16,9 +16,9 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from control_plane.discovery.placement import TICK_S
 from control_plane.mesh import EndpointAddress
 from control_plane.placement import EndpointReport, PlacementPoller
-from control_plane.placement_poller import TICK_S
 from control_plane.topology import PlacementOptions, TopologyError, parse_topology
 
 MODEL = ("classifier", "1")
@@ -102,7 +102,7 @@ async def test_budget_stretches_the_cycle(caplog: pytest.LogCaptureFixture) -> N
         addresses = [f.address for f in fakes]
         poller = PlacementPoller(lambda: addresses, 0.5, 2.0, max_probes_per_s=20)
         assert poller.effective_interval_s == 0.5  # no endpoints known yet
-        caplog.set_level(logging.INFO, logger="control_plane.placement_poller")
+        caplog.set_level(logging.INFO, logger="control_plane.discovery.placement")
         try:
             await poller.poll_once()  # as the control plane does at start
             assert poller.effective_interval_s == pytest.approx(1.0)

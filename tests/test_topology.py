@@ -16,7 +16,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane.endpoint_resolver import EndpointResolver, resolve_endpoints
+from control_plane.discovery.resolver import EndpointResolver, resolve_endpoints
 from control_plane.mesh import (
     CircuitBreaker,
     EdgeAuth,

@@ -36,7 +36,7 @@ ACTIVITIES = [  # (activity, substring of a frame "function (file:line)"), first
     ("live view / status", "control_plane/operator_api.py"),
     ("admin HTTP", "control_plane/admin.py"),
     ("placement poll", "control_plane/placement.py"),
-    ("placement poll", "control_plane/placement_poller.py"),
+    ("placement poll", "control_plane/discovery/placement.py"),
     ("placement poll (gRPC client calls)", "grpc/aio/_call.py"),
     ("placement poll (gRPC client calls)", "(_call.py:"),
 ]

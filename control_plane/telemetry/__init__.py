@@ -9,19 +9,26 @@ are scraped (``scraper``, mapped by ``triton``), and Envoy's own stats are kept 
 (``envoy``). Routing, placement and the canaries read the store; nothing here decides.
 """
 
-from control_plane.telemetry.envoy import EnvoyStats
-from control_plane.telemetry.receiver import start_receiver
-from control_plane.telemetry.scraper import MetricsScraper
-from control_plane.telemetry.shards import TelemetryShards
-from control_plane.telemetry.store import TelemetryStore
-from control_plane.telemetry.values import EndpointTelemetry, VersionTelemetry
+from __future__ import annotations
 
-__all__ = [
-    "EndpointTelemetry",
-    "EnvoyStats",
-    "MetricsScraper",
-    "TelemetryShards",
-    "TelemetryStore",
-    "VersionTelemetry",
-    "start_receiver",
-]
+import importlib
+from typing import Any
+
+# Loaded when first asked for, so importing one module of the package (``values``, say, in a
+# decoder process) does not load the receiver's gRPC server and the shards with it.
+_PUBLIC = {
+    "EndpointTelemetry": "values",
+    "EnvoyStats": "envoy",
+    "MetricsScraper": "scraper",
+    "TelemetryShards": "shards",
+    "TelemetryStore": "store",
+    "VersionTelemetry": "values",
+    "start_receiver": "receiver",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)

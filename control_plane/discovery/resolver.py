@@ -8,7 +8,7 @@ import logging
 import socket
 from collections.abc import Callable, Iterable
 
-from control_plane.endpointslices import KubernetesEndpoint
+from control_plane.discovery.kubernetes import KubernetesEndpoint
 from control_plane.mesh import EndpointAddress
 from control_plane.topology import DnsEndpoint, EndpointSource, StaticEndpoint, Topology
 
