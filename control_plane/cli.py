@@ -7,7 +7,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from control_plane.admin import AdminExposureError
+from control_plane.admin.http import AdminExposureError
 from control_plane.gc_tuning import tune_gc
 from control_plane.server import ControlPlaneSettings, serve
 from control_plane.topology import TopologyError

@@ -27,7 +27,9 @@ import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from control_plane import upstream_tls
-from control_plane.admin import AdminServer, AdminTokens, check_exposure
+from control_plane.admin.api import OperatorApi
+from control_plane.admin.http import AdminServer, AdminTokens, check_exposure
+from control_plane.admin.live_view import LiveFeed
 from control_plane.ads import AdsServicer
 from control_plane.canary_runs import CanaryRuns
 from control_plane.discovery.kubernetes import EndpointSlices
@@ -35,11 +37,9 @@ from control_plane.discovery.resolver import EndpointResolver
 from control_plane.envoy_checks import changes, checked_down_by_model
 from control_plane.fallback import Fallbacks
 from control_plane.incremental import SnapshotBuilder
-from control_plane.live_view import LiveFeed
 from control_plane.mesh import EndpointAddress, EndpointHealth, MeshState
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.nodes import NodeRegistry
-from control_plane.operator_api import OperatorApi
 from control_plane.placement import ClusterMemo, PlacementPoller, build_mesh_state
 from control_plane.routing import Router
 from control_plane.scoring.types import RECOMPUTE_PERIOD_S, Labels

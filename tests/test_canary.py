@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from control_plane import canary
+from control_plane.admin.api import REFUSAL_STATUS
 from control_plane.canary import CanaryPolicy, CanaryRun, VersionStats, judge, parse_policy
 from control_plane.canary_runs import CanaryRejected, CanaryRuns
 from control_plane.metrics import ControlPlaneMetrics
-from control_plane.operator_api import REFUSAL_STATUS
 from control_plane.telemetry.values import Signal, VersionTelemetry
 from control_plane.topology import TopologyError, parse_topology
 

@@ -13,9 +13,9 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 from control_plane import edge_tls, upstream_tls
-from control_plane.admin import AdminError
+from control_plane.admin.http import AdminError
+from control_plane.admin.live_view import build_frame
 from control_plane.canary_runs import CanaryRejected, Refusal
-from control_plane.live_view import build_frame
 from control_plane.mesh import EndpointAddress, EndpointHealth
 from control_plane.telemetry import identity as otlp_identity
 from control_plane.tenants import security_warnings

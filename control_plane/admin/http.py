@@ -14,7 +14,7 @@ GET  /canaries                   every canary run: status, percent, reason, each
 GET  /ui                         the live mesh view (a page; static files from control_plane/ui)
 GET  /ui/config                  what the page may do: {"actions": true} only with a token set
 GET  /events                     server-sent events for the page: "history" once, then a
-                                 "frame" a second (control_plane/live_view.py)
+                                 "frame" a second (control_plane/admin/live_view.py)
 POST /models/NAME/split          {"1": 90, "2": 10}: the model's version split from now on;
                                  {} goes back to the topology's (aborts a running canary)
 POST /models/NAME/canary         {"version": "2"} starts an SLO-gated canary of version 2 against
@@ -54,7 +54,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from control_plane.live_view import LiveFeed
+from control_plane.admin.live_view import LiveFeed
 from infermesh.addresses import is_loopback
 
 log = logging.getLogger(__name__)
@@ -235,7 +235,7 @@ class AdminServer:
                 if name not in UI_FILES:
                     self._json(HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path}"})
                     return
-                data = (importlib.resources.files("control_plane") / "ui" / name).read_bytes()
+                data = (importlib.resources.files("control_plane.admin") / "ui" / name).read_bytes()
                 self._send(HTTPStatus.OK, data, UI_FILES[name])
 
             def _events(self, feed: LiveFeed) -> None:
