@@ -5,23 +5,15 @@ operator (status, overrides, splits, canaries), ``live_view`` the frames the pag
 (static files in ``ui/``) draws. Nothing below this layer imports it (import-linter).
 """
 
-from __future__ import annotations
+from control_plane.lazy import exports
 
-import importlib
-from typing import Any
-
-# Loaded when first asked for, like the other stage packages.
-_PUBLIC = {
-    "AdminError": "http",
-    "AdminServer": "http",
-    "AdminTokens": "http",
-    "LiveFeed": "live_view",
-    "OperatorApi": "api",
-}
-__all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _PUBLIC:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+__getattr__, __all__ = exports(
+    __name__,
+    {
+        "AdminError": "http",
+        "AdminServer": "http",
+        "AdminTokens": "http",
+        "LiveFeed": "live_view",
+        "OperatorApi": "api",
+    },
+)

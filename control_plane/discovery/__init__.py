@@ -7,18 +7,8 @@ model versions are READY (RepositoryIndex, ServerReady). Routing and the xDS bui
 what it found; nothing here decides weights.
 """
 
-from __future__ import annotations
+from control_plane.lazy import exports
 
-import importlib
-from typing import Any
-
-# Loaded when first asked for: the topology imports ``kubernetes`` (its endpoint source's
-# parser), and an eager import of ``placement`` here would import the topology back.
-_PUBLIC = {"EndpointResolver": "resolver", "PlacementPoller": "placement"}
-__all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _PUBLIC:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+__getattr__, __all__ = exports(
+    __name__, {"EndpointResolver": "resolver", "PlacementPoller": "placement"}
+)

@@ -9,26 +9,17 @@ are scraped (``scraper``, mapped by ``triton``), and Envoy's own stats are kept 
 (``envoy``). Routing, placement and the canaries read the store; nothing here decides.
 """
 
-from __future__ import annotations
+from control_plane.lazy import exports
 
-import importlib
-from typing import Any
-
-# Loaded when first asked for, so importing one module of the package (``values``, say, in a
-# decoder process) does not load the receiver's gRPC server and the shards with it.
-_PUBLIC = {
-    "EndpointTelemetry": "values",
-    "EnvoyStats": "envoy",
-    "MetricsScraper": "scraper",
-    "TelemetryShards": "shards",
-    "TelemetryStore": "store",
-    "VersionTelemetry": "values",
-    "start_receiver": "receiver",
-}
-__all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _PUBLIC:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+__getattr__, __all__ = exports(
+    __name__,
+    {
+        "EndpointTelemetry": "values",
+        "EnvoyStats": "envoy",
+        "MetricsScraper": "scraper",
+        "TelemetryShards": "shards",
+        "TelemetryStore": "store",
+        "VersionTelemetry": "values",
+        "start_receiver": "receiver",
+    },
+)
