@@ -93,12 +93,8 @@ def start_mesh(stack: ExitStack, models: Path, workdir: Path, tls: bool) -> bm.M
 
 
 def _credentials(workdir: Path) -> grpc.ChannelCredentials:
-    directory = workdir / "pki"
-    who = pki.operator("bench")
-    files = [directory / f"{who.file_stem}.{ext}" for ext in ("key", "crt")]
-    return grpc.ssl_channel_credentials(
-        (directory / "ca.crt").read_bytes(), *(f.read_bytes() for f in files)
-    )
+    mine = pki.load_workload(workdir / "pki", pki.operator("bench"))
+    return grpc.ssl_channel_credentials(mine.ca_pem, mine.key_pem, mine.cert_pem)
 
 
 async def _storm(address: str, n: int, tls: grpc.ChannelCredentials | None) -> tuple[float, int]:

@@ -248,13 +248,14 @@ def write_sds_files(pki_dir: Path, node_id: str, sds_dir: Path | None = None) ->
     and stay valid across renewals."""
     root = pki_dir.resolve()
     out = sds_dir or pki_dir
+    mine = pki.workload_files(root, pki.envoy(node_id))
     files = {
         f"envoy_{node_id}.sds.json": {
             "@type": SECRET_TYPE_URL,
             "name": IDENTITY_SDS,
             "tls_certificate": {
-                "certificate_chain": {"filename": str(root / f"envoy_{node_id}.crt")},
-                "private_key": {"filename": str(root / f"envoy_{node_id}.key")},
+                "certificate_chain": {"filename": str(mine.cert)},
+                "private_key": {"filename": str(mine.key)},
             },
         },
         "ca.sds.json": {
@@ -436,11 +437,8 @@ def prepare_xds_tls(pki_dir: Path, node_id: str) -> XdsTls:
     directory per PKI directory and node under the temporary directory, so the PKI directory
     may be read-only (a container's volume) and two meshes on a host do not share them."""
     root = pki_dir.resolve()
-    ca = pki.ca_paths(root)[0]
-    domain = pki.trust_domain_of_ca(pki.read_certificate(ca))
-    who = pki.envoy(node_id, domain)
-    cert, key = (root / f"{who.file_stem}.{ext}" for ext in ("crt", "key"))
-    pki.load_credentials(cert, key, ca, expect=who.spiffe_id)
+    domain = pki.directory_trust_domain(root)
+    pki.load_workload(root, pki.envoy(node_id, domain))
     tag = hashlib.sha256(f"{root}\0{node_id}".encode()).hexdigest()[:16]
     sds_dir = Path(tempfile.gettempdir()) / f"infermesh-sds-{os.getuid()}-{tag}"
     sds_dir.mkdir(mode=0o700, exist_ok=True)

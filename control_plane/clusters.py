@@ -167,8 +167,9 @@ def build_assignment(
         load.policy.overprovisioning_factor.value = NO_SPILL_OVERPROVISIONING
     # Envoy needs priorities numbered 0, 1, ... without gaps.
     for level, priority in enumerate(sorted({a.priority for a in ordered})):
+        # server_address builds a string: only asked for when some member is plaintext
         endpoints = [
-            lb_endpoint(a, trust_domain, a.server_address in plaintext)
+            lb_endpoint(a, trust_domain, bool(plaintext) and a.server_address in plaintext)
             for a in ordered
             if a.priority == priority
         ]

@@ -21,15 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from envoy.config.core.v3 import base_pb2
-from envoy.extensions.transport_sockets.tls.v3 import common_pb2, secret_pb2, tls_pb2
+from envoy.extensions.transport_sockets.tls.v3 import secret_pb2, tls_pb2
 
 from control_plane.envoy_values import ads_source, packed
 from control_plane.mesh import EdgeTls
 from control_plane.schema import Checker
+from control_plane.upstream_tls import TLS_SOCKET, certificate_secret
 from infermesh import pki
 
 EDGE_SECRET = "edge-certificate"
-TLS_SOCKET = "envoy.transport_sockets.tls"
 ALPN = ("h2", "http/1.1")
 WARN_BEFORE_S = 7 * 24 * 3600  # public certificates renew 30 days ahead: a week left is late
 _KEYS = {"cert_file": "path", "key_file": "path"}
@@ -62,11 +62,7 @@ def parse_edge_tls(c: Checker, value: object, path: str, base: Path) -> EdgeTls 
 
 
 def secret(tls: EdgeTls) -> secret_pb2.Secret:
-    certificate = common_pb2.TlsCertificate(
-        certificate_chain=base_pb2.DataSource(inline_bytes=tls.cert_pem),
-        private_key=base_pb2.DataSource(inline_bytes=tls.key_pem),
-    )
-    return secret_pb2.Secret(name=EDGE_SECRET, tls_certificate=certificate)
+    return certificate_secret(EDGE_SECRET, tls.cert_pem, tls.key_pem)
 
 
 def transport_socket() -> base_pb2.TransportSocket:

@@ -88,12 +88,9 @@ def read_pki(
     domain = pki.trust_domain_of_ca(ca)
     errors: list[str] = []
 
-    def load(stem: str, who: pki.Workload) -> WorkloadKeys | None:
-        cert_path = directory / f"{stem}.crt"
+    def load(who: pki.Workload) -> WorkloadKeys | None:
         try:
-            creds = pki.load_credentials(
-                cert_path, cert_path.with_suffix(".key"), ca_path, who.spiffe_id
-            )
+            creds = pki.load_workload(directory, who)
         except pki.CertificateError as exc:
             errors.append(str(exc))
             return None
@@ -109,12 +106,12 @@ def read_pki(
         except pki.CertificateError as exc:
             errors.append(f"{cert_path}: {exc}")
             continue
-        if (keys := load(cert_path.stem, who)) is not None:
+        if (keys := load(who)) is not None:
             envoys.append(keys)
     if not envoys and not errors:
         errors.append(f"{directory}: no envoy_<node-id>.crt (infermesh certs issue envoy NODE)")
     own = pki.control_plane(control_plane, domain)
-    me = load(own.file_stem, own)
+    me = load(own)
     ca_pem = ca.public_bytes(serialization.Encoding.PEM)  # the CA checked, not a second read
     return UpstreamTls(str(directory), domain, ca_pem, tuple(envoys), me), errors
 
@@ -165,11 +162,16 @@ def ca_secret(tls: UpstreamTls) -> secret_pb2.Secret:
 
 
 def identity_secret(identity: WorkloadKeys) -> secret_pb2.Secret:
+    return certificate_secret(IDENTITY_SECRET, identity.cert_pem, identity.key_pem)
+
+
+def certificate_secret(name: str, cert_pem: bytes, key_pem: bytes) -> secret_pb2.Secret:
+    """An SDS secret holding a certificate (chain) and its key, inline."""
     certificate = common_pb2.TlsCertificate(
-        certificate_chain=base_pb2.DataSource(inline_bytes=identity.cert_pem),
-        private_key=base_pb2.DataSource(inline_bytes=identity.key_pem),
+        certificate_chain=base_pb2.DataSource(inline_bytes=cert_pem),
+        private_key=base_pb2.DataSource(inline_bytes=key_pem),
     )
-    return secret_pb2.Secret(name=IDENTITY_SECRET, tls_certificate=certificate)
+    return secret_pb2.Secret(name=name, tls_certificate=certificate)
 
 
 def node_secrets(tls: UpstreamTls | None) -> dict[str, dict[str, Any]]:

@@ -84,12 +84,11 @@ def keep_once(directory: Path, names: Sequence[str], trust_domain: str, hours: f
 
 
 def _usable(directory: Path, who: pki.Workload) -> bool:
-    cert, key = (directory / f"{who.file_stem}.{ext}" for ext in ("crt", "key"))
     try:
-        pki.load_credentials(cert, key, pki.ca_paths(directory)[0], expect=who.spiffe_id)
+        pki.load_workload(directory, who)
     except pki.CertificateError:
         return False
-    return not pki.needs_renewal(cert)
+    return not pki.needs_renewal(pki.workload_files(directory, who).cert)
 
 
 def keep(
@@ -122,14 +121,12 @@ def ready(directory: Path) -> str | None:
     listed = directory / READY_FILE
     try:
         names = listed.read_text().split()
-        domain = pki.trust_domain_of_ca(pki.read_certificate(pki.ca_paths(directory)[0]))
+        domain = pki.directory_trust_domain(directory)
     except (OSError, pki.CertificateError):
         return f"{directory}: no certificates kept yet"
     for name in names:
-        who = parse_workload(name, domain)
-        cert, key = (directory / f"{who.file_stem}.{ext}" for ext in ("crt", "key"))
         try:
-            pki.load_credentials(cert, key, pki.ca_paths(directory)[0], expect=who.spiffe_id)
+            pki.load_workload(directory, parse_workload(name, domain))
         except pki.CertificateError as exc:
             return str(exc)
     return None

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infermesh.api_keys import API_KEY_FILE, ensure_local_credentials
+from infermesh.certs import PKI_DIR
 from infermesh.compose import Service, load_services
 from infermesh.secrets import ADMIN_TOKEN_FILE, OPERATOR_KEY_FILE
 
@@ -174,7 +175,7 @@ def up(compose: Path, root: Path, log_dir: Path) -> int:
             f"  credentials: {root / API_KEY_FILE} (your API key: the examples send it; "
             f'curl -u "$(cat {root / API_KEY_FILE})"), {root / OPERATOR_KEY_FILE} (operator '
             f"key), {root / ADMIN_TOKEN_FILE} (admin token)\n"
-            f"  mTLS:     every hop inside the mesh; certificates in {root / '.infermesh/pki'} "
+            f"  mTLS:     every hop inside the mesh; certificates in {root / PKI_DIR} "
             "(`infermesh certs show`), renewed while the mesh runs\n"
             "  Ctrl-C stops the mesh (model servers drain first).",
             flush=True,

@@ -102,23 +102,27 @@ def run(
     return 1 if failed else 0
 
 
-def _operator_tls(pki_dir: Path) -> tuple[Path, Path, Path] | None:
-    """The local operator's CA, key and certificate files, or None (plaintext) when the
+OperatorTls = tuple[pki.IssuedFiles, pki.Credentials]
+
+
+def _operator_tls(pki_dir: Path) -> OperatorTls | None:
+    """The local operator's files and checked credentials, or None (plaintext) when the
     directory has no operator certificate."""
-    if not (pki_dir / f"operator_{tls_client.LOCAL_OPERATOR}.crt").exists():
+    who = pki.operator(tls_client.LOCAL_OPERATOR)  # the file's name; the domain is the CA's
+    if not pki.workload_files(pki_dir, who).cert.exists():
         return None
-    return tls_client.operator_files(pki_dir)
+    return tls_client.operator(pki_dir)
 
 
-def _client(server: str, tls: tuple[Path, Path, Path] | None) -> grpcclient.InferenceServerClient:
+def _client(server: str, tls: OperatorTls | None) -> grpcclient.InferenceServerClient:
     if tls is None:
         return grpcclient.InferenceServerClient(server)
-    ca, key, cert = tls
-    spiffe_id = pki.spiffe_id_of(pki.read_certificate(cert)) or ""
+    files, credentials = tls
+    name = tls_client.server_name(server, credentials.spiffe_id)
     return grpcclient.InferenceServerClient(
-        server, ssl=True, root_certificates=str(ca), private_key=str(key),
-        certificate_chain=str(cert),
-        channel_args=[("grpc.ssl_target_name_override", tls_client.server_name(server, spiffe_id))],
+        server, ssl=True, root_certificates=str(pki.ca_paths(files.cert.parent)[0]),
+        private_key=str(files.key), certificate_chain=str(files.cert),
+        channel_args=[("grpc.ssl_target_name_override", name)],
     )  # fmt: skip
 
 

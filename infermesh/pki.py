@@ -34,6 +34,7 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from infermesh.addresses import is_ip
@@ -301,7 +302,7 @@ def issue(
         .sign(authority.key, hashes.SHA256())
     )
     directory.mkdir(parents=True, exist_ok=True)
-    files = IssuedFiles(directory / f"{who.file_stem}.crt", directory / f"{who.file_stem}.key")
+    files = workload_files(directory, who)
     _write_private(files.key, _key_pem(key))
     _write_atomic(files.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     return files
@@ -324,6 +325,23 @@ class Credentials:
 
     def __repr__(self) -> str:  # never the key
         return f"Credentials({self.spiffe_id}, not_after={self.not_after.isoformat()})"
+
+
+def workload_files(directory: Path, who: Workload) -> IssuedFiles:
+    """Where ``issue`` writes ``who``'s certificate and key in ``directory``."""
+    return IssuedFiles(directory / f"{who.file_stem}.crt", directory / f"{who.file_stem}.key")
+
+
+def directory_trust_domain(directory: Path) -> str:
+    """The trust domain of the CA in ``directory`` (its ``ca.crt``)."""
+    return trust_domain_of_ca(read_certificate(ca_paths(directory)[0]))
+
+
+def load_workload(directory: Path, who: Workload) -> Credentials:
+    """``who``'s files in ``directory``, checked against its CA and identity
+    (``load_credentials``)."""
+    files = workload_files(directory, who)
+    return load_credentials(files.cert, files.key, ca_paths(directory)[0], who.spiffe_id)
 
 
 def load_credentials(
@@ -371,17 +389,9 @@ def load_server_pair(cert_path: Path, key_path: Path) -> ServerPair:
     """A server's files, checked as a start-up must: PEM, within validity, key matching the
     leaf (EC or RSA). The message names the file and the problem, never the key."""
     cert_pem = _read(cert_path, "certificate")
-    try:
-        leaf = x509.load_pem_x509_certificate(cert_pem)
-    except ValueError:
-        raise CertificateError(f"{cert_path}: not a PEM certificate") from None
+    leaf = _certificate(cert_pem, cert_path)  # the first in the file
     key_pem = _read(key_path, "private key")
-    try:
-        key = serialization.load_pem_private_key(key_pem, password=None)
-    except (ValueError, TypeError):
-        raise CertificateError(f"{key_path}: not an unencrypted PEM private key") from None
-    if key.public_key() != leaf.public_key():
-        raise CertificateError(f"{key_path}: this key does not belong to {cert_path}")
+    _check_pair(_any_private_key(key_pem, key_path), leaf, key_path, cert_path)
     _check_validity(leaf, cert_path)
     try:
         san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -404,7 +414,10 @@ def spiffe_id_of(cert: x509.Certificate) -> str | None:
 
 
 def read_certificate(path: Path) -> x509.Certificate:
-    data = _read(path, "certificate")
+    return _certificate(_read(path, "certificate"), path)
+
+
+def _certificate(data: bytes, path: Path) -> x509.Certificate:
     try:
         return x509.load_pem_x509_certificate(data)
     except ValueError:
@@ -415,11 +428,16 @@ def read_private_key(path: Path) -> ec.EllipticCurvePrivateKey:
     return _private_key(_read(path, "private key"), path)
 
 
-def _private_key(data: bytes, path: Path) -> ec.EllipticCurvePrivateKey:
+def _any_private_key(data: bytes, path: Path) -> PrivateKeyTypes:
     try:
-        key = serialization.load_pem_private_key(data, password=None)
+        return serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError):
         raise CertificateError(f"{path}: not an unencrypted PEM private key") from None
+
+
+def _private_key(data: bytes, path: Path) -> ec.EllipticCurvePrivateKey:
+    """A mesh key: EC only (the mesh issues P-256)."""
+    key = _any_private_key(data, path)
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise CertificateError(f"{path}: expected an EC private key")
     return key
@@ -448,7 +466,7 @@ def describe(path: Path) -> str:
 
 
 def _check_pair(
-    key: ec.EllipticCurvePrivateKey, cert: x509.Certificate, key_path: Path, cert_path: Path
+    key: PrivateKeyTypes, cert: x509.Certificate, key_path: Path, cert_path: Path
 ) -> None:
     if key.public_key() != cert.public_key():
         raise CertificateError(f"{key_path}: this key does not belong to {cert_path}")

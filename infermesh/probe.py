@@ -28,7 +28,7 @@ def grpc_ready(address: str, pki_dir: str | None = None) -> str | None:
 
     try:
         opened = (
-            tls_client.server_channel(address, tls_client.operator(Path(pki_dir)))
+            tls_client.server_channel(address, tls_client.operator(Path(pki_dir))[1])
             if pki_dir
             else grpc.insecure_channel(address)
         )

@@ -13,21 +13,11 @@ from infermesh import pki
 LOCAL_OPERATOR = "local"  # compose.yaml's mesh-certs keeps operator:local
 
 
-def operator_files(pki_dir: Path, name: str = LOCAL_OPERATOR) -> tuple[Path, Path, Path]:
-    """The operator's CA, key and certificate files in ``pki_dir``, checked as a start-up
-    checks them (CertificateError names the file and what is wrong)."""
-    ca = pki.ca_paths(pki_dir)[0]
-    domain = pki.trust_domain_of_ca(pki.read_certificate(ca))
-    who = pki.operator(name, domain)
-    cert, key = (pki_dir / f"{who.file_stem}.{ext}" for ext in ("crt", "key"))
-    pki.load_credentials(cert, key, ca, expect=who.spiffe_id)
-    return ca, key, cert
-
-
-def operator(pki_dir: Path, name: str = LOCAL_OPERATOR) -> pki.Credentials:
-    """The operator's checked credentials in ``pki_dir``."""
-    ca, key, cert = operator_files(pki_dir, name)
-    return pki.load_credentials(cert, key, ca)
+def operator(pki_dir: Path, name: str = LOCAL_OPERATOR) -> tuple[pki.IssuedFiles, pki.Credentials]:
+    """The operator's files in ``pki_dir`` and their contents, checked as a start-up checks
+    them (CertificateError names the file and what is wrong)."""
+    who = pki.operator(name, pki.directory_trust_domain(pki_dir))
+    return pki.workload_files(pki_dir, who), pki.load_workload(pki_dir, who)
 
 
 def server_name(address: str, spiffe_id: str) -> str:

@@ -16,6 +16,7 @@ The receiver presents the control plane's certificate (``upstream_tls.server_cre
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -78,6 +79,7 @@ def plaintext_warnings(telemetry: TelemetryOptions) -> list[str]:
     ]
 
 
+@functools.lru_cache(maxsize=4096)  # every report asks; as pki.mesh_peer, bounded
 def _server_identity(instance_id: str, trust_domain: str) -> str | None:
     """The SPIFFE ID of the server an instance id (HOST:PORT, [V6]:PORT) names, or None.
     Compared as identities, so an IPv6 address matches its certificate's form."""

@@ -26,6 +26,7 @@ import ssl
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 
@@ -33,7 +34,7 @@ from control_plane.mesh import UpstreamTls
 from control_plane.telemetry.store import TelemetryStore
 from control_plane.telemetry.triton import TritonMapper, TritonScrape
 from control_plane.telemetry.values import IngestResult
-from infermesh.pki import server_dns_name
+from infermesh import pki
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +100,8 @@ class MetricsScraper:
             self._tls = None
             return
         context = ssl.create_default_context(cadata=tls.ca_pem.decode())
-        stem = f"{tls.pki_dir}/control-plane_{me.name}"
-        context.load_cert_chain(f"{stem}.crt", f"{stem}.key")
+        mine = pki.workload_files(Path(tls.pki_dir), pki.control_plane(me.name, tls.trust_domain))
+        context.load_cert_chain(mine.cert, mine.key)
         self._tls = (context, tls.trust_domain)
 
     def set_targets(self, targets: Mapping[str, str]) -> None:
@@ -203,7 +204,7 @@ class MetricsScraper:
         options: dict[str, object] = {}
         if self._tls is not None and url.startswith("https://"):
             context, domain = self._tls
-            options = {"ssl": context, "server_hostname": server_dns_name(endpoint, domain)}
+            options = {"ssl": context, "server_hostname": pki.server_dns_name(endpoint, domain)}
         async with session.get(url, headers={"Accept": "text/plain"}, **options) as response:  # type: ignore[arg-type]
             if response.status != 200:
                 raise ScrapeError(f"HTTP {response.status} {response.reason or ''}".strip())
