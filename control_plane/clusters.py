@@ -22,15 +22,17 @@ from control_plane import edge, upstream_tls
 from control_plane.edge import HTTP_PROTOCOL_OPTIONS
 from control_plane.envoy_values import ads_source, duration, packed
 from control_plane.mesh import (
+    NO_PODS,
     EndpointAssignment,
     EndpointHealth,
     MeshState,
+    ServerPods,
     checks_health,
     cluster_model,
     is_rest_cluster,
 )
 from control_plane.protection import NO_SPILL_OVERPROVISIONING, circuit_breakers
-from infermesh.pki import server_dns_name
+from infermesh.pki import server_name
 
 _HEALTH = {
     EndpointHealth.HEALTHY: hc_pb2.HEALTHY,
@@ -130,18 +132,19 @@ def build_cluster(state: MeshState, name: str) -> cluster_pb2.Cluster:
 
 @functools.lru_cache(maxsize=1 << 15)
 def lb_endpoint(
-    assignment: EndpointAssignment, trust_domain: str = "", plaintext: bool = False
+    assignment: EndpointAssignment, trust_domain: str = "", plaintext: bool = False, pod: str = ""
 ) -> ep_pb2.LbEndpoint:
     """One endpoint's EDS entry, made once per assignment and copied into each assignment
     that holds it (never mutate one): `servers` at 10,000 endpoints took 66-75 ms to make and
     11-18 ms from made entries, side by side in one process. About 1 KB an entry (32 MiB at
     most). With ``trust_domain`` (upstream mTLS) the entry's hostname is the server's
-    certificate name, which Envoy sends as SNI and checks the certificate against; a
+    certificate name (its ``pod``'s on Kubernetes: ``pki.server_name``), which Envoy sends
+    as SNI and checks the certificate against; a
     ``plaintext`` member instead carries the metadata that picks the cluster's plaintext
     transport socket (``upstream_tls.plaintext_match``)."""
     address = socket_address(assignment.address.host, assignment.address.port)
     checked = trust_domain and not plaintext
-    hostname = server_dns_name(assignment.server_address, trust_domain) if checked else ""
+    hostname = server_name(assignment.server_address, pod, trust_domain) if checked else ""
     entry = ep_pb2.LbEndpoint(
         endpoint=ep_pb2.Endpoint(address=address, hostname=hostname),
         health_status=_HEALTH[assignment.health],
@@ -158,20 +161,26 @@ def build_assignment(
     no_spill: bool = False,
     trust_domain: str = "",
     plaintext: frozenset[str] = frozenset(),
+    pods: ServerPods = NO_PODS,
 ) -> endpoint_pb2.ClusterLoadAssignment:
     """``no_spill``: the cluster keeps all its traffic while any endpoint is healthy (it is the
-    first of a fallback aggregate)."""
+    first of a fallback aggregate). ``pods``: the Kubernetes pod of each server address,
+    whose name its certificate carries."""
     ordered = sorted(assignments, key=lambda a: (a.address.host, a.address.port))
     load = endpoint_pb2.ClusterLoadAssignment(cluster_name=name)
     if no_spill:
         load.policy.overprovisioning_factor.value = NO_SPILL_OVERPROVISIONING
     # Envoy needs priorities numbered 0, 1, ... without gaps.
     for level, priority in enumerate(sorted({a.priority for a in ordered})):
-        # server_address builds a string: only asked for when some member is plaintext
+        # server_address builds a string: only asked for when some member is plaintext or
+        # discovery named pods
         endpoints = [
-            lb_endpoint(a, trust_domain, bool(plaintext) and a.server_address in plaintext)
+            lb_endpoint(
+                a, trust_domain, bool(plaintext) and a.server_address in plaintext,
+                pods.get(a.server_address) if pods else "",
+            )
             for a in ordered
             if a.priority == priority
-        ]
+        ]  # fmt: skip
         load.endpoints.add(lb_endpoints=endpoints, priority=level)
     return load

@@ -330,6 +330,38 @@ class WorkloadKeys:
     not_after: float = 0.0  # Unix time
 
 
+class ServerPods:
+    """Which Kubernetes pod ("NAMESPACE/POD") serves at each discovered address ("HOST:PORT"),
+    as the EndpointSlices' ``targetRef`` says: a pod's certificate names the pod, not its IP
+    (``pki.model_server_pod``). Immutable; compared and hashed by identity, so the snapshot
+    caches that key on it cost nothing until discovery replaces it (only on a change)."""
+
+    __slots__ = ("_pods",)
+
+    def __init__(self, pods: Mapping[str, str] | None = None) -> None:
+        self._pods = dict(pods or {})
+
+    def get(self, address: str) -> str:
+        """``NAMESPACE/POD`` at ``address`` (HOST:PORT, or [V6]:PORT as a server names
+        itself), or "" (then the address is the identity)."""
+        found = self._pods.get(address, "")
+        if not found and address.startswith("["):
+            found = self._pods.get(address[1:].replace("]", "", 1), "")
+        return found
+
+    def as_dict(self) -> dict[str, str]:
+        return dict(self._pods)
+
+    def __len__(self) -> int:
+        return len(self._pods)
+
+    def __repr__(self) -> str:
+        return f"ServerPods({len(self._pods)} pods)"
+
+
+NO_PODS = ServerPods()
+
+
 @dataclass(frozen=True)
 class UpstreamTls:
     """Mutual TLS from Envoy and the control plane to the model servers
@@ -344,6 +376,9 @@ class UpstreamTls:
     # Members that speak plaintext ("tls: false" on the endpoint, e.g. a Triton server
     # without TLS): HOST:PORT of their gRPC address. Flagged in /status.
     plaintext: frozenset[str] = frozenset()
+    # Kubernetes: the pod behind each discovered address, whose name its certificate carries
+    # instead of the address (pki.model_server_pod). Set by the control plane from discovery.
+    pods: ServerPods = field(default_factory=lambda: NO_PODS)
 
     @property
     def files(self) -> tuple[str, ...]:

@@ -45,6 +45,7 @@ from control_plane.lanes import (
 from control_plane.lua_routing import LUA_FILTER, lua_source
 from control_plane.mesh import (
     LISTENER_NAME,
+    NO_PODS,
     ROUTE_CONFIG_NAME,
     SERVERS_CLUSTER,
     EdgeAuth,
@@ -476,16 +477,17 @@ def build_resources(state: MeshState, made: Make = fresh) -> dict[str, dict[str,
     tls = state.listener.upstream_tls
     trust_domain = tls.trust_domain if tls is not None else ""
     plaintext = tls.plaintext if tls is not None else frozenset()
+    pods = tls.pods if tls is not None else NO_PODS
 
     def assignment(name: str) -> Message:
         # A REST twin shares the gRPC cluster's tuple (cheap to compare); ports shift here.
         twin = is_rest_cluster(name)
         offset = state.listener.rest.port_offset if twin else 0
         key = (members[name], name in primaries, offset, state.rest_ports if twin else (),
-               trust_domain, plaintext)  # fmt: skip
+               trust_domain, plaintext, pods)  # fmt: skip
         return made(ENDPOINT_TYPE, name, key, lambda: build_assignment(
             name, edge.rest_assignments(members[name], offset, rest_ports) if twin
-            else members[name], name in primaries, trust_domain, plaintext))  # fmt: skip
+            else members[name], name in primaries, trust_domain, plaintext, pods))  # fmt: skip
 
     clusters = {name: cluster(name) for name in names}
     clusters.update({name: aggregate(name, pair) for name, pair in fallbacks.items()})

@@ -37,7 +37,14 @@ from control_plane.discovery.resolver import EndpointResolver
 from control_plane.envoy_checks import changes, checked_down_by_model
 from control_plane.fallback import Fallbacks
 from control_plane.incremental import SnapshotBuilder
-from control_plane.mesh import EndpointAddress, EndpointHealth, MeshState
+from control_plane.mesh import (
+    NO_PODS,
+    EndpointAddress,
+    EndpointHealth,
+    MeshState,
+    ServerPods,
+    UpstreamTls,
+)
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.nodes import NodeRegistry
 from control_plane.placement import ClusterMemo, PlacementPoller, build_mesh_state
@@ -156,6 +163,10 @@ class ControlPlane:
         self.decoders: ProcessPoolExecutor | None = None  # telemetry.decoder_processes
         self.otlp_port = 0
         self.endpoints: tuple[EndpointAddress, ...] = ()
+        self.server_pods = NO_PODS  # Kubernetes: the pod at each address (``upstream_tls``)
+        self._with_pods: tuple[Topology | None, ServerPods, Topology] = (
+            None, NO_PODS, self.topology,
+        )  # fmt: skip
         self.weights: dict[EndpointAddress, int] = {}
         self.health: dict[EndpointAddress, EndpointHealth] = {}
         # listener.health_checks: model: what Envoy's checks find (see control_plane.envoy_checks)
@@ -190,7 +201,7 @@ class ControlPlane:
         tokens = AdminTokens(self.settings.admin_read_token, self.settings.admin_token)
         check_exposure(t.admin.host, tokens)  # before anything binds
         await self.slices.sync(t.endpoints)  # waits (bounded) for the first LIST of each
-        self.endpoints = await self.resolver.resolve(t.endpoints)
+        await self._resolve_endpoints()
         self.grpc_server = grpc.aio.server(
             options=[("grpc.keepalive_time_ms", 30_000), ("grpc.so_reuseport", 0)]
         )
@@ -243,6 +254,7 @@ class ControlPlane:
                 pki=(tls.pki_dir, me.name) if tls is not None and me is not None else None,
             )  # fmt: skip
             self.telemetry.shards = self.shards
+            self.shards.set_pods(self.server_pods)  # what each shard is told when it starts
             self.otlp_port = await asyncio.to_thread(self.shards.start, otlp_port)
         else:
             await self._start_receiver(otlp_port)
@@ -283,6 +295,7 @@ class ControlPlane:
             envoy=self.envoy_stats,
             decoders=self.decoders,
             tls=(lambda: self.topology.listener.upstream_tls) if t.tls else None,
+            pods=lambda: self.server_pods,
         )
 
     async def stop(self) -> None:
@@ -464,13 +477,13 @@ class ControlPlane:
         self.poller.max_probes_per_s = topology.placement.max_probes_per_s
         self.poller.max_concurrent_probes = topology.placement.max_concurrent_probes
         self.poller.unreachable_after = topology.placement.unreachable_after
-        await self.poller.set_tls(topology.listener.upstream_tls)
+        await self.poller.set_tls(self.upstream_tls())
         self._publish_certificates()
         self.scraper.interval_s = topology.telemetry.scrape_interval_s
         self.scraper.set_targets(topology.scrape_targets)
         self.scraper.set_tls(topology.listener.upstream_tls)
         await self.slices.sync(topology.endpoints)
-        self.endpoints = await self.resolver.resolve(topology.endpoints)
+        await self._resolve_endpoints()
         await self.poller.poll_once()
         self.rebuild(f"topology reloaded ({reason})")
 
@@ -515,12 +528,46 @@ class ControlPlane:
             await self._refresh_endpoints("EndpointSlices changed")
 
     async def _refresh_endpoints(self, reason: str) -> None:
-        endpoints = await self.resolver.resolve(self.topology.endpoints)
-        if endpoints != self.endpoints:
-            log.info("endpoints changed (%s): %s", reason, [e.key for e in endpoints])
-            self.endpoints = endpoints
+        if await self._resolve_endpoints():
+            log.info("endpoints changed (%s): %s", reason, [e.key for e in self.endpoints])
             await self.poller.poll_once()
             self.rebuild(reason)
+
+    async def _resolve_endpoints(self) -> bool:
+        """The topology's sources resolved, with the pods discovery names at each address
+        (``server_pods``); True when either changed. New pods reach every check of a
+        server's certificate: the probes' and telemetry's here, Envoy's with the rebuild."""
+        endpoints = await self.resolver.resolve(self.topology.endpoints)
+        pods = self.slices.pods()
+        moved = pods != self.server_pods.as_dict()
+        changed = moved or endpoints != self.endpoints
+        self.endpoints = endpoints
+        if moved:
+            self.server_pods = ServerPods(pods)
+            await self.poller.set_tls(self.upstream_tls())
+            if self.shards is not None:
+                await asyncio.to_thread(self.shards.set_pods, self.server_pods)
+        return changed
+
+    def upstream_tls(self) -> UpstreamTls | None:
+        """The topology's mutual TLS to the servers with discovery's pods in it
+        (``UpstreamTls.pods``): what probes, telemetry and Envoy check servers by."""
+        return self._discovered_topology().listener.upstream_tls
+
+    def _discovered_topology(self) -> Topology:
+        """The topology with ``server_pods`` in its upstream TLS: the same object until
+        either changes, so the snapshot's caches keyed on its listener keep their entries."""
+        tls = self.topology.listener.upstream_tls
+        if tls is None or not self.server_pods:
+            return self.topology
+        base, pods, made = self._with_pods
+        if base is not self.topology or pods is not self.server_pods:
+            listener = dataclasses.replace(
+                self.topology.listener, upstream_tls=dataclasses.replace(tls, pods=self.server_pods)
+            )
+            made = dataclasses.replace(self.topology, listener=listener)
+            self._with_pods = (self.topology, self.server_pods, made)
+        return made
 
     async def _publish_live_view(self) -> None:
         """A frame of the live view every second while a page is open, and every
@@ -550,10 +597,12 @@ class ControlPlane:
 
     def effective_topology(self) -> Topology:
         """The topology with the operator's (and canaries') version splits in place of the
-        file's, and the models whose circuit is open routed to their fallback."""
+        file's, the models whose circuit is open routed to their fallback, and discovery's
+        pods (``upstream_tls``)."""
         opened = self.fallbacks.open_models(time.monotonic())
+        topology = self._discovered_topology()
         if not self.splits and not opened:
-            return self.topology
+            return topology
         models = tuple(
             dataclasses.replace(
                 m,
@@ -562,7 +611,7 @@ class ControlPlane:
             )
             for m in self.topology.models
         )
-        return dataclasses.replace(self.topology, models=models)
+        return dataclasses.replace(topology, models=models)
 
 
 async def serve(settings: ControlPlaneSettings) -> int:

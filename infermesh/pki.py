@@ -4,6 +4,7 @@ Every process inside the mesh proves who it is with a short-lived X.509 certific
 the mesh CA. The identity is a SPIFFE ID in the certificate's URI SAN:
 
     spiffe://<trust-domain>/model-server/<host>/<port>
+    spiffe://<trust-domain>/model-server/pod/<namespace>/<pod>   (Kubernetes: model_server_pod)
     spiffe://<trust-domain>/envoy/<node-id>
     spiffe://<trust-domain>/control-plane/<name>
     spiffe://<trust-domain>/operator/<name>
@@ -92,6 +93,47 @@ def server_dns_name(address: str, trust_domain: str = DEFAULT_TRUST_DOMAIN) -> s
     if ":" in host:  # IPv6: every group written out, so no label starts or ends with '-'
         host = ipaddress.ip_address(host).exploded.replace(":", "-")
     return f"p{port}.{host}.model-server.{trust_domain}"
+
+
+def model_server_pod(
+    namespace: str, pod: str, trust_domain: str = DEFAULT_TRUST_DOMAIN
+) -> Workload:
+    """The identity of the model server that is Kubernetes pod ``namespace/pod``. On a
+    cluster a server's address is its pod IP, which is given only after its volumes are
+    mounted, so cert-manager's csi-driver cannot put it in a certificate; it can name the pod
+    (``${POD_NAMESPACE}``, ``${POD_NAME}``). The control plane learns which pod holds which
+    address from the EndpointSlices' ``targetRef`` (``ServerPods``) and checks the pod's
+    name wherever it would check the address's: Envoy's SNI, placement probes, telemetry."""
+    return workload(
+        "model-server", ("pod", namespace, pod), trust_domain,
+        (pod_dns_name(namespace, pod, trust_domain),),
+    )  # fmt: skip
+
+
+def pod_dns_name(namespace: str, pod: str, trust_domain: str = DEFAULT_TRUST_DOMAIN) -> str:
+    """``model-server-7d9f-x2x.infermesh.pod.model-server.infermesh.local``: the pod's
+    certificate name, sent as SNI (as ``server_dns_name`` is for an address)."""
+    return f"{pod}.{namespace}.pod.model-server.{trust_domain}"
+
+
+def server_workload(
+    address: str, pod: str = "", trust_domain: str = DEFAULT_TRUST_DOMAIN
+) -> Workload:
+    """The server at ``address``: the pod's identity when discovery knows it (``pod`` is
+    ``NAMESPACE/POD``), else the address's."""
+    if pod:
+        namespace, _, name = pod.partition("/")
+        return model_server_pod(namespace, name, trust_domain)
+    return model_server(address, trust_domain)
+
+
+def server_name(address: str, pod: str = "", trust_domain: str = DEFAULT_TRUST_DOMAIN) -> str:
+    """The DNS name the server at ``address`` is checked against (SNI and hostname check):
+    its pod's (``pod_dns_name``) when discovery knows it, else ``server_dns_name``."""
+    if pod:
+        namespace, _, name = pod.partition("/")
+        return pod_dns_name(namespace, name, trust_domain)
+    return server_dns_name(address, trust_domain)
 
 
 def _split_address(address: str) -> tuple[str, str]:

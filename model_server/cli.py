@@ -186,8 +186,26 @@ def build_parser() -> argparse.ArgumentParser:
     tls.add_argument("--tls-cert", type=Path, help="this server's certificate (PEM)")
     tls.add_argument("--tls-key", type=Path, help="its private key (PEM)")
     tls.add_argument("--tls-ca", type=Path, help="the mesh CA certificate (PEM)")
+    tls.add_argument(
+        "--tls-pod",
+        type=_pod_name,
+        metavar="NAMESPACE/POD",
+        help="Kubernetes: the certificate names this pod (cert-manager's csi-driver: "
+        "spiffe://TD/model-server/pod/NAMESPACE/POD), not --advertise-address",
+    )
     add_log_level(p)
     return p
+
+
+def _pod_name(text: str) -> str:
+    namespace, sep, pod = text.partition("/")
+    try:
+        pki.model_server_pod(namespace, pod)
+    except pki.CertificateError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAMESPACE/POD ({exc})") from None
+    if not sep or not namespace or not pod:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAMESPACE/POD")
+    return text
 
 
 def tls_files(args: argparse.Namespace) -> TlsFiles | None:
@@ -290,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         enable_fault_injection=args.enable_fault_injection,
         labels=tuple(args.labels),
         tls=tls,
+        tls_pod=args.tls_pod or "",
     )
     try:
         return asyncio.run(serve(settings))

@@ -77,6 +77,7 @@ class ServerSettings:
     enable_fault_injection: bool = False
     labels: tuple[tuple[str, str], ...] = ()  # routing labels (--label); device_class is auto
     tls: TlsFiles | None = None  # mutual TLS on gRPC and REST (model_server.peers); None: off
+    tls_pod: str = ""  # NAMESPACE/POD: on Kubernetes the certificate names the pod
 
     def resolved_metrics_port(self) -> int:
         if self.metrics_port is not None:
@@ -130,16 +131,17 @@ class ModelServer:
 
     def _server_tls(self, settings: ServerSettings) -> ServerTls | None:
         """The checked certificate (raises pki.CertificateError, naming the file, when the
-        server must not start). Its identity must be the advertised address's."""
+        server must not start). Its identity must be the advertised address's (on Kubernetes
+        its pod's: ``--tls-pod``)."""
         if settings.tls is None:
             return None
-        if settings.port == 0 and not settings.advertise_address:
+        if settings.port == 0 and not settings.tls_pod and not settings.advertise_address:
             raise pki.CertificateError(
                 f"{settings.tls.cert}: a certificate names its server's address; give --port "
                 "a fixed port (or --advertise-address), not 0"
             )
         address = settings.advertise_address or f"{settings.host}:{settings.port}"
-        expect = pki.model_server(address).spiffe_id
+        expect = pki.server_workload(address, settings.tls_pod).spiffe_id
         tls = ServerTls(settings.tls, expect, self.metrics.certificate_reload_failures.inc)
         self.metrics.certificate_expiry.set_function(lambda: tls.current.not_after.timestamp())
         return tls

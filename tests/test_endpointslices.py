@@ -345,23 +345,37 @@ def test_not_ready_and_terminating_endpoints_are_not_routed_to() -> None:
     assert {a.key for a in slice_addresses(item, "grpc")} == {"10.0.0.1:8001", "10.0.0.5:8001"}
 
 
+def test_each_address_keeps_the_pod_its_target_ref_names() -> None:
+    """The pod's name is what its certificate carries (pki.model_server_pod)."""
+    item = endpoint_slice("a", {"10.0.0.1": READY, "10.0.0.2": READY, "10.0.0.3": READY})
+    item["metadata"]["namespace"] = "infermesh"
+    item["endpoints"][0]["targetRef"] = {"kind": "Pod", "name": "ms-1", "namespace": "other"}
+    item["endpoints"][1]["targetRef"] = {"kind": "Pod", "name": "ms-2"}  # the slice's namespace
+    item["endpoints"][2]["targetRef"] = {"kind": "Node", "name": "n"}  # not a pod: no name
+    found = {a.key: pod for a, pod in slice_addresses(item, "grpc").items()}
+    assert found == {"10.0.0.1:8001": "other/ms-1", "10.0.0.2:8001": "infermesh/ms-2",
+                     "10.0.0.3:8001": ""}  # fmt: skip
+    item["endpoints"][0]["targetRef"] = {"kind": "Pod", "name": "Bad/../name"}
+    assert slice_addresses(item, "grpc")[EndpointAddress("10.0.0.1", 8001)] == ""
+
+
 def test_ports_by_name_or_number() -> None:
     ports = [{"name": "metrics", "port": 9001}, {"name": "grpc", "port": 8001, "protocol": "TCP"}]
     item = endpoint_slice("a", {"10.0.0.1": READY}, ports)
-    assert slice_addresses(item, "grpc") == {EndpointAddress("10.0.0.1", 8001)}
-    assert slice_addresses(item, "metrics") == {EndpointAddress("10.0.0.1", 9001)}
-    assert slice_addresses(item, 9001) == {EndpointAddress("10.0.0.1", 9001)}
-    assert slice_addresses(item, "http") == frozenset()  # not a port of this slice
-    assert slice_addresses(item, 7000) == frozenset()
+    assert set(slice_addresses(item, "grpc")) == {EndpointAddress("10.0.0.1", 8001)}
+    assert set(slice_addresses(item, "metrics")) == {EndpointAddress("10.0.0.1", 9001)}
+    assert set(slice_addresses(item, 9001)) == {EndpointAddress("10.0.0.1", 9001)}
+    assert set(slice_addresses(item, "http")) == set()  # not a port of this slice
+    assert set(slice_addresses(item, 7000)) == set()
     udp = endpoint_slice("a", {"10.0.0.1": READY}, [{"name": "grpc", "port": 1, "protocol": "UDP"}])
-    assert slice_addresses(udp, "grpc") == frozenset()
+    assert set(slice_addresses(udp, "grpc")) == set()
     portless = endpoint_slice("a", {"10.0.0.1": READY}, [])  # headless Service without ports
-    assert slice_addresses(portless, 8001) == {EndpointAddress("10.0.0.1", 8001)}
-    assert slice_addresses(portless, "grpc") == frozenset()
+    assert set(slice_addresses(portless, 8001)) == {EndpointAddress("10.0.0.1", 8001)}
+    assert set(slice_addresses(portless, "grpc")) == set()
     v6 = endpoint_slice("a", {"fd00::0001": READY}, address_type="IPv6")
-    assert slice_addresses(v6, "grpc") == {EndpointAddress("fd00::1", 8001)}
+    assert set(slice_addresses(v6, "grpc")) == {EndpointAddress("fd00::1", 8001)}
     fqdn = endpoint_slice("a", {"pod.example": READY}, address_type="FQDN")
-    assert slice_addresses(fqdn, "grpc") == frozenset()
+    assert set(slice_addresses(fqdn, "grpc")) == set()
 
 
 # -- the watch ------------------------------------------------------------------------------

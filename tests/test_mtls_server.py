@@ -243,11 +243,14 @@ def test_renewed_certificates_are_taken_into_use_without_a_restart(
     pki.issue(mesh.authority, who, mesh.directory)  # leave a good pair for other tests
 
 
-def _start_refused(mesh: Mesh, demo_repo: Path, files: pki.IssuedFiles, port: str) -> str:
+def _start_refused(
+    mesh: Mesh, demo_repo: Path, files: pki.IssuedFiles, port: str, *more: str
+) -> str:
     done = subprocess.run(
         [sys.executable, "-m", "model_server", "--model-repository", str(demo_repo),
          "--port", port, "--metrics-port", "-1", "--http-port", "-1",
-         "--tls-cert", str(files.cert), "--tls-key", str(files.key), "--tls-ca", str(mesh.ca)],
+         "--tls-cert", str(files.cert), "--tls-key", str(files.key), "--tls-ca", str(mesh.ca),
+         *more],
         capture_output=True, text=True, cwd=ROOT, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
@@ -269,3 +272,7 @@ def test_unusable_certificates_stop_the_start_up(
     fresh = pki.issue(mesh.authority, who, tmp_path)
     assert "not 0" in _start_refused(mesh, demo_repo, fresh, "0")
     assert "BEGIN" not in message
+    # --tls-pod (Kubernetes): the certificate must name that pod, not the address.
+    pod = pki.model_server_pod("infermesh", "ms-1")
+    message = _start_refused(mesh, demo_repo, fresh, port, "--tls-pod", "infermesh/ms-1")
+    assert f"{fresh.cert}: is for {who.spiffe_id}, expected {pod.spiffe_id}" in message

@@ -164,3 +164,18 @@ def test_the_certs_command(tmp_path: Path) -> None:
     assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
     bad = cli("issue", "model-server", "no-port")
     assert bad.returncode == 1 and "expected host:port" in bad.stderr
+
+
+def test_a_pods_certificate_names_the_pod_and_is_checked_as_that_server(tmp_path: Path) -> None:
+    """cert-manager's csi-driver knows a pod's name, not its IP: the model server started
+    with --tls-pod checks its certificate names that pod."""
+    authority = pki.init_authority(tmp_path)
+    who = pki.model_server_pod("infermesh", "ms-7d9f")
+    pki.issue(authority, who, tmp_path)
+    assert pki.server_workload("10.1.2.3:8001", "infermesh/ms-7d9f") == who
+    assert pki.server_name("10.1.2.3:8001", "infermesh/ms-7d9f") == who.dns[0]
+    assert pki.server_name("10.1.2.3:8001") == pki.server_dns_name("10.1.2.3:8001")
+    creds = pki.load_workload(tmp_path, who)
+    assert pki.spiffe_id_of(x509.load_pem_x509_certificate(creds.cert_pem)) == who.spiffe_id
+    with pytest.raises(pki.CertificateError, match="name segment"):
+        pki.model_server_pod("infermesh", "a/b")

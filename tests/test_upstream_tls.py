@@ -5,6 +5,7 @@ here (tests/test_mtls_mesh.py runs one)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,13 @@ import pytest
 from envoy.extensions.transport_sockets.tls.v3 import secret_pb2, tls_pb2
 
 from control_plane import upstream_tls
-from control_plane.mesh import EndpointAddress, EndpointAssignment, MeshState, model_cluster
+from control_plane.mesh import (
+    EndpointAddress,
+    EndpointAssignment,
+    MeshState,
+    ServerPods,
+    model_cluster,
+)
 from control_plane.resources import build_resources
 from control_plane.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, SECRET_TYPE, Snapshot
 from control_plane.telemetry.identity import plaintext_warnings
@@ -90,6 +97,38 @@ def test_clusters_check_each_servers_own_name(pki_dir: Path) -> None:
     (entry,) = built[ENDPOINT_TYPE][model_cluster("classifier")].endpoints[0].lb_endpoints
     assert entry.endpoint.hostname == "p8001.127.0.0.1.model-server.infermesh.local"
     assert entry.endpoint.hostname in pki.model_server("127.0.0.1:8001").dns
+
+
+def test_a_discovered_pod_is_checked_by_its_pods_name(pki_dir: Path) -> None:
+    """On Kubernetes the certificate names the pod (cert-manager cannot name a pod IP): the
+    EDS entry of an address discovery put a pod at carries the pod's name; the others
+    keep their address's."""
+    state = _state(pki_dir)
+    tls = state.listener.upstream_tls
+    assert tls is not None
+    pods = ServerPods({"127.0.0.1:8001": "infermesh/model-server-7d9f-x2x"})
+    listener = dataclasses.replace(state.listener, upstream_tls=dataclasses.replace(tls, pods=pods))
+    members = (*state.clusters[model_cluster("classifier")],
+               EndpointAssignment(EndpointAddress("127.0.0.1", 8002)))  # fmt: skip
+    built: Any = build_resources(MeshState(listener, (), {model_cluster("classifier"): members}))
+    entries = built[ENDPOINT_TYPE][model_cluster("classifier")].endpoints[0].lb_endpoints
+    names = [e.endpoint.hostname for e in entries]
+    who = pki.model_server_pod("infermesh", "model-server-7d9f-x2x")
+    assert names == [
+        "model-server-7d9f-x2x.infermesh.pod.model-server.infermesh.local",
+        "p8002.127.0.0.1.model-server.infermesh.local",
+    ]
+    assert names[0] in who.dns
+    assert (
+        who.spiffe_id == "spiffe://infermesh.local/model-server/pod/infermesh/model-server-7d9f-x2x"
+    )
+    assert pki.parse_spiffe_id(who.spiffe_id) == dataclasses.replace(who, dns=())
+
+
+def test_server_pods_match_a_servers_own_ipv6_form() -> None:
+    pods = ServerPods({"fd00::1:8001": "ns/pod"})
+    assert pods.get("[fd00::1]:8001") == pods.get("fd00::1:8001") == "ns/pod"
+    assert pods.get("[fd00::1]:8002") == "" and not ServerPods()
 
 
 def test_each_node_gets_its_own_identity_and_the_shared_ca(pki_dir: Path) -> None:

@@ -21,7 +21,10 @@ Gone or an ERROR event re-lists at once; a dropped connection or a failed reques
 when it recovers; the last known addresses are kept meanwhile. An endpoint is
 routed to when ``conditions.ready`` is not false and ``conditions.terminating`` is not true:
 a terminating pod that is still ``serving`` is draining its in-flight work and gets no new
-requests. Of an endpoint's (fungible) addresses the first is used. Only the standard library.
+requests. Of an endpoint's (fungible) addresses the first is used. An endpoint's ``targetRef``
+(a Pod) is kept with its address: with mutual TLS the server's certificate names its pod
+(``pki.model_server_pod``), and the control plane checks it by that name (``ServerPods``). The
+names are as trustworthy as the API server that gave them. Only the standard library.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ WATCH_IDLE_S = WATCH_TIMEOUT_S + 30.0  # nothing at all for this long: the conne
 MAX_BODY_BYTES = 64 * 1024 * 1024
 _SERVICE = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")  # DNS-1035 label
 _NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # DNS-1123 label
+_SEGMENT = re.compile(r"[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?")  # a pod name (DNS-1123 subdomain)
 _PORT_NAME = re.compile(r"(?=.{1,15}$)(?=.*[a-z])[a-z0-9]+(-[a-z0-9]+)*")  # IANA_SVC_NAME
 
 
@@ -106,10 +110,12 @@ def parse_source(c: Checker, value: object, path: str) -> KubernetesEndpoint | N
     )
 
 
-def slice_addresses(item: Mapping[str, Any], port: str | int) -> frozenset[EndpointAddress]:
-    """The routable addresses of one EndpointSlice object on the named or numbered port."""
+def slice_addresses(item: Mapping[str, Any], port: str | int) -> dict[EndpointAddress, str]:
+    """The routable addresses of one EndpointSlice object on the named or numbered port, each
+    with the pod behind it (``NAMESPACE/POD`` from its ``targetRef``; "" when it names none):
+    a model server's certificate names its pod (``pki.model_server_pod``)."""
     if item.get("addressType") not in ("IPv4", "IPv6"):
-        return frozenset()  # FQDN slices: not addresses Envoy can take as they are
+        return {}  # FQDN slices: not addresses Envoy can take as they are
     ports = [p for p in item.get("ports") or () if p.get("protocol", "TCP") == "TCP"]
     if isinstance(port, str):
         number = next((p.get("port") for p in ports if p.get("name", "") == port), None)
@@ -118,16 +124,26 @@ def slice_addresses(item: Mapping[str, Any], port: str | int) -> frozenset[Endpo
     else:
         number = None
     if not isinstance(number, int):
-        return frozenset()
-    found = set()
+        return {}
+    namespace = str((item.get("metadata") or {}).get("namespace", ""))
+    found = {}
     for endpoint in item.get("endpoints") or ():
         conditions = endpoint.get("conditions") or {}
         if conditions.get("ready") is False or conditions.get("terminating") is True:
             continue
         with contextlib.suppress(IndexError, TypeError, ValueError):
             host = str(ipaddress.ip_address(endpoint["addresses"][0]))
-            found.add(EndpointAddress(host, number))
-    return frozenset(found)
+            found[EndpointAddress(host, number)] = _pod(endpoint.get("targetRef"), namespace)
+    return found
+
+
+def _pod(target: object, namespace: str) -> str:
+    """``NAMESPACE/POD`` of an endpoint's targetRef when it is a pod with a legal name."""
+    if not isinstance(target, Mapping) or target.get("kind") != "Pod":
+        return ""
+    name, ns = target.get("name"), target.get("namespace") or namespace
+    legal = isinstance(name, str) and isinstance(ns, str) and _SEGMENT.fullmatch(name)
+    return f"{ns}/{name}" if legal and _NAMESPACE.fullmatch(str(ns)) else ""
 
 
 @dataclass(frozen=True)
@@ -183,8 +199,9 @@ class SliceWatcher:
         backoff: Backoff = Backoff(),
     ) -> None:
         self.source, self.config, self.on_change, self.backoff = source, config, on_change, backoff
-        self.slices: dict[str, frozenset[EndpointAddress]] = {}
+        self.slices: dict[str, dict[EndpointAddress, str]] = {}
         self.addresses: frozenset[EndpointAddress] = frozenset()
+        self.pods: dict[str, str] = {}  # HOST:PORT -> NAMESPACE/POD
         self.synced = asyncio.Event()  # set by the first successful LIST
         self.resource_version = ""
         self.failing = False
@@ -285,8 +302,9 @@ class SliceWatcher:
 
     def _publish(self) -> None:
         addresses = frozenset().union(*self.slices.values())
-        if addresses != self.addresses:
-            self.addresses = addresses
+        pods = {a.key: pod for found in self.slices.values() for a, pod in found.items() if pod}
+        if addresses != self.addresses or pods != self.pods:
+            self.addresses, self.pods = addresses, pods
             log.info("endpoint %s: %s", self.source.key, sorted(a.key for a in addresses) or "none")
             self.on_change()
 
@@ -325,6 +343,10 @@ class EndpointSlices:
     def addresses(self, source: KubernetesEndpoint) -> frozenset[EndpointAddress]:
         watcher = self.watchers.get(source)
         return watcher.addresses if watcher else frozenset()
+
+    def pods(self) -> dict[str, str]:
+        """Every watched address's pod (HOST:PORT -> NAMESPACE/POD), where a slice named it."""
+        return {key: pod for w in self.watchers.values() for key, pod in w.pods.items()}
 
     async def stop(self) -> None:
         for watcher in self.watchers.values():

@@ -25,7 +25,7 @@ import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from control_plane.mesh import EndpointAddress, UpstreamTls
-from infermesh.pki import server_dns_name
+from infermesh.pki import server_name
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +69,16 @@ def grpc_target(address: EndpointAddress) -> str:
 
 def open_channel(address: EndpointAddress, tls: UpstreamTls | None = None) -> grpc.aio.Channel:
     """A channel to the server; with ``tls``, mutual TLS as the control plane's identity,
-    the server checked against its own certificate name (``pki.server_dns_name``), not just
-    its IP: a certificate for another server on the same host does not pass."""
+    the server checked against its own certificate name (``pki.server_name``: its address's,
+    or on Kubernetes its pod's), not just its IP: a certificate for another server on the
+    same host does not pass."""
     target = grpc_target(address)
     me = tls.control_plane if tls is not None else None
     if tls is None or me is None or address.key in tls.plaintext:
         return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
     credentials = grpc.ssl_channel_credentials(tls.ca_pem, me.key_pem, me.cert_pem)
-    name = ("grpc.ssl_target_name_override", server_dns_name(address.key, tls.trust_domain))
+    expected = server_name(address.key, tls.pods.get(address.key), tls.trust_domain)
+    name = ("grpc.ssl_target_name_override", expected)
     return grpc.aio.secure_channel(target, credentials, options=(*CHANNEL_OPTIONS, name))
 
 

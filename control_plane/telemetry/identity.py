@@ -2,7 +2,9 @@
 and a report is taken only from the workload it reports for.
 
 A model server's certificate names it (``spiffe://TD/model-server/HOST/PORT``); every resource
-of its report must carry ``service.instance.id`` ``HOST:PORT``. An Envoy's certificate
+of its report must carry ``service.instance.id`` ``HOST:PORT``. On Kubernetes the certificate
+names the server's pod (``/model-server/pod/NS/POD``) and its reports are taken for the address
+the EndpointSlices say that pod has. An Envoy's certificate
 (``/envoy/NODE``) may send Envoy's own stats only (its stat sink), tagged with its own node
 id (the bootstrap's fixed ``infermesh.envoy_node`` tag, by which they are filed). Anything
 else is refused with PERMISSION_DENIED before a point is stored, counted in
@@ -24,6 +26,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
 )
 
+from control_plane.mesh import NO_PODS, ServerPods
 from control_plane.telemetry.envoy import is_envoy, node_of
 from control_plane.topology import TelemetryOptions
 from infermesh import pki
@@ -34,9 +37,14 @@ LOG_EVERY_S = 60.0
 
 
 def refusal(
-    spiffe_id: str | None, trust_domain: str, request: ExportMetricsServiceRequest
+    spiffe_id: str | None,
+    trust_domain: str,
+    request: ExportMetricsServiceRequest,
+    pods: ServerPods = NO_PODS,
 ) -> tuple[str, str] | None:
-    """None when every resource is the peer's own, else (reason, message)."""
+    """None when every resource is the peer's own, else (reason, message). ``pods``: on
+    Kubernetes, the pod discovery says is at each address, whose certificate names the pod
+    (``pki.model_server_pod``): a report for HOST:PORT is taken only from that pod."""
     who = pki.mesh_peer(spiffe_id, trust_domain)
     if who is None:
         return (
@@ -57,7 +65,7 @@ def refusal(
             (a.value.string_value for a in resource.resource.attributes if a.key == INSTANCE_ID),
             "",
         )
-        if _server_identity(claimed, who.trust_domain) != spiffe_id:
+        if _server_identity(claimed, pods.get(claimed), who.trust_domain) != spiffe_id:
             return "other_identity", f"{spiffe_id} reported for {claimed or 'no instance id'!r}"
     return None
 
@@ -80,11 +88,12 @@ def plaintext_warnings(telemetry: TelemetryOptions) -> list[str]:
 
 
 @functools.lru_cache(maxsize=4096)  # every report asks; as pki.mesh_peer, bounded
-def _server_identity(instance_id: str, trust_domain: str) -> str | None:
-    """The SPIFFE ID of the server an instance id (HOST:PORT, [V6]:PORT) names, or None.
-    Compared as identities, so an IPv6 address matches its certificate's form."""
+def _server_identity(instance_id: str, pod: str, trust_domain: str) -> str | None:
+    """The SPIFFE ID of the server an instance id (HOST:PORT, [V6]:PORT) names (its pod's
+    when ``pod``), or None. Compared as identities, so an IPv6 address matches its
+    certificate's form."""
     try:
-        return pki.model_server(instance_id, trust_domain).spiffe_id
+        return pki.server_workload(instance_id, pod, trust_domain).spiffe_id
     except pki.CertificateError:
         return None
 

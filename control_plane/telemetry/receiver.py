@@ -27,7 +27,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
 from control_plane import upstream_tls
-from control_plane.mesh import UpstreamTls
+from control_plane.mesh import NO_PODS, ServerPods, UpstreamTls
 from control_plane.telemetry import identity as otlp_identity
 from control_plane.telemetry.decode import Point, PointTuple, decode_request
 from control_plane.telemetry.envoy import is_envoy
@@ -116,10 +116,13 @@ class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
         tally: Tally | None = None,
         trust_domain: str | None = None,
         on_refused: Callable[[str], None] | None = None,
+        pods: Callable[[], ServerPods] = lambda: NO_PODS,
     ) -> None:
         self.store = store
-        # Mutual TLS on: each report is checked against its sender's identity first.
+        # Mutual TLS on: each report is checked against its sender's identity first (on
+        # Kubernetes a server's identity is its pod's, as discovery names it: ``pods``).
         self.trust_domain = trust_domain
+        self.pods = pods
         self.refusals = otlp_identity.RefusalLog()
         self.on_refused = on_refused  # a shard's count of refusals (it has no ``metrics``)
         self.tally = tally  # instead of ``metrics``: a shard counts for the control plane
@@ -171,7 +174,7 @@ class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
         except DecodeError:
             return  # Export answers INVALID_ARGUMENT
         peer = pki.peer_spiffe_id(context.auth_context())
-        refused = otlp_identity.refusal(peer, self.trust_domain, parsed)
+        refused = otlp_identity.refusal(peer, self.trust_domain, parsed, self.pods())
         if refused is None:
             return
         reason, message = refused
@@ -244,10 +247,12 @@ async def start_receiver(
     reuse_port: bool = False,
     tls: Callable[[], UpstreamTls | None] | None = None,
     on_refused: Callable[[str], None] | None = None,
+    pods: Callable[[], ServerPods] = lambda: NO_PODS,
 ) -> tuple[grpc.aio.Server, int]:
     """A started grpc.aio server with the receiver on HOST:PORT (0: a free port), and the
     bound port. Stop it with ``await server.stop(grace)``. ``tls``: the mesh's certificates as
-    they are now (asked on each handshake): mutual TLS, each report bound to its sender.
+    they are now (asked on each handshake): mutual TLS, each report bound to its sender
+    (``pods``: the Kubernetes pod of each server address, when discovery names them).
     ``decoders`` (``start_decoders``) decode the requests in other processes; the caller
     shuts them down. ``reuse_port``: the port is shared with the other telemetry shards
     (SO_REUSEPORT); off, a second control plane on the same port fails to start instead of
@@ -260,7 +265,9 @@ async def start_receiver(
     )
     current = tls() if tls is not None else None
     domain = current.trust_domain if current is not None else None
-    receiver = MetricsReceiver(store, metrics, clock, envoy, decoders, tally, domain, on_refused)
+    receiver = MetricsReceiver(
+        store, metrics, clock, envoy, decoders, tally, domain, on_refused, pods
+    )
     add_receiver(receiver, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     bound = (

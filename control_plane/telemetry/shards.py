@@ -52,6 +52,7 @@ from opentelemetry.proto.metrics.v1 import metrics_pb2
 
 from control_plane import upstream_tls
 from control_plane.gc_tuning import tune_gc
+from control_plane.mesh import NO_PODS, ServerPods
 from control_plane.telemetry.envoy import used_stats
 from control_plane.telemetry.moved import split_moved
 from control_plane.telemetry.receiver import start_receiver
@@ -122,6 +123,7 @@ class _Shard:
         self, options: TelemetryOptions, conn: Connection, pki: upstream_tls.PkiWatch | None
     ) -> None:
         self.pki = pki
+        self.pods = NO_PODS  # the control plane's, sent on each change (ServerPods)
         self._rejected: Counter[str] = Counter()
         self.store = TelemetryStore(
             options.window_s,
@@ -169,7 +171,7 @@ class _Shard:
             server, bound = await start_receiver(
                 self.store, None, host, port, envoy=self, tally=self.tally, reuse_port=True,
                 tls=self.pki.current if self.pki is not None else None,
-                on_refused=self._refused,
+                on_refused=self._refused, pods=lambda: self.pods,
             )  # fmt: skip
         except Exception as exc:  # told to the control plane, which fails to start
             self.send(("failed", f"cannot bind {host}:{port}: {exc}"))
@@ -244,6 +246,8 @@ class _Shard:
                 elif message[0] == "resend":
                     with self._resend_lock:
                         self._resend.update(message[1])
+                elif message[0] == "pods":
+                    self.pods = ServerPods(message[1])  # one reference swap: no lock
         except (EOFError, OSError):
             pass  # the control plane is gone
         finally:
@@ -287,6 +291,7 @@ class TelemetryShards:
         self._replies: dict[int, Future[VersionSeries]] = {}
         self._ids = itertools.count()
         self._stopping = False
+        self._pods: dict[str, str] = {}  # ServerPods, as each shard is told
 
     def __len__(self) -> int:
         return len(self._telemetry)
@@ -322,6 +327,8 @@ class TelemetryShards:
             process.join(5)
             raise OSError(f"telemetry shard {index}: {detail}")
         self._conns[index], self._processes[index] = ours, process
+        if self._pods:  # a restarted shard binds telemetry to identity as the others do
+            self._tell(index, ("pods", self._pods))
         return int(detail)
 
     def _supervise(self, index: int) -> None:
@@ -418,10 +425,20 @@ class TelemetryShards:
 
     def _ask_resend(self, index: int, keys: list[str]) -> None:
         """Asks a shard to send these endpoints whole with their next reports."""
+        self._tell(index, ("resend", tuple(keys)))
+
+    def set_pods(self, pods: ServerPods) -> None:
+        """Discovery's pod of each server address, for each shard's telemetry binding
+        (``otlp_identity.refusal``); blocks on the pipes (call it in a thread)."""
+        self._pods = pods.as_dict()
+        for index in range(self.count):
+            self._tell(index, ("pods", self._pods))
+
+    def _tell(self, index: int, message: tuple[Any, ...]) -> None:
         with suppress(OSError), self._send_locks[index]:
             conn = self._conns[index]
             if conn is not None:
-                conn.send(("resend", tuple(keys)))
+                conn.send(message)
 
     # -- reads -----------------------------------------------------------------------------------
     def snapshot(self, now: float, ages: bool = True) -> dict[str, EndpointTelemetry]:
