@@ -367,7 +367,7 @@ def write_bootstrap(path: Path | str, **kw: Any) -> Path:
     return target
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Render the Envoy bootstrap for InferMesh; with --run, start Envoy on it.",
         epilog="Arguments after -- go to Envoy (with --run).",
@@ -401,6 +401,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="exec Envoy on the bootstrap (given inline with --config-yaml unless --out)",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args, envoy_args = parser.parse_known_args(argv)
     if envoy_args[:1] == ["--"]:
         envoy_args = envoy_args[1:]

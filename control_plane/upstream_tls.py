@@ -231,6 +231,8 @@ def status(tls: UpstreamTls | None, now: float | None = None) -> dict[str, Any] 
         "pki_dir": tls.pki_dir,
         "trust_domain": tls.trust_domain,
         "plaintext_members": sorted(tls.plaintext),
+        # Kubernetes: the pod at each server address, whose name its certificate carries
+        "pods": dict(sorted(tls.pods.as_dict().items())),
         "identities": [
             {
                 "identity": spiffe_id,

@@ -168,7 +168,8 @@ def up(compose: Path, root: Path, log_dir: Path) -> int:
         envoy_port = os.environ.get("INFERMESH_ENVOY_PORT", "8080")
         admin_port = os.environ.get("INFERMESH_ADMIN_PORT", "19000")
         print(
-            f"infermesh: mesh is up. Envoy listens on 127.0.0.1:{envoy_port}\n"
+            f"infermesh: mesh is up. Envoy listens on 127.0.0.1:{envoy_port} (TLS: trust "
+            f"{root / PKI_DIR / 'ca.crt'})\n"
             f"  call it:  {sys.executable} examples/classify.py --url 127.0.0.1:{envoy_port}\n"
             f"  status:   infermesh status   (control plane admin on 127.0.0.1:{admin_port})\n"
             "  models:   infermesh models index   (as an operator, on the servers' own ports)\n"

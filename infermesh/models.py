@@ -6,8 +6,9 @@ model-repository API (``--restricted-api``): by default the header ``infermesh-o
 with the key in ``.infermesh/operator.key``, which ``infermesh up`` creates. The servers are
 the ones the control plane knows (``/status``), or those given with ``--server``. Where the
 mesh runs mutual TLS (``.infermesh/pki`` holds the local operator's certificate, as ``infermesh
-up`` makes it), the calls go over it as that operator, each server's own name checked; an
-operator certificate alone satisfies the servers' ``--restricted-api``.
+up`` makes it), the calls go over it as that operator, each server's own name checked (on
+Kubernetes its pod's, as the control plane's /status or ``--pod`` gives it); an operator
+certificate alone satisfies the servers' ``--restricted-api``.
 """
 
 from __future__ import annotations
@@ -55,17 +56,35 @@ def add_parser(commands: Any, admin_help: str, default_admin: str) -> None:
         type=Path,
         default=Path(".infermesh") / "pki",
         metavar="DIR",
-        help="mutual TLS as the local operator (operator_local.crt/.key, ca.crt there) when "
-        "that certificate is there, as `infermesh up` makes it; else plaintext",
+        help="mutual TLS as the operator (operator_NAME.crt/.key, ca.crt there) when that "
+        "certificate is there, as `infermesh up` makes it; else plaintext",
+    )
+    models.add_argument(
+        "--operator",
+        default=tls_client.LOCAL_OPERATOR,
+        metavar="NAME",
+        help="the operator certificate's name in --pki (Kubernetes: platform, the "
+        "infermesh-operator-platform Certificate)",
+    )
+    models.add_argument(
+        "--pod",
+        default="",
+        metavar="NAMESPACE/POD",
+        help="with one --server (a kubectl port-forward): the Kubernetes pod it is, whose "
+        "name its certificate carries; servers from the control plane come with theirs",
     )
 
 
-def servers_of(admins: list[str], fetch: Callable[[str, str], dict[str, Any] | None]) -> list[str]:
-    """The gRPC endpoints the first answering control-plane replica knows."""
+def servers_of(
+    admins: list[str], fetch: Callable[[str, str], dict[str, Any] | None]
+) -> list[tuple[str, str]]:
+    """The gRPC endpoints the first answering control-plane replica knows, each with the
+    Kubernetes pod it is ("" where discovery names none)."""
     for admin in admins:
         status = fetch(admin, "/status")
         if status is not None:
-            return sorted(status.get("endpoints", {}))
+            pods = (status.get("upstream_tls") or {}).get("pods") or {}
+            return [(e, str(pods.get(e, ""))) for e in sorted(status.get("endpoints", {}))]
     return []
 
 
@@ -78,24 +97,32 @@ def run(
     if args.action != "index" and not args.model:
         print(f"infermesh: models {args.action} needs a model name", file=sys.stderr)
         return 2
-    try:
-        header, value = parse_header_secret(args.credential, "--credential")
-    except SecretError as exc:
-        print(f"infermesh: {exc}", file=sys.stderr)
+    if args.pod and len(args.server) != 1:
+        print("infermesh: --pod names the pod of one --server", file=sys.stderr)
         return 2
     try:
-        tls = _operator_tls(args.pki)
+        tls = _operator_tls(args.pki, args.operator)
     except pki.CertificateError as exc:
         print(f"infermesh: {exc}", file=sys.stderr)
         return 2
-    servers = args.server or servers_of(admins, fetch)
+    headers: dict[str, str] = {}
+    try:
+        header, value = parse_header_secret(args.credential, "--credential")
+        headers[header] = value
+    except SecretError as exc:
+        # The operator certificate alone satisfies the servers (the key stays in the
+        # cluster's Secret): the default key file may be absent then.
+        if tls is None or args.credential != DEFAULT_CREDENTIAL:
+            print(f"infermesh: {exc}", file=sys.stderr)
+            return 2
+    servers = [(s, args.pod) for s in args.server] or servers_of(admins, fetch)
     if not servers:
         print("infermesh: no model servers: give --server or start the mesh", file=sys.stderr)
         return 1
     failed = 0
-    for server in servers:
+    for server, pod in servers:
         try:
-            print(_on_server(_client(server, tls), server, args, {header: value}))
+            print(_on_server(_client(server, tls, pod), server, args, headers))
         except InferenceServerException as exc:  # the server's own message, never the key
             failed += 1
             print(f"{server}: {exc.status()}: {exc.message()}", file=sys.stderr)
@@ -105,20 +132,20 @@ def run(
 OperatorTls = tuple[pki.IssuedFiles, pki.Credentials]
 
 
-def _operator_tls(pki_dir: Path) -> OperatorTls | None:
-    """The local operator's files and checked credentials, or None (plaintext) when the
-    directory has no operator certificate."""
-    who = pki.operator(tls_client.LOCAL_OPERATOR)  # the file's name; the domain is the CA's
+def _operator_tls(pki_dir: Path, name: str) -> OperatorTls | None:
+    """The operator's files and checked credentials, or None (plaintext) when the directory
+    has no certificate for that operator."""
+    who = pki.operator(name)  # the file's name; the domain is the CA's
     if not pki.workload_files(pki_dir, who).cert.exists():
         return None
-    return tls_client.operator(pki_dir)
+    return tls_client.operator(pki_dir, name)
 
 
-def _client(server: str, tls: OperatorTls | None) -> grpcclient.InferenceServerClient:
+def _client(server: str, tls: OperatorTls | None, pod: str) -> grpcclient.InferenceServerClient:
     if tls is None:
         return grpcclient.InferenceServerClient(server)
     files, credentials = tls
-    name = tls_client.server_name(server, credentials.spiffe_id)
+    name = tls_client.server_name(server, credentials.spiffe_id, pod)
     return grpcclient.InferenceServerClient(
         server, ssl=True, root_certificates=str(pki.ca_paths(files.cert.parent)[0]),
         private_key=str(files.key), certificate_chain=str(files.cert),

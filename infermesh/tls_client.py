@@ -1,6 +1,6 @@
 """Mutual TLS from the command line to model servers: the local operator's certificate (the
 one ``infermesh certs keep`` makes for ``infermesh up``), and a channel that checks the
-server's own name (``pki.server_dns_name``), as Envoy and the control plane do."""
+server's own name (``pki.server_name``), as Envoy and the control plane do."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ def operator(pki_dir: Path, name: str = LOCAL_OPERATOR) -> tuple[pki.IssuedFiles
     return pki.workload_files(pki_dir, who), pki.load_workload(pki_dir, who)
 
 
-def server_name(address: str, spiffe_id: str) -> str:
+def server_name(address: str, spiffe_id: str, pod: str = "") -> str:
     """The name the server at ``address`` must present (its SNI and DNS SAN), in the trust
-    domain of the caller's ``spiffe_id``."""
+    domain of the caller's ``spiffe_id``: its pod's when ``pod`` (NAMESPACE/POD) is given."""
     domain = spiffe_id.removeprefix("spiffe://").split("/", 1)[0]
-    return pki.server_dns_name(address, domain)
+    return pki.server_name(address, pod, domain)
 
 
 def server_channel(address: str, credentials: pki.Credentials) -> grpc.Channel:

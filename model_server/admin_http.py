@@ -27,10 +27,12 @@ class AdminServer(ThreadingHTTPServer):
         registry: CollectorRegistry,
         faults: FaultInjector,
         before_scrape: Callable[[], None] | None = None,
+        ready: Callable[[], bool] | None = None,
     ) -> None:
         self.registry = registry
         self.faults = faults
         self.before_scrape = before_scrape
+        self.ready = ready
         super().__init__(address, _Handler)
 
 
@@ -62,6 +64,11 @@ class _Handler(BaseHTTPRequestHandler):
                 except Exception:  # a failed refresh still serves the last values
                     log.exception("admin http: refreshing metrics before a scrape failed")
             self._send(200, generate_latest(self.server.registry), CONTENT_TYPE_LATEST)
+        elif path == "/ready" and self.server.ready is not None:
+            # Plaintext readiness for probes that cannot speak the mesh's mutual TLS (the
+            # kubelet's): the gRPC health service is on the TLS port, for mesh identities.
+            ready = self.server.ready()
+            self._json(200 if ready else 503, {"ready": ready})
         elif path == "/faults":
             if self._faults_enabled():
                 self._json(200, self.server.faults.current.as_dict())
@@ -108,9 +115,11 @@ def start_admin_server(
     registry: CollectorRegistry,
     faults: FaultInjector,
     before_scrape: Callable[[], None] | None = None,
+    ready: Callable[[], bool] | None = None,
 ) -> AdminServer:
-    """Starts the endpoint on a daemon thread; ``shutdown()`` and ``server_close()`` stop it."""
-    httpd = AdminServer((host, port), registry, faults, before_scrape)
+    """Starts the endpoint on a daemon thread; ``shutdown()`` and ``server_close()`` stop it.
+    ``ready``: GET /ready answers 200 while it is true, else 503."""
+    httpd = AdminServer((host, port), registry, faults, before_scrape, ready)
     thread = threading.Thread(target=httpd.serve_forever, name="admin-http", daemon=True)
     thread.start()
     return httpd

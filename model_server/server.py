@@ -221,6 +221,7 @@ class ModelServer:
                 self.metrics.registry,
                 self.faults,
                 self.refresh_memory,
+                self.is_ready,  # a read of flags and dicts from the HTTP thread
             )
             self.metrics_port = self._http.server_address[1]
         if s.resolved_http_port() >= 0:

@@ -219,8 +219,10 @@ class Traffic:
         leave_when_draining: bool = False,
         metadata: tuple[tuple[str, str], ...] = (),
         batch: int = 1,
+        root_ca: bytes | None = None,
     ) -> None:
         self.url = url
+        self.root_ca = root_ca  # TLS to the edge (listener.tls), trusting this CA (PEM)
         self.clients = clients
         self.version = version
         self.metadata = metadata  # request headers, e.g. (("x-sla-class", "batch"),)
@@ -263,7 +265,12 @@ class Traffic:
         images = np.random.default_rng(index).random(shape, dtype=np.float32)
         request = classifier_request(images, version=self.version)
         ends = time.monotonic() + self.deadline_s
-        with grpc.insecure_channel(self.url) as channel:
+        opened = (
+            grpc.secure_channel(self.url, grpc.ssl_channel_credentials(self.root_ca))
+            if self.root_ca is not None
+            else grpc.insecure_channel(self.url)
+        )
+        with opened as channel:
             stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
             while not self._stop.is_set() and time.monotonic() < ends:
                 sent = time.monotonic()

@@ -36,6 +36,11 @@ def test_compose_commands_parse_with_the_real_command_lines(tmp_path: Path) -> N
     cert_keeper.keep_once(tmp_path / ".infermesh" / "pki", kept, "infermesh.local", 24)
     topology = load_topology(tmp_path / "deploy" / "topology.yaml")
     assert topology.xds_tls and topology.telemetry.tls and topology.listener.upstream_tls
+    # Edge TLS too, with the certificate mesh-certs keeps for localhost (clients dial
+    # 127.0.0.1): the topology load above checked its files.
+    edge = topology.listener.tls
+    assert edge is not None and "edge:localhost" in kept
+    assert Path(edge.cert_file).name == f"{pki.edge('localhost').file_stem}.crt"
     assert topology.listener.auth.mode == "api_keys" and len(topology.listener.auth.api_keys) == 1
     endpoints = {e.address.key for e in topology.endpoints}  # type: ignore[union-attr]
     servers = [c for name, c in commands.items() if name.startswith("model-server")]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 import signal
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -27,13 +29,16 @@ def test_sigterm_under_load_answers_everything_it_took(demo_repo: Path, tmp_path
         demo_repo, tmp_path, "--models", "classifier",
         "--drain-delay", "1.0", "--drain-timeout", "20",
     )  # fmt: skip
+    ready_url = f"http://127.0.0.1:{server.metrics_port}/ready"
     try:
+        assert _http_status(ready_url) == 200  # the kubelet's plaintext readiness probe
         with Traffic(server.url, clients=32, leave_when_draining=True) as traffic:
             traffic.wait_ok(300)
             signalled = time.monotonic()
             server.signal(signal.SIGTERM)
             # Health turns NOT_SERVING at once, while requests are still accepted.
             wait_for(lambda: server.health() == NOT_SERVING, 0.5, "NOT_SERVING after SIGTERM")
+            assert _http_status(ready_url) == 503
             ok_at_not_serving = traffic.ok
             traffic.wait_ok(20, timeout=5)  # still answered during the drain delay
             assert traffic.ok > ok_at_not_serving
@@ -58,3 +63,11 @@ def test_sigterm_under_load_answers_everything_it_took(demo_repo: Path, tmp_path
         )
     finally:
         server.stop()
+
+
+def _http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code

@@ -6,6 +6,7 @@ topology is valid, and the control plane may watch EndpointSlices."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import shlex
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,9 +16,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from control_plane.bootstrap import build_parser as bootstrap_parser
+from control_plane.bootstrap import prepare_xds_tls
 from control_plane.cli import build_parser as control_plane_parser
 from control_plane.discovery.kubernetes import KubernetesEndpoint
 from control_plane.topology import Topology, parse_topology_text
+from infermesh import pki
 from infermesh.api_keys import add_key, new_key
 from model_server.cli import build_parser as model_server_parser
 from tests.support import ROOT
@@ -84,13 +88,160 @@ def probes(c: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
 SECRET_MOUNT = "/etc/infermesh-credentials/"
 
 
+PKI_MOUNT = "/etc/infermesh-pki"
+POD_ENV = {"POD_IP": "10.1.2.3", "POD_NAME": "infermesh-model-server-7d9f-x2x",
+           "POD_NAMESPACE": NAMESPACE}  # fmt: skip
+
+
 def configmap_topology(tmp_path: Path) -> Topology:
     """The ConfigMap's topology as the control plane loads it, its Secret's api-keys (one
-    key, made here) in ``tmp_path``."""
+    key, made here) in ``tmp_path`` and its certificates as cert-manager would make them
+    (``mount_as_cert_manager``)."""
     add_key(tmp_path / "api-keys", new_key("team-a"))
+    pki_dir = mount_as_cert_manager(tmp_path / "cert-manager", "infermesh-control-plane")
     text = named("ConfigMap", "infermesh-topology")["data"]["topology.yaml"]
-    text = text.replace(SECRET_MOUNT, f"{tmp_path}/")
+    text = text.replace(SECRET_MOUNT, f"{tmp_path}/").replace(PKI_MOUNT, str(pki_dir))
     return parse_topology_text(text, "ConfigMap infermesh-topology", require_auth=True)
+
+
+# -- cert-manager ----------------------------------------------------------------------------
+CERT_MANAGER_KINDS = ("Certificate", "Issuer")
+# The cert-manager.io/v1 fields these manifests may use (no schema is bundled for CRDs).
+CERTIFICATE_SPEC = {
+    "secretName", "commonName", "dnsNames", "uris", "ipAddresses", "duration", "renewBefore",
+    "usages", "isCA", "privateKey", "issuerRef", "subject", "secretTemplate",
+}  # fmt: skip
+PRIVATE_KEY = {"algorithm", "size", "encoding", "rotationPolicy"}
+USAGES = {"digital signature", "key encipherment", "server auth", "client auth"}
+
+
+def issued_secrets(workdir: Path) -> dict[str, dict[str, bytes]]:
+    """Every Certificate's Secret as cert-manager fills it (tls.crt, tls.key, ca.crt), made
+    by infermesh.pki from the Certificate's own fields: its URI SAN is the identity and its
+    DNS names ride along; the CA's common name carries the trust domain."""
+    ca_spec = named("Certificate", "infermesh-ca")["spec"]
+    assert ca_spec["isCA"] is True
+    prefix = "InferMesh CA "
+    assert ca_spec["commonName"].startswith(prefix)
+    authority = pki.init_authority(workdir / "ca", ca_spec["commonName"].removeprefix(prefix))
+    ca_pem = (workdir / "ca" / "ca.crt").read_bytes()
+    secrets = {ca_spec["secretName"]: {"ca.crt": ca_pem}}
+    for _, doc in documents():
+        if doc["kind"] != "Certificate" or doc["spec"].get("isCA"):
+            continue
+        spec = doc["spec"]
+        assert spec["issuerRef"]["name"] == "infermesh-ca"
+        if spec.get("uris"):
+            (uri,) = spec["uris"]
+            who = pki.parse_spiffe_id(uri)
+            assert who is not None, uri
+        else:  # the edge's: a server certificate for the Service's names
+            who = pki.edge(spec["dnsNames"][0], authority.trust_domain)
+        who = dataclasses.replace(who, dns=tuple(spec.get("dnsNames", ())))
+        files = pki.issue(authority, who, workdir / doc["metadata"]["name"])
+        secrets[spec["secretName"]] = {
+            "tls.crt": files.cert.read_bytes(), "tls.key": files.key.read_bytes(), "ca.crt": ca_pem,
+        }  # fmt: skip
+    return secrets
+
+
+def mount_as_cert_manager(workdir: Path, workload_name: str) -> Path:
+    """The workload's projected ``pki`` volume as the kubelet lays it out from the Secrets."""
+    secrets = issued_secrets(workdir)
+    volumes = workload(workload_name)["spec"]["template"]["spec"]["volumes"]
+    projected = next(v["projected"] for v in volumes if v["name"] == "pki")
+    mount = workdir / f"{workload_name}-pki"
+    mount.mkdir()
+    for source in projected["sources"]:
+        secret = secrets[source["secret"]["name"]]
+        for item in source["secret"]["items"]:
+            (mount / item["path"]).write_bytes(secret[item["key"]])
+    return mount
+
+
+def test_cert_manager_objects_use_known_fields_and_one_issuer() -> None:
+    found = [d for _, d in documents() if d["kind"] in CERT_MANAGER_KINDS]
+    assert {d["kind"] for d in found} == set(CERT_MANAGER_KINDS)
+    for doc in found:
+        assert doc["apiVersion"] == "cert-manager.io/v1"
+        spec = doc["spec"]
+        if doc["kind"] == "Issuer":
+            assert set(spec) in ({"selfSigned"}, {"ca"}), spec
+            continue
+        assert set(spec) <= CERTIFICATE_SPEC, set(spec) - CERTIFICATE_SPEC
+        assert set(spec["privateKey"]) <= PRIVATE_KEY
+        assert spec["privateKey"]["algorithm"] == "ECDSA"  # infermesh.pki reads EC keys
+        assert set(spec.get("usages", ())) <= USAGES
+        issuer = spec["issuerRef"]
+        named("Issuer", issuer["name"])
+        if not spec.get("isCA"):
+            assert "client auth" in spec["usages"] or "server auth" in spec["usages"]
+
+
+def test_the_control_plane_reads_cert_managers_secrets_as_its_pki(tmp_path: Path) -> None:
+    """Every hop is mutual TLS with the Certificates' identities: the topology turns each on
+    and loads cert-manager's Secrets, laid out by the projected volume, as a pki directory
+    holding the CA, the control plane's identity and every Envoy replica's."""
+    topology = configmap_topology(tmp_path)
+    tls = topology.listener.upstream_tls
+    assert tls is not None and topology.xds_tls and topology.telemetry.tls
+    assert not topology.telemetry.insecure_plaintext
+    assert topology.listener.tls is not None  # edge TLS on
+    replicas = workload("infermesh-envoy")["spec"]["replicas"]
+    assert sorted(e.name for e in tls.envoys) == [f"infermesh-envoy-{i}" for i in range(replicas)]
+    assert tls.control_plane is not None and tls.control_plane.name == "control-plane"
+    # The model servers and Envoys dial each replica by name: its certificate carries it.
+    otlp = expand(container("infermesh-model-server")["command"], POD_ENV)
+    endpoints = otlp[otlp.index("--otlp-endpoint") + 1].split(",")
+    names = set(named("Certificate", "infermesh-control-plane")["spec"]["dnsNames"])
+    assert {e.rsplit(":", 1)[0] for e in endpoints} <= names
+
+
+def test_each_envoy_proves_its_pod_name(tmp_path: Path) -> None:
+    """The Envoy StatefulSet's pods are their xDS node ids; each finds its own certificate."""
+    envoy = workload("infermesh-envoy")
+    assert envoy["kind"] == "StatefulSet"
+    pki_dir = mount_as_cert_manager(tmp_path, "infermesh-envoy")
+    command = container("infermesh-envoy")["command"]
+    assert command[command.index("--xds-tls") + 1] == PKI_MOUNT
+    for i in range(envoy["spec"]["replicas"]):
+        node = f"infermesh-envoy-{i}"
+        args, _ = bootstrap_parser().parse_known_args(expand(command[3:], {"POD_NAME": node}))
+        assert args.node_id == node
+        assert prepare_xds_tls(pki_dir, node).trust_domain == "infermesh.local"
+
+
+def test_a_model_server_pods_csi_certificate_is_the_identity_it_checks(tmp_path: Path) -> None:
+    """csi-driver fills ${POD_NAME} and ${POD_NAMESPACE}; the result is the identity the
+    server checks its certificate against (--tls-pod) and the name Envoy sends as SNI."""
+    pod = workload("infermesh-model-server")["spec"]["template"]["spec"]
+    attributes = next(v["csi"] for v in pod["volumes"] if v["name"] == "tls")["volumeAttributes"]
+    assert attributes["csi.cert-manager.io/issuer-name"] == "infermesh-ca"
+
+    def filled(key: str) -> str:
+        value = str(attributes[f"csi.cert-manager.io/{key}"])
+        return value.replace("${POD_NAME}", POD_ENV["POD_NAME"]).replace(
+            "${POD_NAMESPACE}", POD_ENV["POD_NAMESPACE"]
+        )
+
+    args = model_server_parser().parse_args(
+        expand(container("infermesh-model-server")["command"][1:], POD_ENV)
+    )
+    namespace, name = args.tls_pod.split("/")
+    expected = pki.model_server_pod(namespace, name)
+    assert (namespace, name) == (POD_ENV["POD_NAMESPACE"], POD_ENV["POD_NAME"])
+    assert filled("uri-sans") == expected.spiffe_id
+    assert filled("dns-names").split(",") == list(expected.dns)
+    assert {"server auth", "client auth"} <= set(filled("key-usages").split(","))
+    mounts = {
+        m["name"]: m["mountPath"] for m in container("infermesh-model-server")["volumeMounts"]
+    }
+    for flag, file in (
+        (args.tls_cert, "tls.crt"),
+        (args.tls_key, "tls.key"),
+        (args.tls_ca, "ca.crt"),
+    ):
+        assert flag == Path(mounts["tls"]) / file
 
 
 @pytest.mark.parametrize(
@@ -99,6 +250,9 @@ def configmap_topology(tmp_path: Path) -> Topology:
     ids=[f"{p.name}:{d['kind']}/{d['metadata']['name']}" for p, d in documents()],
 )
 def test_every_object_validates_strictly(path: Path, doc: dict[str, Any]) -> None:
+    if doc["kind"] in CERT_MANAGER_KINDS:  # a CRD: test_cert_manager_objects_use_known_fields
+        assert doc["metadata"]["namespace"] == NAMESPACE
+        return
     try:
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
     except kubernetes_validate.ValidationError as exc:
@@ -127,7 +281,7 @@ def test_model_server_drain_fits_in_the_grace_period() -> None:
     pod = deployment["spec"]["template"]["spec"]
     c = container("infermesh-model-server")
     assert c["command"][0] == "infermesh-model-server"
-    args = model_server_parser().parse_args(c["command"][1:])
+    args = model_server_parser().parse_args(expand(c["command"][1:], POD_ENV))
     pre_stop = c["lifecycle"]["preStop"]
     sleep_s = (
         float(pre_stop["sleep"]["seconds"])
@@ -140,7 +294,7 @@ def test_model_server_drain_fits_in_the_grace_period() -> None:
 
 def test_model_server_ports_probes_and_address(tmp_path: Path) -> None:
     c = container("infermesh-model-server")
-    args = model_server_parser().parse_args(expand(c["command"][1:], {"POD_IP": "10.1.2.3"}))
+    args = model_server_parser().parse_args(expand(c["command"][1:], POD_ENV))
     assert args.host == "0.0.0.0"
     assert args.advertise_address == f"10.1.2.3:{args.port}"  # what the EndpointSlice lists
     assert port_number(c, "grpc") == args.port
@@ -149,13 +303,16 @@ def test_model_server_ports_probes_and_address(tmp_path: Path) -> None:
     # Envoy reaches the REST port as the gRPC port + the topology's offset.
     rest = configmap_topology(tmp_path).listener.rest
     assert rest.enabled and args.http_port == args.port + rest.port_offset
-    readiness = c["readinessProbe"]["grpc"]  # grpc.health.v1, as model_server.server serves
-    assert readiness["port"] == args.port and readiness.get("service", "") == ""
+    # The gRPC port speaks only mutual TLS, which the kubelet cannot: readiness is the
+    # metrics port's plaintext /ready (model_server.admin_http).
+    readiness = c["readinessProbe"]["httpGet"]
+    assert readiness["path"] == "/ready" and port_number(c, readiness["port"]) == args.metrics_port
     for kind, probe in probes(c):
         action = probe.get("grpc") or probe.get("httpGet") or probe.get("tcpSocket")
         assert action is not None, kind
         assert port_number(c, action["port"]) in (args.port, args.metrics_port), kind
-    assert "livenessProbe" in c and "grpc" not in c["livenessProbe"]  # NOT_SERVING is not dead
+    assert "livenessProbe" in c and c["livenessProbe"]["httpGet"]["path"] != "/ready"  # draining
+    # is not dead
     assert args.model_repository == Path("/models")
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     assert mounts["/models"] == "models"
@@ -233,7 +390,7 @@ def test_control_plane_service_ports_match_its_flags() -> None:
     assert plane["spec"]["serviceName"] == name
     replicas = [f"{name}-{i}.{name}:{args.otlp_port}" for i in range(plane["spec"]["replicas"])]
     model_server = model_server_parser().parse_args(
-        expand(container("infermesh-model-server")["command"][1:], {"POD_IP": "10.1.2.3"})
+        expand(container("infermesh-model-server")["command"][1:], POD_ENV)
     )
     assert model_server.otlp_endpoint == tuple(replicas)
     envoy = container("infermesh-envoy")["command"]
@@ -267,7 +424,7 @@ def test_the_manifests_ship_with_their_credentials_required(tmp_path: Path) -> N
     assert topology.admin.host == "0.0.0.0"
     assert args.admin_token_file and args.admin_read_token_file
     server = model_server_parser().parse_args(
-        expand(container("infermesh-model-server")["command"][1:], {"POD_IP": "10.1.2.3"})
+        expand(container("infermesh-model-server")["command"][1:], POD_ENV)
     )
     assert server.model_control_mode == "explicit"
     (spec,) = server.restrictions

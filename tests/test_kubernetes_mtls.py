@@ -25,6 +25,7 @@ from tests.envoy_support import Envoy, free_port
 from tests.mesh_support import ControlPlaneThread, start_plane_and_envoy, write_topology
 from tests.support import ServerProcess, Traffic, metric_value, start_server, wait_for
 from tests.test_endpointslices import READY, FakeKubeApi
+from tests.test_models_cli import infermesh
 from tests.test_otlp_mtls import Telemetry
 
 pytestmark = pytest.mark.integration
@@ -76,7 +77,7 @@ def pod_mesh(
     pki_dir, logs = tmp_path / "pki", tmp_path / "logs"
     authority = pki.init_authority(pki_dir)
     pods = ("pod-a", "pod-b", "pod-c")  # pod-c has a certificate and no process
-    for who in (pki.envoy(NODE), pki.control_plane(),
+    for who in (pki.envoy(NODE), pki.control_plane(), pki.operator("platform"),
                 *(pki.model_server_pod(NAMESPACE, p) for p in pods)):  # fmt: skip
         pki.issue(authority, who, pki_dir)
     ports = {pod: free_port() for pod in pods[:2]}
@@ -181,3 +182,27 @@ def test_a_pods_reports_are_taken_for_its_own_address_only(
         # pod-a's own certificate may report for its address (and what it says is stored).
         assert telemetry.export(pod_a, a_address) == grpc.StatusCode.OK
         wait_for(lambda: telemetry.draining(a_address) == 1, 10, "pod-a's own report stored")
+
+
+def test_the_operator_reaches_pods_by_their_names(
+    demo_repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``infermesh models`` checks each server's certificate against its pod's name: taken
+    from the control plane's /status, or given with --pod for one --server."""
+    with pod_mesh(demo_repo, tmp_path, monkeypatch, shards=0, envoy=False) as mesh:
+        a = f"127.0.0.1:{mesh.ports['pod-a']}"
+        as_operator = ("--pki", str(mesh.pki_dir), "--operator", "platform")
+        wait_for(
+            lambda: len(mesh.plane.admin_get("/status")["upstream_tls"]["pods"]) == 2,
+            30,
+            "both pods in /status",
+        )
+        admin = f"127.0.0.1:{mesh.plane.plane.admin_port}"
+        done = infermesh(tmp_path, "models", "index", "--admin", admin, *as_operator)
+        assert done.returncode == 0 and done.stdout.count("classifier v1  READY") == 2, done
+        done = infermesh(tmp_path, "models", "index", "--server", a, "--pod", "test/pod-a",
+                         *as_operator)  # fmt: skip
+        assert done.returncode == 0 and "classifier v1  READY" in done.stdout, done
+        # Without the pod, the address's name is expected and the pod's certificate fails it.
+        done = infermesh(tmp_path, "models", "index", "--server", a, *as_operator)
+        assert done.returncode == 1 and "UNAVAILABLE" in done.stderr, done

@@ -48,7 +48,11 @@ def test_up_runs_the_compose_mesh_and_stops_it_in_order(demo_repo: Path, tmp_pat
             "mesh-certs", "model-server-1", "model-server-2", "model-server-3", "control-plane-1",
             "control-plane-2", "envoy", "prometheus",
         ]  # fmt: skip
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{mesh.envoy_port}")
+        # Edge TLS is on in compose: the mesh CA (mesh-certs keeps it) signs the edge's.
+        ca = tmp_path / ".infermesh" / "pki" / "ca.crt"
+        client = grpcclient.InferenceServerClient(
+            f"127.0.0.1:{mesh.envoy_port}", ssl=True, root_certificates=str(ca)
+        )
         tensor = grpcclient.InferInput("input", [1, 3, 32, 32], "FP32")
         tensor.set_data_from_numpy(np.zeros((1, 3, 32, 32), dtype=np.float32))
         headers = client_headers(tmp_path)  # the key `infermesh up` made
@@ -79,9 +83,10 @@ def test_up_runs_the_compose_mesh_and_stops_it_in_order(demo_repo: Path, tmp_pat
         )
         # Every certificate renewed under load (as mesh-certs does when they are due): no
         # failed call, no restart, and Envoy holds only the new certificate (for xDS over
-        # file SDS and for the servers over ADS SDS).
+        # file SDS and for the servers over ADS SDS, and the edge's over ADS SDS).
         pki_dir = tmp_path / ".infermesh" / "pki"
         old = pki.read_certificate(pki_dir / "envoy_envoy-1.crt").serial_number
+        old_edge = pki.read_certificate(pki_dir / "edge_localhost.crt").serial_number
         pids = mesh.pids()
         with mesh.traffic(clients=2, deadline_s=60) as traffic:
             traffic.wait_ok(20)
@@ -90,12 +95,15 @@ def test_up_runs_the_compose_mesh_and_stops_it_in_order(demo_repo: Path, tmp_pat
                  "--dir", str(pki_dir)],
                 capture_output=True, text=True, timeout=60, check=False,
             )  # fmt: skip
-            assert "renewed 6 certificate(s)" in rotate.stdout, rotate.stdout + rotate.stderr
+            assert "renewed 7 certificate(s)" in rotate.stdout, rotate.stdout + rotate.stderr
             new = pki.read_certificate(pki_dir / "envoy_envoy-1.crt").serial_number
-            wait_for(lambda: _envoy_serials(mesh) == {new}, 30, "Envoy's renewed certificates")
+            edge = pki.read_certificate(pki_dir / "edge_localhost.crt").serial_number
+            wait_for(
+                lambda: _envoy_serials(mesh) == {new, edge}, 30, "Envoy's renewed certificates"
+            )
             traffic.wait_ok(40)
         assert not traffic.errors, traffic.errors[:3]
-        assert old != new and mesh.pids() == pids
+        assert old != new and old_edge != edge and mesh.pids() == pids
         assert mesh.stop() == 0
         stopped = re.findall(r"infermesh: (\S+) stopped \(exit (\S+)\)", mesh.log.read_text())
         order = ["prometheus", "envoy", "control-plane-2", "control-plane-1", "model-server-3",

@@ -184,10 +184,10 @@ class OperatorApi:
                 m.name: dict(m.version_split) for m in self.plane.effective_topology().models
             },
             "nodes": self.plane.nodes.as_json(),
-            "upstream_tls": upstream_tls.status(self.plane.topology.listener.upstream_tls),
+            "upstream_tls": upstream_tls.status(self.plane.upstream_tls()),
             "edge_tls": edge_tls.status(self.plane.topology.listener.tls),
             "warnings": security_warnings(self.plane.topology.listener)
             + otlp_identity.plaintext_warnings(self.plane.topology.telemetry)
-            + upstream_tls.warnings(self.plane.topology.listener.upstream_tls)
+            + upstream_tls.warnings(self.plane.upstream_tls())
             + edge_tls.warnings(self.plane.topology.listener.tls),
         }

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from infermesh.api_keys import client_headers, ensure_local_credentials
 from infermesh.secrets import ADMIN_TOKEN_FILE
 from tests.support import ROOT, Traffic, post_json, stop_process, wait_for
@@ -47,6 +49,16 @@ class ComposeMesh:
     @property
     def envoy_port(self) -> int:
         return int(self.env["INFERMESH_ENVOY_PORT"])
+
+    @property
+    def root_ca(self) -> bytes:
+        """The mesh CA, which signs the edge's certificate (compose's mesh-certs keeps it)."""
+        return (self.workdir / ".infermesh" / "pki" / "ca.crt").read_bytes()
+
+    def edge_channel(self, options: list[tuple[str, Any]] | None = None) -> grpc.Channel:
+        """A gRPC channel to Envoy's listener over TLS (edge TLS is on in compose)."""
+        credentials = grpc.ssl_channel_credentials(self.root_ca)
+        return grpc.secure_channel(f"127.0.0.1:{self.envoy_port}", credentials, options=options)
 
     @property
     def admin(self) -> str:
@@ -129,7 +141,9 @@ class ComposeMesh:
         """Steady load through Envoy, with the local API key."""
         url = f"127.0.0.1:{self.envoy_port}"
         metadata = (*self.api_metadata, *options.pop("metadata", ()))
-        return Traffic(url, clients, deadline_s=deadline_s, metadata=metadata, **options)
+        return Traffic(
+            url, clients, deadline_s=deadline_s, metadata=metadata, root_ca=self.root_ca, **options
+        )
 
     def envoy_clusters(self) -> str:
         """Envoy's admin /clusters text ("" when the admin does not answer)."""

@@ -85,7 +85,7 @@ def test_hostile_inputs_through_envoy_get_their_codes_and_disturb_nothing(
     options = [("grpc.max_send_message_length", 200 * 1024 * 1024)]
     with mesh.traffic(clients=2, deadline_s=120) as traffic:
         traffic.wait_ok(50)
-        with grpc.insecure_channel(f"127.0.0.1:{mesh.envoy_port}", options=options) as channel:
+        with mesh.edge_channel(options) as channel:
             stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
             for _ in range(20):
                 for name, request, _code in bad_requests():
