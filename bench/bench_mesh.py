@@ -81,6 +81,7 @@ class Mesh:
     envoy_admin: int
     cp_admin: int
     listener: int
+    scheme: str = "http"  # "https": the listener speaks edge TLS (h2load does not verify)
 
     def key(self, i: int) -> str:
         return f"{HOST}:{self.servers[i][1]}"
@@ -201,10 +202,13 @@ def run_envoy(config: Path, workdir: Path) -> Iterator[tuple[int, int]]:
 
 
 def grpc_check(target: str, req: service_pb2.ModelInferRequest, header: bool,
-               want: bytes | None, credential: str = "") -> tuple[str, bytes]:  # fmt: skip
+               want: bytes | None, credential: str = "",
+               root_ca: bytes | None = None) -> tuple[str, bytes]:  # fmt: skip
     """One ModelInfer via grpcio: its status, and its output (must equal ``want`` if given);
-    ``credential``: an Authorization header to send."""
-    with grpc.insecure_channel(target) as channel:
+    ``credential``: an Authorization header to send; ``root_ca``: over TLS, trusting it."""
+    opened = (grpc.secure_channel(target, grpc.ssl_channel_credentials(root_ca))
+              if root_ca is not None else grpc.insecure_channel(target))  # fmt: skip
+    with opened as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         try:
             metadata = [HEADER] if header else []
@@ -248,7 +252,7 @@ def h2load(exe: str, url: str, frame: Path, c: int, seconds: float, log: Path,
 def run_once(args: argparse.Namespace, exe: str, mesh: Mesh, setup: tuple[str, int, bool], c: int,
              workdir: Path) -> Sample:  # fmt: skip
     (name, port, header), frame = setup, workdir / "frame.bin"
-    url = f"http://{HOST}:{port}{bms.METHOD}"
+    url = f"{mesh.scheme if port == mesh.listener else 'http'}://{HOST}:{port}{bms.METHOD}"
     metrics = [f"http://{HOST}:{m}/metrics" for _, _, m in mesh.servers]
     pids = [mesh.envoy_pid] + [pid for pid, _, _ in mesh.servers]
     h2load(exe, url, frame, c, args.warmup, workdir / "warmup.log", header)  # discarded

@@ -1,12 +1,14 @@
-"""Benchmark mutual TLS inside the mesh: the same mesh in plaintext and over mTLS, side by side.
+"""Benchmark mutual TLS inside the mesh: the same mesh in plaintext and over mTLS, side by side,
+and a third with edge TLS on top (as ``infermesh up`` runs it).
 
-Two meshes run at once, each with two model servers, the control plane and Envoy (one worker):
-one in plaintext, one with ``listener.upstream_tls`` (servers with ``--tls-*``, Envoy's
-certificate and the CA over SDS, each connection checking the server's name), as ``infermesh
-up`` runs it. Clients talk plaintext to both edges: the edge is not what changes. In each
-round, at each concurrency, h2load drives one mesh's listener and then the other's
-(bench_mesh.py's method: raw gRPC frames, x-model-name); medians of the rounds, the QPS and
-latency ratios mTLS / plaintext, and the ratio of each round's pair.
+Three meshes run at once, each with two model servers, the control plane and Envoy (one
+worker): one in plaintext; one with ``listener.upstream_tls`` (servers with ``--tls-*``,
+Envoy's certificate and the CA over SDS, each connection checking the server's name), its
+clients plaintext at the edge; one with that and ``listener.tls`` (clients over TLS, h2 by
+ALPN). In each round, at each concurrency, h2load drives each mesh's listener in turn
+(bench_mesh.py's method: raw gRPC frames, x-model-name; its connections are made once, before
+the warm-up, so handshakes are not in the figures); medians of the rounds, the QPS and
+latency ratios to plaintext, and the ratio of each round's pair.
 
 Then a reconnect storm at one model server of each mesh: N new connections at once (their own
 subchannels), each asking ServerReady once, plaintext against mTLS (an operator certificate,
@@ -41,7 +43,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from infermesh import pki
 
 HOST = bms.HOST
-PLAIN, MTLS = "plaintext inside", "mTLS inside"
+PLAIN, MTLS, EDGE = "plaintext inside", "mTLS inside", "mTLS inside + edge TLS"
 ENVOY_NODE = "bench-envoy"  # bench_mesh.start_envoy's node id
 
 
@@ -65,12 +67,17 @@ def start_servers(
     return servers
 
 
-def start_mesh(stack: ExitStack, models: Path, workdir: Path, tls: bool) -> bm.Mesh:
+def start_mesh(
+    stack: ExitStack, models: Path, workdir: Path, tls: bool, edge: bool = False
+) -> bm.Mesh:
+    """``tls``: mTLS inside; ``edge``: the listener speaks TLS too (as ``infermesh up`` runs
+    it: the mesh CA's certificate for localhost)."""
     workdir.mkdir()
     authority = None
     if tls:
         authority = pki.init_authority(workdir / "pki")
-        for who in (pki.control_plane(), pki.envoy(ENVOY_NODE), pki.operator("bench")):
+        for who in (pki.control_plane(), pki.envoy(ENVOY_NODE), pki.operator("bench"),
+                    pki.edge("localhost")):  # fmt: skip
             pki.issue(authority, who, workdir / "pki")
     servers = start_servers(stack, models, workdir, authority)
     listener = bm.free_port()
@@ -80,13 +87,17 @@ def start_mesh(stack: ExitStack, models: Path, workdir: Path, tls: bool) -> bm.M
     data["telemetry"] = {"port": bm.free_port()}  # two control planes on one host
     if tls:
         data["listener"]["upstream_tls"] = {"pki_dir": str(workdir / "pki")}
+    if edge:
+        files = pki.workload_files(workdir / "pki", pki.edge("localhost"))
+        data["listener"]["tls"] = {"cert_file": str(files.cert), "key_file": str(files.key)}
     topology.write_text(yaml.safe_dump(data))
     cp_admin, envoy_pid, envoy_admin = bm.start_plane_and_envoy(stack, workdir, topology)
     envoy = bm.Admin(envoy_admin)
     healthy = re.compile(f"^{bm.CLUSTER}::.*::health_flags::healthy$", re.M)
     bm.wait_for(lambda: len(healthy.findall(envoy.call("/clusters"))) == 2, 60,
                 f"2 healthy hosts in {workdir.name}")  # fmt: skip
-    return bm.Mesh(servers, envoy_pid, envoy_admin, cp_admin, listener)
+    scheme = "https" if edge else "http"
+    return bm.Mesh(servers, envoy_pid, envoy_admin, cp_admin, listener, scheme)
 
 
 # --- the reconnect storm ---------------------------------------------------------------------
@@ -140,7 +151,7 @@ def storm(mesh: bm.Mesh, workdir: Path, n: int, tls: bool) -> tuple[float, int, 
 
 def report(samples: list[bm.Sample], levels: list[int]) -> None:
     print("\n| c | setup | QPS | p50 ms | p99 ms | non-OK | Envoy CPU ms/request | Envoy cores "
-          "| servers CPU ms/request | QPS mTLS / plain | p50 mTLS / plain | p99 mTLS / plain "
+          "| servers CPU ms/request | QPS / plain | p50 / plain | p99 / plain "
           "| QPS ratio per round |\n" + "| --- " * 13 + "|")  # fmt: skip
     for c in levels:
 
@@ -148,7 +159,7 @@ def report(samples: list[bm.Sample], levels: list[int]) -> None:
             return [s for s in samples if s.setup == name and s.level.concurrency == c]
 
         base = bms.median_level([s.level for s in pick(PLAIN)])
-        for name in (PLAIN, MTLS):
+        for name in (PLAIN, MTLS, EDGE):
             group = pick(name)
             m = bms.median_level([s.level for s in group])
             per_round = [s.level.qps / p.level.qps for s, p in zip(group, pick(PLAIN), strict=True)]
@@ -194,19 +205,21 @@ def main() -> int:
         meshes = {
             PLAIN: start_mesh(stack, args.models, workdir / "plain", tls=False),
             MTLS: start_mesh(stack, args.models, workdir / "mtls", tls=True),
+            EDGE: start_mesh(stack, args.models, workdir / "edge", tls=True, edge=True),
         }
-        checks = [
-            f"{name}: {bm.grpc_check(f'{HOST}:{mesh.listener}', req, True, None)[0]}"
-            for name, mesh in meshes.items()
-        ]
+        checks = []
+        for name, mesh in meshes.items():
+            ca = (workdir / "edge" / "pki" / "ca.crt").read_bytes() if name == EDGE else None
+            target = f"localhost:{mesh.listener}" if ca else f"{HOST}:{mesh.listener}"
+            checks.append(f"{name}: {bm.grpc_check(target, req, True, None, root_ca=ca)[0]}")
         for rnd, c in itertools.product(range(args.rounds), levels):
             for name, mesh in meshes.items():
                 setup = (name, mesh.listener, True)
                 samples.append(run := bm.run_once(args, exe, mesh, setup, c, workdir))
                 print(f"round {rnd + 1} c{c} {name}: {bms.fmt_row(run.level)}", flush=True)
         memory_rows = [rss_line(name, mesh) for name, mesh in meshes.items()]
-        for rnd in range(args.rounds):
-            for name, mesh in meshes.items():
+        for rnd in range(args.rounds):  # the storm is at a server: the edge does not change it
+            for name, mesh in ((n, m) for n, m in meshes.items() if n != EDGE):
                 folder = workdir / ("mtls" if name == MTLS else "plain")
                 storms[name].append(result := storm(mesh, folder, args.storm, name == MTLS))
                 print(f"storm round {rnd + 1} {name}: {result[0]:.2f} s, {result[1]} answered, "
