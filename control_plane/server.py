@@ -32,21 +32,20 @@ from control_plane.admin.http import AdminServer, AdminTokens, check_exposure
 from control_plane.admin.live_view import LiveFeed
 from control_plane.ads import AdsServicer
 from control_plane.canary_runs import CanaryRuns
-from control_plane.discovery.kubernetes import EndpointSlices
-from control_plane.discovery.resolver import EndpointResolver
+from control_plane.discovery.endpoints import DiscoveredEndpoints
 from control_plane.envoy_checks import changes, checked_down_by_model
 from control_plane.fallback import Fallbacks
 from control_plane.incremental import SnapshotBuilder
 from control_plane.mesh import (
     NO_PODS,
     EndpointAddress,
-    EndpointHealth,
     MeshState,
     ServerPods,
     UpstreamTls,
 )
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.nodes import NodeRegistry
+from control_plane.operator_state import OperatorState
 from control_plane.placement import ClusterMemo, PlacementPoller, build_mesh_state
 from control_plane.routing import Router
 from control_plane.scoring.types import RECOMPUTE_PERIOD_S, Labels
@@ -79,7 +78,6 @@ TOPOLOGY_CHECK_INTERVAL_S = 1.0
 ROUTING_INTERVAL_S = RECOMPUTE_PERIOD_S
 ROUTING_MIN_GAP_S = 0.1
 JUDGE_INTERVAL_S = 0.5  # how often running canaries and open circuits are judged
-DNS_REFRESH_INTERVAL_S = 5.0
 PLACEMENT_HINT_INTERVAL_S = 0.1  # how often telemetry's model-state changes become probes
 LIVE_VIEW_INTERVAL_S = 1.0  # a frame of the live view (GET /ui) every second while watched
 LIVE_VIEW_IDLE_INTERVAL_S = 10.0  # and this often while no page is open, at the least:
@@ -139,10 +137,10 @@ class ControlPlane:
         self._publish_certificates()
         self.cache = SnapshotCache()
         self.nodes = NodeRegistry()
-        self.slices_changed = asyncio.Event()
         self.routing_wake = asyncio.Event()  # telemetry moved: recompute before the next tick
-        self.slices = EndpointSlices(self.slices_changed.set)
-        self.resolver = EndpointResolver(watched=self.slices.addresses)
+        self.discovery = DiscoveredEndpoints(
+            lambda: self.topology.endpoints, self._endpoints_changed
+        )
         options = self.topology.telemetry
         # What the in-process receiver and the scraper store; routing, placement hints, canaries
         # and GET /telemetry read it merged with the telemetry shards' (telemetry.shards).
@@ -155,20 +153,16 @@ class ControlPlane:
         # Endpoints that do not push OTLP (Triton): their Prometheus metrics, scraped
         self.scraper = MetricsScraper(self.store, interval_s=options.scrape_interval_s)
         self.router = Router()
-        self.splits: dict[str, tuple[tuple[str, int], ...]] = {}  # operator and canary splits
+        self.operator = OperatorState()  # overrides and version splits, over the topology's
         self.canaries = CanaryRuns(self.router.decisions, self.metrics)
         self.fallbacks = Fallbacks(self.router.decisions)
         self.api = OperatorApi(self)
         self.otlp_server: grpc.aio.Server | None = None
         self.decoders: ProcessPoolExecutor | None = None  # telemetry.decoder_processes
         self.otlp_port = 0
-        self.endpoints: tuple[EndpointAddress, ...] = ()
-        self.server_pods = NO_PODS  # Kubernetes: the pod at each address (``upstream_tls``)
         self._with_pods: tuple[Topology | None, ServerPods, Topology] = (
             None, NO_PODS, self.topology,
         )  # fmt: skip
-        self.weights: dict[EndpointAddress, int] = {}
-        self.health: dict[EndpointAddress, EndpointHealth] = {}
         # listener.health_checks: model: what Envoy's checks find (see control_plane.envoy_checks)
         self.checked_down: dict[str, frozenset[EndpointAddress]] = {}
         self.poller = PlacementPoller(
@@ -200,8 +194,8 @@ class ControlPlane:
         t = self.topology
         tokens = AdminTokens(self.settings.admin_read_token, self.settings.admin_token)
         check_exposure(t.admin.host, tokens)  # before anything binds
-        await self.slices.sync(t.endpoints)  # waits (bounded) for the first LIST of each
-        await self._resolve_endpoints()
+        if await self.discovery.sync():  # waits (bounded) for each Service's first LIST
+            await self._pods_moved()
         self.grpc_server = grpc.aio.server(
             options=[("grpc.keepalive_time_ms", 30_000), ("grpc.so_reuseport", 0)]
         )
@@ -269,9 +263,9 @@ class ControlPlane:
         self._spawn(self._watch_topology)
         if self.settings.routing:
             self._spawn(self._route_by_telemetry)
-        self._spawn(self._refresh_dns)
+        self._spawn(self.discovery.refresh_dns)
         self._spawn(self._publish_live_view)
-        self._spawn(self._follow_slices)
+        self._spawn(self.discovery.follow_slices)
         self._spawn(self._judge_canaries)
         self._spawn(self._probe_on_hints)
         self._spawn(self._watch_circuits)
@@ -303,7 +297,7 @@ class ControlPlane:
         await self.scraper.stop()
         for task in list(self._tasks):
             task.cancel()
-        await self.slices.stop()
+        await self.discovery.stop()
         if self.admin is not None:
             self.admin.stop()
         if self.grpc_server is not None:
@@ -339,8 +333,8 @@ class ControlPlane:
         state = build_mesh_state(
             self.effective_topology(),
             self.poller.reports,
-            self.weights,
-            self.health,
+            self.operator.weights,
+            self.operator.health,
             pool_weights=self.router.pool_weights(),
             pool_health=self.router.pool_health(),
             labels=self.endpoint_labels(),
@@ -428,7 +422,7 @@ class ControlPlane:
             stats = await asyncio.to_thread(self._version_stats, models, now)
             changed = self.canaries.tick(stats, self.version_ready, now, time.time())
             for model in changed:
-                self.splits[model] = self.canaries.runs[model].split()
+                self.operator.set_split(model, self.canaries.runs[model].split())
                 self.rebuild(f"canary of {model}: {self.canaries.runs[model].reason}")
 
     async def _watch_circuits(self) -> None:
@@ -482,8 +476,8 @@ class ControlPlane:
         self.scraper.interval_s = topology.telemetry.scrape_interval_s
         self.scraper.set_targets(topology.scrape_targets)
         self.scraper.set_tls(topology.listener.upstream_tls)
-        await self.slices.sync(topology.endpoints)
-        await self._resolve_endpoints()
+        if await self.discovery.sync():
+            await self._pods_moved()
         await self.poller.poll_once()
         self.rebuild(f"topology reloaded ({reason})")
 
@@ -515,39 +509,29 @@ class ControlPlane:
                 self.fingerprint = fingerprint
                 await self.reload_topology("file changed")
 
-    async def _refresh_dns(self) -> None:
-        while True:
-            await asyncio.sleep(DNS_REFRESH_INTERVAL_S)
-            await self._refresh_endpoints("DNS answers changed")
+    @property
+    def endpoints(self) -> tuple[EndpointAddress, ...]:
+        """The servers the topology's sources name now (``DiscoveredEndpoints``)."""
+        return self.discovery.addresses
 
-    async def _follow_slices(self) -> None:
-        """A watched Service's ready pods changed: at once, not at the next DNS refresh."""
-        while True:
-            await self.slices_changed.wait()
-            self.slices_changed.clear()  # changes during the refresh set it again
-            await self._refresh_endpoints("EndpointSlices changed")
+    @property
+    def server_pods(self) -> ServerPods:
+        """Kubernetes: the pod at each address, whose name its certificate carries."""
+        return self.discovery.pods
 
-    async def _refresh_endpoints(self, reason: str) -> None:
-        if await self._resolve_endpoints():
-            log.info("endpoints changed (%s): %s", reason, [e.key for e in self.endpoints])
-            await self.poller.poll_once()
-            self.rebuild(reason)
+    async def _endpoints_changed(self, reason: str, pods_moved: bool) -> None:
+        """Discovery found other servers: ask them what they serve, then tell Envoy."""
+        if pods_moved:
+            await self._pods_moved()
+        await self.poller.poll_once()
+        self.rebuild(reason)
 
-    async def _resolve_endpoints(self) -> bool:
-        """The topology's sources resolved, with the pods discovery names at each address
-        (``server_pods``); True when either changed. New pods reach every check of a
-        server's certificate: the probes' and telemetry's here, Envoy's with the rebuild."""
-        endpoints = await self.resolver.resolve(self.topology.endpoints)
-        pods = self.slices.pods()
-        moved = pods != self.server_pods.as_dict()
-        changed = moved or endpoints != self.endpoints
-        self.endpoints = endpoints
-        if moved:
-            self.server_pods = ServerPods(pods)
-            await self.poller.set_tls(self.upstream_tls())
-            if self.shards is not None:
-                await asyncio.to_thread(self.shards.set_pods, self.server_pods)
-        return changed
+    async def _pods_moved(self) -> None:
+        """New pods reach every check of a server's certificate: the probes' and the
+        telemetry shards' here, Envoy's with the next rebuild (``upstream_tls``)."""
+        await self.poller.set_tls(self.upstream_tls())
+        if self.shards is not None:
+            await asyncio.to_thread(self.shards.set_pods, self.server_pods)
 
     def upstream_tls(self) -> UpstreamTls | None:
         """The topology's mutual TLS to the servers with discovery's pods in it
@@ -601,12 +585,13 @@ class ControlPlane:
         pods (``upstream_tls``)."""
         opened = self.fallbacks.open_models(time.monotonic())
         topology = self._discovered_topology()
-        if not self.splits and not opened:
+        splits = self.operator.splits
+        if not splits and not opened:
             return topology
         models = tuple(
             dataclasses.replace(
                 m,
-                version_split=self.splits.get(m.name, m.version_split),
+                version_split=splits.get(m.name, m.version_split),
                 fallback_active=m.name in opened,
             )
             for m in self.topology.models

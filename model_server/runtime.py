@@ -1,6 +1,6 @@
 """ONNX Runtime sessions: execution provider choice and session options per device.
 
-Session options (documented in the README):
+Session options (documented in docs/model-server.md):
 - CPU: ``intra_op_num_threads`` 1 per instance by default (the gRPC front end needs a core of
   its own and concurrent instances scale better than one wide session on a small host),
   sequential execution, all graph optimisations, the CPU memory arena on. A model's

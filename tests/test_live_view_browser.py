@@ -3,7 +3,7 @@ the compose mesh under load: every endpoint shown, no console error, a slowed se
 its ejection within seconds, and the page reconnects by itself when the control plane restarts.
 
 The screenshot goes to the test's directory, and also to $INFERMESH_SCREENSHOT when set (the
-README's image was made that way)."""
+docs/control-plane.md's image was made that way)."""
 
 from __future__ import annotations
 

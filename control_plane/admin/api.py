@@ -16,7 +16,8 @@ from control_plane import edge_tls, upstream_tls
 from control_plane.admin.http import AdminError
 from control_plane.admin.live_view import build_frame
 from control_plane.canary_runs import CanaryRejected, Refusal
-from control_plane.mesh import EndpointAddress, EndpointHealth
+from control_plane.mesh import EndpointAddress
+from control_plane.operator_state import InvalidChange, OperatorState
 from control_plane.telemetry import identity as otlp_identity
 from control_plane.tenants import security_warnings
 
@@ -42,34 +43,10 @@ class OperatorApi:
         address = EndpointAddress(host, int(port))
         if address not in self.plane.endpoints:
             raise AdminError(HTTPStatus.NOT_FOUND, f"endpoint {key} is not in the topology")
-        unknown = sorted(set(body) - {"weight", "health"})
-        if unknown:
-            raise AdminError(
-                HTTPStatus.BAD_REQUEST, f"unknown fields {unknown}; expected weight and/or health"
-            )
-        if "weight" in body:
-            weight = body["weight"]
-            if weight is None:
-                self.plane.weights.pop(address, None)
-            elif isinstance(weight, int) and not isinstance(weight, bool) and weight >= 1:
-                self.plane.weights[address] = weight
-            else:
-                raise AdminError(
-                    HTTPStatus.BAD_REQUEST,
-                    f"weight must be an integer >= 1 or null, got {weight!r}",
-                )
-        if "health" in body:
-            health = body["health"]
-            if health is None:
-                self.plane.health.pop(address, None)
-            elif health in EndpointHealth.__members__:
-                self.plane.health[address] = EndpointHealth(health)
-            else:
-                expected = sorted(EndpointHealth.__members__)
-                raise AdminError(
-                    HTTPStatus.BAD_REQUEST,
-                    f"health must be one of {expected} or null, got {health!r}",
-                )
+        try:
+            self.plane.operator.override(address, body)
+        except InvalidChange as exc:
+            raise AdminError(HTTPStatus.BAD_REQUEST, str(exc)) from None
         changed = self.plane.rebuild(f"operator override of {key}")
         return {"endpoint": key, "changed": changed, **(await self.status())["endpoints"][key]}
 
@@ -83,25 +60,13 @@ class OperatorApi:
     async def set_split(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
         if model not in {m.name for m in self.plane.topology.models}:
             raise AdminError(HTTPStatus.NOT_FOUND, f"model {model!r} is not in the topology")
-        errors = [
-            f"version {v!r}: weight must be an integer >= 0, got {w!r}"
-            for v, w in body.items()
-            if not isinstance(w, int) or isinstance(w, bool) or w < 0
-        ]
-        errors += [f"version {v!r} is not a number" for v in body if not str(v).isdigit()]
-        if body and not errors and sum(body.values()) == 0:
-            errors.append("the weights must not all be 0")
-        if errors:
-            raise AdminError(HTTPStatus.BAD_REQUEST, "; ".join(errors))
-        split = tuple(
-            sorted(((str(int(v)), int(w)) for v, w in body.items()), key=lambda p: int(p[0]))
-        )
+        try:
+            split = OperatorState.parse_split(body)
+        except InvalidChange as exc:
+            raise AdminError(HTTPStatus.BAD_REQUEST, str(exc)) from None
         wall = time.time()
         self.plane.canaries.abort(model, "an operator set the version split", wall)
-        if split:
-            self.plane.splits[model] = split
-        else:
-            self.plane.splits.pop(model, None)
+        self.plane.operator.set_split(model, split)
         described = " ".join(f"v{v}={w}" for v, w in split) or "the topology's"
         self.plane.router.log(model, f"version split {described}", time.time())
         changed = self.plane.rebuild(f"version split of {model} set by an operator")
@@ -121,7 +86,7 @@ class OperatorApi:
             )
         except CanaryRejected as exc:
             raise AdminError(REFUSAL_STATUS[exc.refusal], str(exc)) from None
-        self.plane.splits[model] = run.split()
+        self.plane.operator.set_split(model, run.split())
         self.plane.rebuild(f"canary of {model}: {run.reason}")
         return run.as_json(now)
 
@@ -157,9 +122,9 @@ class OperatorApi:
                     f"{m}:{v}" for m, v in (report.ready_models if report else ())
                 ),
                 "error": report.error if report else "not polled yet",
-                "weight_override": self.plane.weights.get(address),
-                "health_override": self.plane.health[address].value
-                if address in self.plane.health
+                "weight_override": self.plane.operator.weights.get(address),
+                "health_override": self.plane.operator.health[address].value
+                if address in self.plane.operator.health
                 else None,
                 "labels": dict(labels.get(address.key, ())),
             }
