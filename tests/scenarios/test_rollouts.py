@@ -25,7 +25,8 @@ from tests.scenarios.harness import ComposeMesh
 from tests.support import Traffic, metric_value, wait_for
 
 pytestmark = pytest.mark.integration
-# Fast canary steps, as in tests/test_canary_e2e.py. The P99 margin is wide because a P99 of a
+# Fast canary steps, as in tests/integration/test_canary_e2e.py. The P99 margin is wide
+# because a P99 of a
 # few hundred requests on a busy shared host is noise; only the injected errors must roll back.
 FAST = ("--steps", "10,50,100", "--dwell-s", "1.5", "--min-requests", "20", "--p99-margin", "20")
 FIRST_STEP = 0.10

@@ -234,7 +234,8 @@ def test_generate_greedy_matches_onnx(session: ort.InferenceSession, weights: Lm
 @pytest.mark.integration
 def test_model_server_loads_demo_lm_as_a_generative_model(lm_repo: Path, tmp_path: Path) -> None:
     """Optimum's decoder interface makes it generative: clients see text in and text out
-    (tests/test_generative_server.py checks the generated text against this reference)."""
+    (tests/integration/test_generative_server.py checks the generated text against this
+    reference)."""
     server = start_server(lm_repo, tmp_path / "logs", "--models", "demo_lm")
     try:
         client = server.client()

@@ -1,7 +1,7 @@
 """listener.upstream_tls (control_plane.upstream_tls): what the topology accepts and refuses,
 and the resources Envoy gets: TLS clusters with SNI and SAN checks, EDS hostnames, the CA
 for every node and each node's identity for that node alone. Real certificates; no Envoy
-here (tests/test_mtls_mesh.py runs one)."""
+here (tests/integration/test_mtls_mesh.py runs one)."""
 
 from __future__ import annotations
 

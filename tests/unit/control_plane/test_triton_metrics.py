@@ -15,7 +15,7 @@ from control_plane.telemetry.values import EndpointTelemetry, Signal
 
 EP = "10.0.0.7:8001"
 T0_NS = 1_700_000_000 * 10**9
-SAMPLE = Path(__file__).parent / "data" / "triton_metrics_sample.txt"
+SAMPLE = Path(__file__).resolve().parents[2] / "data" / "triton_metrics_sample.txt"
 
 Sample = tuple[dict[str, str], float | str]  # str: "NaN" and the like
 

@@ -89,7 +89,8 @@ def mesh(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         listener = {
             "host": "127.0.0.1", "port": listener_port, "health_check_interval_s": 0.5,
             "rest": {"port_offset": OFFSET}, "cors": {"allow_origins": [ORIGIN]},
-            # More than the default (tests/test_edge_security.py): statistics is exposed here.
+            # More than the default (tests/integration/test_edge_security.py): statistics is
+            # exposed here.
             "expose": ["inference", "metadata", "health", "statistics"],
         }  # fmt: skip
         more = [

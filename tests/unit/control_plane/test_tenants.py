@@ -1,5 +1,6 @@
 """Client identity in the topology, the Envoy resources built from it, the model server's side
-of it and the key tools. Pure: tests/test_edge_tenants.py runs it all through the real Envoy."""
+of it and the key tools. Pure: tests/integration/test_edge_tenants.py runs it all through the
+real Envoy."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from infermesh.secrets import SecretError
 from model_server import tenancy
 from model_server.errors import InferenceError
 from tests.support import ROOT
-from tests.test_resources import mesh_state
+from tests.unit.control_plane.test_resources import mesh_state
 
 MODELS = [{"name": "classifier", "sla_p99_ms": 50, "capacity_qps": 100},
           {"name": "detector", "sla_p99_ms": 50, "capacity_qps": 100}]  # fmt: skip

@@ -2,8 +2,8 @@
 ``server_draining=1`` under every server's ``service.instance.id``. Before, the whole pool left
 rotation and calls failed with "no healthy upstream". Now draining from telemetry counts only
 once the server's own health (its ServerReady, asked by placement) agrees, so the pool stays
-and no call fails; a real drain still moves traffic away (tests/test_drain.py,
-tests/test_edge_mesh.py)."""
+and no call fails; a real drain still moves traffic away (tests/integration/test_drain.py,
+tests/integration/test_edge_mesh.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from control_plane.telemetry.receiver import EXPORT_METHOD
 from tests.envoy_support import Envoy, free_port
 from tests.mesh_support import ControlPlaneThread, start_plane_and_envoy, write_topology
 from tests.support import ServerProcess, Traffic, start_server
-from tests.test_telemetry_store import gauge, request
+from tests.unit.control_plane.test_telemetry_store import gauge, request
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,7 @@ from control_plane.telemetry.receiver import EXPORT_METHOD
 from tests.envoy_support import free_port
 from tests.mesh_support import write_topology
 from tests.support import ROOT, wait_for
-from tests.test_telemetry_store import gauge, request
+from tests.unit.control_plane.test_telemetry_store import gauge, request
 
 pytestmark = pytest.mark.integration
 

@@ -84,7 +84,7 @@ def mesh_state() -> MeshState:
     b = EndpointAssignment(B, weight=1, health=EndpointHealth.DRAINING)
     classifier = ModelRoute("classifier", 50, timeout_s=2.5, version_split=(("1", 90), ("2", 10)))
     return MeshState(
-        # The gRPC-only mesh: REST and gRPC-Web are tested in tests/test_edge.py.
+        # The gRPC-only mesh: REST and gRPC-Web are tested in tests/unit/control_plane/test_edge.py.
         listener=ListenerOptions(
             port=8080, health_check_interval_s=0.5, retry_budget_percent=20, **GRPC_ONLY
         ),

@@ -15,7 +15,7 @@ from cryptography import x509
 
 from infermesh import certs, pki
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture

@@ -29,10 +29,10 @@ from control_plane.telemetry.store import TelemetryStore
 from control_plane.telemetry.values import EndpointTelemetry, Flag, Signal
 from control_plane.topology import TelemetryOptions
 from tests.envoy_support import free_port
+from tests.integration.test_control_plane_process import alive, children, start_control_plane
 from tests.mesh_support import write_topology
 from tests.support import ROOT, wait_for
-from tests.test_control_plane_process import alive, children, start_control_plane
-from tests.test_telemetry_store import attrs, counter, gauge, histogram, request
+from tests.unit.control_plane.test_telemetry_store import attrs, counter, gauge, histogram, request
 
 
 # -- the store's side: what changed since the last push --------------------------------------

@@ -42,7 +42,7 @@ from control_plane.topology import (
 )
 from infermesh.api_keys import ensure_local_credentials
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "topology.yaml"
 
 

@@ -21,7 +21,7 @@ from infermesh import pki
 from tests.envoy_support import free_port
 from tests.mesh_support import ControlPlaneThread, write_topology
 from tests.support import ServerProcess, metric_value, start_server, wait_for
-from tests.test_telemetry_store import gauge, request
+from tests.unit.control_plane.test_telemetry_store import gauge, request
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ import pytest
 from control_plane.bootstrap import prepare_xds_tls
 from infermesh import cert_keeper, pki, probe
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 MESH = ("model-server:127.0.0.1:8001", "envoy:envoy-1", "control-plane:control-plane",
         "operator:local")  # fmt: skip
 
