@@ -1,0 +1,110 @@
+"""The inference service in process (no server, no transport): ``InferenceService.infer`` with
+a real repository and real ONNX Runtime sessions, as the gRPC and REST servicers call it. The
+version a request gets, the codes and messages of what is refused, the gate's count of what
+is in flight, the fallback a request is routed to, and the statistics that count it all."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tritonclient.grpc import service_pb2
+
+from infermesh.wire import FALLBACK_HEADER
+from model_server.errors import InferenceError
+from model_server.gate import ServingGate
+from model_server.memory import MemoryGuard, ProcessMemory
+from model_server.metrics import ServerMetrics
+from model_server.repository import ModelRepository
+from model_server.runtime import DeviceChoice
+from model_server.service import InferenceService
+from tests.support import classifier_request
+
+IMAGES = np.random.default_rng(0).random((2, 3, 32, 32), dtype=np.float32)
+
+
+@pytest.fixture
+async def service(demo_repo: Path, tmp_path: Path) -> AsyncIterator[InferenceService]:
+    root = tmp_path / "models"
+    shutil.copytree(demo_repo / "classifier", root / "classifier")
+    metrics = ServerMetrics()
+    repository = ModelRepository(
+        root, DeviceChoice("cpu"), MemoryGuard(ProcessMemory(8 << 30)), metrics
+    )
+    await repository.load("classifier")
+    gate = ServingGate(ready=lambda: True)
+    yield InferenceService(repository, metrics, gate, 64 << 20, lambda name, loaded: None)
+    for name in repository.loaded_names():
+        await repository.unload(name)
+
+
+async def _refused(
+    service: InferenceService,
+    request: service_pb2.ModelInferRequest,
+    metadata: tuple[tuple[str, str], ...] = (),
+) -> str:
+    with pytest.raises(InferenceError) as raised:
+        await service.infer(request, metadata)
+    return f"{raised.value.code.name}: {raised.value}"
+
+
+async def test_a_request_gets_the_newest_version_or_the_one_it_names(
+    service: InferenceService,
+) -> None:
+    answer = await service.infer(classifier_request(IMAGES, request_id="r-1"), ())
+    assert (answer.model_name, answer.model_version, answer.id) == ("classifier", "2", "r-1")
+    probs = np.frombuffer(answer.raw_output_contents[0], dtype=np.float32).reshape(2, 10)
+    assert np.allclose(probs.sum(axis=1), 1.0, atol=1e-4)  # a softmax per image
+    pinned = await service.infer(classifier_request(IMAGES, version="1"), ())
+    assert pinned.model_version == "1"
+    assert service.gate.in_flight == 0  # every call left the gate
+
+
+async def test_what_is_refused_names_the_field_and_gets_its_code(
+    service: InferenceService,
+) -> None:
+    wrong = classifier_request(IMAGES)
+    wrong.inputs[0].shape[:] = [2, 3, 16, 16]  # the bytes no longer match the shape
+    assert (await _refused(service, wrong)).startswith("INVALID_ARGUMENT: ")
+    assert "input" in await _refused(service, wrong)
+    missing = classifier_request(IMAGES)
+    missing.model_name = "detector"
+    assert (await _refused(service, missing)).startswith("NOT_FOUND: ")
+    assert "'detector'" in await _refused(service, missing)
+    absent = classifier_request(IMAGES, version="7")
+    assert "has no version 7" in await _refused(service, absent)
+    assert service.gate.in_flight == 0
+
+
+async def test_a_draining_gate_refuses_new_requests(service: InferenceService) -> None:
+    service.gate.refusing = True
+    message = await _refused(service, classifier_request(IMAGES))
+    assert message == "UNAVAILABLE: server is draining and takes no new requests"
+    service.gate.refusing = False
+    assert (await service.infer(classifier_request(IMAGES), ())).model_version == "2"
+
+
+async def test_a_request_routed_to_a_fallback_is_answered_by_it(
+    service: InferenceService,
+) -> None:
+    """Envoy's fallback cluster keeps the model name the client asked for and says which
+    model it fell back to: the server answers with that model's newest version."""
+    request = classifier_request(IMAGES)
+    request.model_name = "detector"  # not loaded here
+    answer = await service.infer(request, ((FALLBACK_HEADER, "classifier"),))
+    assert (answer.model_name, answer.model_version) == ("classifier", "2")
+    # Without the header the same request is refused, naming the model.
+    assert (await _refused(service, request)).startswith("NOT_FOUND: ")
+
+
+async def test_statistics_count_what_was_answered(service: InferenceService) -> None:
+    for _ in range(3):
+        await service.infer(classifier_request(IMAGES), ())
+    stats = service.model_statistics("classifier", "2").model_stats
+    (v2,) = [s for s in stats if s.version == "2"]
+    assert v2.inference_stats.success.count == 3
+    assert v2.inference_count == 6  # 3 requests of 2 images
+    assert service.model_ready("classifier", "2") and not service.model_ready("detector", "")
