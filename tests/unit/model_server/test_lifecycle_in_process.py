@@ -5,29 +5,11 @@ reason when its file is not a model."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
 from model_server.lifecycle import ModelState
-from model_server.memory import MemoryGuard, ProcessMemory
-from model_server.metrics import ServerMetrics
 from model_server.repository import ModelLoadError, ModelRepository
-from model_server.runtime import DeviceChoice
-
-
-@pytest.fixture
-async def repository(demo_repo: Path, tmp_path: Path) -> AsyncIterator[ModelRepository]:
-    root = tmp_path / "models"
-    shutil.copytree(demo_repo / "classifier", root / "classifier")
-    repo = ModelRepository(
-        root, DeviceChoice("cpu"), MemoryGuard(ProcessMemory(8 << 30)), ServerMetrics()
-    )
-    yield repo
-    for name in repo.loaded_names():
-        await repo.unload(name)
 
 
 async def test_an_unload_waits_for_the_request_in_flight(repository: ModelRepository) -> None:

@@ -4,28 +4,11 @@ directory, resolves the version a request gets, names what is wrong, and unloads
 from __future__ import annotations
 
 import shutil
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
 from model_server.errors import InvalidInput, ModelNotFound
-from model_server.memory import MemoryGuard, ProcessMemory
-from model_server.metrics import ServerMetrics
 from model_server.repository import ModelLoadError, ModelRepository
-from model_server.runtime import DeviceChoice
-
-
-@pytest.fixture
-async def repository(demo_repo: Path, tmp_path: Path) -> AsyncIterator[ModelRepository]:
-    root = tmp_path / "models"
-    shutil.copytree(demo_repo / "classifier", root / "classifier")
-    repo = ModelRepository(
-        root, DeviceChoice("cpu"), MemoryGuard(ProcessMemory(8 << 30)), ServerMetrics()
-    )
-    yield repo
-    for name in repo.loaded_names():
-        await repo.unload(name)
 
 
 async def test_a_load_serves_the_newest_ready_version_unless_one_is_asked_for(

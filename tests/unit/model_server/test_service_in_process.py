@@ -5,10 +5,6 @@ is in flight, the fallback a request is routed to, and the statistics that count
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import AsyncIterator
-from pathlib import Path
-
 import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2
@@ -16,10 +12,7 @@ from tritonclient.grpc import service_pb2
 from infermesh.wire import FALLBACK_HEADER
 from model_server.errors import InferenceError
 from model_server.gate import ServingGate
-from model_server.memory import MemoryGuard, ProcessMemory
-from model_server.metrics import ServerMetrics
 from model_server.repository import ModelRepository
-from model_server.runtime import DeviceChoice
 from model_server.service import InferenceService
 from tests.support import classifier_request
 
@@ -27,18 +20,10 @@ IMAGES = np.random.default_rng(0).random((2, 3, 32, 32), dtype=np.float32)
 
 
 @pytest.fixture
-async def service(demo_repo: Path, tmp_path: Path) -> AsyncIterator[InferenceService]:
-    root = tmp_path / "models"
-    shutil.copytree(demo_repo / "classifier", root / "classifier")
-    metrics = ServerMetrics()
-    repository = ModelRepository(
-        root, DeviceChoice("cpu"), MemoryGuard(ProcessMemory(8 << 30)), metrics
-    )
+async def service(repository: ModelRepository) -> InferenceService:
     await repository.load("classifier")
     gate = ServingGate(ready=lambda: True)
-    yield InferenceService(repository, metrics, gate, 64 << 20, lambda name, loaded: None)
-    for name in repository.loaded_names():
-        await repository.unload(name)
+    return InferenceService(repository, repository.metrics, gate, 64 << 20, lambda n, loaded: None)
 
 
 async def _refused(

@@ -1,0 +1,28 @@
+"""Fixtures of the model server's in-process tests."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from model_server.memory import MemoryGuard, ProcessMemory
+from model_server.metrics import ServerMetrics
+from model_server.repository import ModelRepository
+from model_server.runtime import DeviceChoice
+
+
+@pytest.fixture
+async def repository(demo_repo: Path, tmp_path: Path) -> AsyncIterator[ModelRepository]:
+    """A repository of the demo classifier (versions 1 and 2) on CPU, nothing loaded yet;
+    whatever a test loads is unloaded after it."""
+    root = tmp_path / "models"
+    shutil.copytree(demo_repo / "classifier", root / "classifier")
+    repo = ModelRepository(
+        root, DeviceChoice("cpu"), MemoryGuard(ProcessMemory(8 << 30)), ServerMetrics()
+    )
+    yield repo
+    for name in repo.loaded_names():
+        await repo.unload(name)
