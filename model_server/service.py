@@ -294,12 +294,16 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         async for request in request_iterator:
             generative = self._generative(request, routed)
             if generative is not None:  # decoupled: one response per token, the last final
-                try:
-                    check_inference(metadata, identity, request, routed)
-                    async for token in self._generate(request, generative, identity):
-                        yield service_pb2.ModelStreamInferResponse(infer_response=token)
-                except InferenceError as exc:
-                    yield service_pb2.ModelStreamInferResponse(error_message=exc.message)
+                with self.tracing.span(metadata) as span:  # one span per completion
+                    try:
+                        check_inference(metadata, identity, request, routed)
+                        async for token in self._generate(request, generative, identity):
+                            yield service_pb2.ModelStreamInferResponse(infer_response=token)
+                    except InferenceError as exc:
+                        self.tracing.finish(span, exc.code, exc.message)
+                        yield service_pb2.ModelStreamInferResponse(error_message=exc.message)
+                        continue
+                    self.tracing.finish(span, grpc.StatusCode.OK)
                 continue
             with self.tracing.span(metadata) as span:
                 try:
@@ -410,6 +414,8 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 raise ModelUnavailable(f"{version.label} is {version.state.value}")
             bos, _ = special_ids(version.declared)
             generation, _ = parse_generation(request, bos, engine.max_positions)
+            if self.faults.enabled:  # as for unary inference: drills cover generation too
+                await self.faults.before_execute(version.version)
             async for event in engine.generate(generation):
                 text = bytes([event.token]) if event.token < BYTE_VOCAB else b""
                 yield text_response(

@@ -5,14 +5,22 @@ is in flight, the fallback a request is routed to, and the statistics that count
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from pathlib import Path
+
 import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2
 
 from infermesh.wire import FALLBACK_HEADER
+from model_server.demo_lm import build_demo_lm
 from model_server.errors import InferenceError
+from model_server.faults import FaultInjector
 from model_server.gate import ServingGate
+from model_server.memory import MemoryGuard, ProcessMemory
+from model_server.metrics import ServerMetrics
 from model_server.repository import ModelRepository
+from model_server.runtime import DeviceChoice
 from model_server.service import InferenceService
 from tests.support import classifier_request
 
@@ -93,3 +101,45 @@ async def test_statistics_count_what_was_answered(service: InferenceService) -> 
     assert v2.inference_stats.success.count == 3
     assert v2.inference_count == 6  # 3 requests of 2 images
     assert service.model_ready("classifier", "2") and not service.model_ready("detector", "")
+
+
+@pytest.fixture
+async def lm_service(tmp_path: Path) -> AsyncIterator[InferenceService]:
+    """The demo generative model served in process, with fault injection available."""
+    build_demo_lm(tmp_path / "lm")
+    metrics = ServerMetrics()
+    repository = ModelRepository(
+        tmp_path / "lm", DeviceChoice("cpu"), MemoryGuard(ProcessMemory(8 << 30)), metrics
+    )
+    await repository.load("demo_lm")
+    gate = ServingGate(ready=lambda: True)
+    faults = FaultInjector(enabled=True)
+    yield InferenceService(repository, metrics, gate, 64 << 20, lambda n, loaded: None, faults)
+    for name in repository.loaded_names():
+        await repository.unload(name)
+
+
+def _prompt(text: str) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name="demo_lm")
+    tensor = request.inputs.add(name="text_input", datatype="BYTES")
+    tensor.shape.append(1)
+    request.raw_input_contents.append(len(text).to_bytes(4, "little") + text.encode())
+    request.parameters["max_tokens"].int64_param = 4
+    return request
+
+
+async def test_generation_goes_through_the_gate_and_the_injected_faults(
+    lm_service: InferenceService,
+) -> None:
+    """A completion is admitted by the same gate as unary inference and meets the same
+    fault drills (an injected error is answered UNAVAILABLE and counted)."""
+    answer = await lm_service.infer(_prompt("hello"), ())
+    assert answer.model_name == "demo_lm" and answer.raw_output_contents
+    lm_service.faults.apply({"error_rate": 1.0})
+    assert await _refused(lm_service, _prompt("hello")) == "UNAVAILABLE: injected fault"
+    lm_service.faults.apply({"reset": True})
+    lm_service.gate.refusing = True
+    assert "draining" in await _refused(lm_service, _prompt("hello"))
+    assert lm_service.gate.in_flight == 0
+    (v1,) = [s for s in lm_service.model_statistics("demo_lm", "1").model_stats]
+    assert v1.inference_stats.success.count == 1 and v1.inference_stats.fail.count >= 1
