@@ -101,6 +101,8 @@ def run(
         print("infermesh: --pod names the pod of one --server", file=sys.stderr)
         return 2
     try:
+        if args.pod:
+            pki.split_pod(args.pod)
         tls = _operator_tls(args.pki, args.operator)
     except pki.CertificateError as exc:
         print(f"infermesh: {exc}", file=sys.stderr)

@@ -122,8 +122,7 @@ def server_workload(
     """The server at ``address``: the pod's identity when discovery knows it (``pod`` is
     ``NAMESPACE/POD``), else the address's."""
     if pod:
-        namespace, _, name = pod.partition("/")
-        return model_server_pod(namespace, name, trust_domain)
+        return model_server_pod(*split_pod(pod), trust_domain)
     return model_server(address, trust_domain)
 
 
@@ -131,9 +130,16 @@ def server_name(address: str, pod: str = "", trust_domain: str = DEFAULT_TRUST_D
     """The DNS name the server at ``address`` is checked against (SNI and hostname check):
     its pod's (``pod_dns_name``) when discovery knows it, else ``server_dns_name``."""
     if pod:
-        namespace, _, name = pod.partition("/")
-        return pod_dns_name(namespace, name, trust_domain)
+        return pod_dns_name(*split_pod(pod), trust_domain)
     return server_dns_name(address, trust_domain)
+
+
+def split_pod(pod: str) -> tuple[str, str]:
+    """``NAMESPACE/POD`` as (namespace, pod); CertificateError unless both are there."""
+    namespace, sep, name = pod.partition("/")
+    if not sep or not namespace or not name:
+        raise CertificateError(f"pod {pod!r}: expected NAMESPACE/POD")
+    return namespace, name
 
 
 def _split_address(address: str) -> tuple[str, str]:

@@ -198,13 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _pod_name(text: str) -> str:
-    namespace, sep, pod = text.partition("/")
     try:
-        pki.model_server_pod(namespace, pod)
+        pki.server_workload("", text)  # the identity --tls-pod makes the server expect
     except pki.CertificateError as exc:
         raise argparse.ArgumentTypeError(f"{text!r}: expected NAMESPACE/POD ({exc})") from None
-    if not sep or not namespace or not pod:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected NAMESPACE/POD")
     return text
 
 

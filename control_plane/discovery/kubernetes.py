@@ -58,7 +58,7 @@ WATCH_IDLE_S = WATCH_TIMEOUT_S + 30.0  # nothing at all for this long: the conne
 MAX_BODY_BYTES = 64 * 1024 * 1024
 _SERVICE = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")  # DNS-1035 label
 _NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # DNS-1123 label
-_SEGMENT = re.compile(r"[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?")  # a pod name (DNS-1123 subdomain)
+_POD_NAME = re.compile(r"[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?")  # DNS-1123 subdomain
 _PORT_NAME = re.compile(r"(?=.{1,15}$)(?=.*[a-z])[a-z0-9]+(-[a-z0-9]+)*")  # IANA_SVC_NAME
 
 
@@ -142,8 +142,8 @@ def _pod(target: object, namespace: str) -> str:
     if not isinstance(target, Mapping) or target.get("kind") != "Pod":
         return ""
     name, ns = target.get("name"), target.get("namespace") or namespace
-    legal = isinstance(name, str) and isinstance(ns, str) and _SEGMENT.fullmatch(name)
-    return f"{ns}/{name}" if legal and _NAMESPACE.fullmatch(str(ns)) else ""
+    legal = isinstance(name, str) and _POD_NAME.fullmatch(name)
+    return f"{ns}/{name}" if legal and isinstance(ns, str) and _NAMESPACE.fullmatch(ns) else ""
 
 
 @dataclass(frozen=True)

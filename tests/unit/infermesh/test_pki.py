@@ -179,3 +179,6 @@ def test_a_pods_certificate_names_the_pod_and_is_checked_as_that_server(tmp_path
     assert pki.spiffe_id_of(x509.load_pem_x509_certificate(creds.cert_pem)) == who.spiffe_id
     with pytest.raises(pki.CertificateError, match="name segment"):
         pki.model_server_pod("infermesh", "a/b")
+    for malformed in ("ms-7d9f", "infermesh/", "/ms-7d9f"):
+        with pytest.raises(pki.CertificateError, match="expected NAMESPACE/POD"):
+            pki.server_name("10.1.2.3:8001", malformed)
