@@ -12,6 +12,7 @@ traffic."""
 from __future__ import annotations
 
 import contextlib
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,6 +177,10 @@ def test_a_pods_reports_are_taken_for_its_own_address_only(
             30,
             "pod-a's own reports",
         )
+        # pod-a's process reports server_draining=0 every 0.2 s and would overwrite what this
+        # test sends; SIGKILL stops it without a draining report of its own.
+        mesh.servers["pod-a"].signal(signal.SIGKILL)
+        mesh.servers["pod-a"].wait_exit(10)
         pod_a, pod_b = (pki.model_server_pod(NAMESPACE, p) for p in ("pod-a", "pod-b"))
         assert telemetry.export(pod_b, a_address) == grpc.StatusCode.PERMISSION_DENIED
         wait_for(lambda: telemetry.rejected("other_identity") >= 1, 10, "the refusal counted")
