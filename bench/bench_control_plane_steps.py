@@ -40,19 +40,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_telemetry import sample_registry
 
+from control_plane.config.topology import TelemetryOptions, parse_topology
+from control_plane.discovery.placement import EndpointReport
 from control_plane.gc_tuning import tune_gc
-from control_plane.incremental import SnapshotBuilder
-from control_plane.mesh import EndpointAddress, MeshState
-from control_plane.placement import ClusterMemo, EndpointReport, build_mesh_state
-from control_plane.resources import build_resources
-from control_plane.routing import Router
-from control_plane.snapshot import build_snapshot
+from control_plane.model.mesh import EndpointAddress, MeshState
+from control_plane.routing.mesh_state import ClusterMemo, build_mesh_state
+from control_plane.routing.router import Router
 from control_plane.telemetry.decode import decode_request
 from control_plane.telemetry.receiver import decode_raw
 from control_plane.telemetry.shards import Push, TelemetryShards
 from control_plane.telemetry.store import TelemetryStore
 from control_plane.telemetry.values import EndpointTelemetry, Signal
-from control_plane.topology import TelemetryOptions, parse_topology
+from control_plane.xds.incremental import SnapshotBuilder
+from control_plane.xds.resources import build_resources
+from control_plane.xds.snapshot import build_snapshot
 from model_server.telemetry import build_request
 
 MODELS = 100

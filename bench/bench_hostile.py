@@ -1,7 +1,7 @@
 """Good traffic while hostile clients attack the edge: does the listener's protection hold?
 
 Two model servers, the control plane and Envoy (one worker, the listener's default limits:
-control_plane/edge_limits.py). Good traffic is h2load at a fixed rate (ModelInfer with the
+control_plane/xds/edge_limits.py). Good traffic is h2load at a fixed rate (ModelInfer with the
 x-model-name header), alone ("quiet") and then beside each attacker, in rounds, alternating:
 
 - slowloris: 500 HTTP/1.1 connections, each sending a header byte a second, reopened when
@@ -51,7 +51,7 @@ import hpack
 import numpy as np
 from scale.harness import memory
 
-from control_plane.bootstrap import MAX_HEAP_BYTES
+from control_plane.xds.bootstrap import MAX_HEAP_BYTES
 from infermesh.api_keys import add_key, basic_authorization, new_key
 from infermesh.wire import MODEL_HEADER
 from model_server.demo_models import build_demo_repository

@@ -30,8 +30,8 @@ from typing import Any
 
 from scale.harness import HOST, PYTHON, Proc, cpu_seconds, note, quantile, wait_until
 
+from control_plane.config.topology import TelemetryOptions
 from control_plane.telemetry.shards import Push, TelemetryShards
-from control_plane.topology import TelemetryOptions
 
 SCALE = Path(__file__).resolve().parent / "scale"
 

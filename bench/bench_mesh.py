@@ -40,7 +40,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from control_plane.bootstrap import ENVOY_DEFAULT_ARGS, render_bootstrap
+from control_plane.xds.bootstrap import ENVOY_DEFAULT_ARGS, render_bootstrap
 from infermesh.wire import MODEL_HEADER
 from model_server.demo_models import MODEL_NAME, build_demo_repository
 

@@ -54,7 +54,7 @@ from scale.harness import (
 )
 from scale.report import plot, print_table
 
-from control_plane.bootstrap import raise_open_file_limit
+from control_plane.xds.bootstrap import raise_open_file_limit
 
 CP_RE = re.compile(
     r"control plane listening: xds=[\d.]+:(\d+) admin=[\d.]+:(\d+) otlp=[\d.]+:(\d+)"

@@ -54,8 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests.* h
 
 import numpy as np
 
-from control_plane.lanes import sla_cluster
-from control_plane.mesh import EndpointAddress, model_cluster
+from control_plane.model.lanes import sla_cluster
+from control_plane.model.mesh import EndpointAddress, model_cluster
 from model_server.demo_models import MODEL_NAME, build_demo_repository
 from tests import support
 from tests.envoy_support import Envoy, free_port

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from control_plane.mesh import EndpointAssignment
+from control_plane.model.mesh import EndpointAssignment
 
 FAST_BUCKETS_S = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,

@@ -54,7 +54,7 @@ SERVER_NAME = "infermesh"
 MODEL_CONTROL_MODES = ("none", "explicit", "poll")
 EXTENSIONS = ("model_repository", "model_configuration", "statistics", "binary_tensor_data")
 # Set by Envoy on the share of a version split that a request without a version was sent to.
-# Set by Envoy on the routes of a model with a fallback (control_plane.protection): a server
+# Set by Envoy on the routes of a model with a fallback (control_plane.xds.protection): a server
 # without the requested model serves this one instead and says so in the response.
 FALLBACK_PARAMETER = "infermesh_fallback_from"
 UNKNOWN_MODEL_LABEL = "_unknown"  # never a client-chosen string: label sets stay bounded

@@ -1,6 +1,6 @@
 """Who a request is for, as the edge proved it, and what that lets it do here.
 
-Envoy authenticates clients at the public listener (``control_plane.identity``) and sets three
+Envoy authenticates clients at the public listener (``control_plane.xds.identity``) and sets three
 headers upstream, having removed any copy a client sent: ``x-infermesh-tenant`` (the identity),
 ``x-infermesh-tenant-label`` (the tenant's name when the topology names it),
 ``x-infermesh-priority`` and ``x-infermesh-version`` ("allowed" or "denied"). A request with

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from control_plane.bootstrap import ENVOY_DEFAULT_ARGS
+from control_plane.xds.bootstrap import ENVOY_DEFAULT_ARGS
 from tests.support import stop_process, wait_for
 
 _BASE_IDS = itertools.count(os.getpid() * 16 % 1_000_000)

@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 
 import yaml
 
-from control_plane.bootstrap import XdsTls, render_bootstrap, write_sds_files
-from control_plane.server import ControlPlane, ControlPlaneSettings
+from control_plane.app.server import ControlPlane, ControlPlaneSettings
+from control_plane.xds.bootstrap import XdsTls, render_bootstrap, write_sds_files
 from tests.envoy_support import Envoy, free_port, start_envoy
 from tests.support import post_json, wait_for
 

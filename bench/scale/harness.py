@@ -25,7 +25,7 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
-from control_plane.bootstrap import ENVOY_DEFAULT_ARGS, render_bootstrap
+from control_plane.xds.bootstrap import ENVOY_DEFAULT_ARGS, render_bootstrap
 
 HOST = "127.0.0.1"
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,8 +20,8 @@ from collections import Counter
 from pathlib import Path
 
 ACTIVITIES = [  # (activity, substring of a frame "function (file:line)"), first match wins
-    ("rebuild", "rebuild (control_plane/server.py"),
-    ("routing recompute", "recompute (control_plane/routing.py"),
+    ("rebuild", "rebuild (control_plane/app/server.py"),
+    ("routing recompute", "recompute (control_plane/routing/router.py"),
     (
         "telemetry as_json (live view frame, GET /telemetry)",
         "as_json (control_plane/telemetry/store.py",
@@ -31,11 +31,10 @@ ACTIVITIES = [  # (activity, substring of a frame "function (file:line)"), first
     ("OTLP ingest", "control_plane/telemetry/decode.py"),
     ("OTLP ingest", "control_plane/telemetry/otlp_wire.py"),
     ("OTLP ingest", "ingest (control_plane/telemetry/store.py"),
-    ("ADS responses", "control_plane/ads.py"),
+    ("ADS responses", "control_plane/xds/ads.py"),
     ("live view / status", "control_plane/admin/live_view.py"),
     ("live view / status", "control_plane/admin/api.py"),
     ("admin HTTP", "control_plane/admin/http.py"),
-    ("placement poll", "control_plane/placement.py"),
     ("placement poll", "control_plane/discovery/placement.py"),
     ("placement poll (gRPC client calls)", "grpc/aio/_call.py"),
     ("placement poll (gRPC client calls)", "(_call.py:"),
@@ -43,7 +42,7 @@ ACTIVITIES = [  # (activity, substring of a frame "function (file:line)"), first
 REBUILD_STEPS = [  # innermost wins
     ("publish_assignments (Prometheus gauges)", "publish_assignments ("),
     ("consistency_errors", "consistency_errors ("),
-    ("Snapshot.build (serialize + hash)", "build (control_plane/snapshot.py"),
+    ("Snapshot.build (serialize + hash)", "build (control_plane/xds/snapshot.py"),
     ("build_resources (protobuf objects)", "build_resources ("),
     ("build_mesh_state", "build_mesh_state ("),
     ("set_snapshot (notify streams)", "set_snapshot ("),

@@ -1,7 +1,8 @@
 """What the admin HTTP does for an operator: status, overrides, splits and canaries.
 
 ``OperatorApi`` reads and changes the control plane's state on its event loop (the admin HTTP
-thread hands every request over), and every change goes through ``ControlPlane.rebuild``.
+thread hands every request over), through the narrow ``OperatedPlane`` interface, and every
+change goes through its ``rebuild``.
 """
 
 from __future__ import annotations
@@ -10,20 +11,17 @@ import asyncio
 import dataclasses
 import time
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from control_plane import edge_tls, upstream_tls
 from control_plane.admin.http import AdminError
 from control_plane.admin.live_view import build_frame
-from control_plane.canary_runs import CanaryRejected, Refusal
-from control_plane.mesh import EndpointAddress
-from control_plane.operator_state import InvalidChange, OperatorState
+from control_plane.admin.plane import OperatedPlane
+from control_plane.config.tenants import security_warnings
+from control_plane.model.mesh import EndpointAddress
+from control_plane.model.operator_state import InvalidChange, OperatorState
+from control_plane.routing.canary_runs import CanaryRejected, Refusal
 from control_plane.telemetry import identity as otlp_identity
-from control_plane.tenants import security_warnings
-
-if TYPE_CHECKING:
-    from control_plane.server import ControlPlane
-
+from control_plane.xds import edge_tls, upstream_tls
 
 REFUSAL_STATUS = {
     Refusal.INVALID: HTTPStatus.BAD_REQUEST,
@@ -33,7 +31,7 @@ REFUSAL_STATUS = {
 
 
 class OperatorApi:
-    def __init__(self, plane: ControlPlane) -> None:
+    def __init__(self, plane: OperatedPlane) -> None:
         self.plane = plane
 
     async def override(self, key: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -12,10 +12,10 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
+from control_plane.config.topology import EndpointSource
 from control_plane.discovery.kubernetes import EndpointSlices
 from control_plane.discovery.resolver import EndpointResolver
-from control_plane.mesh import NO_PODS, EndpointAddress, ServerPods
-from control_plane.topology import EndpointSource
+from control_plane.model.mesh import NO_PODS, EndpointAddress, ServerPods
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,6 @@
 """Model servers from a Kubernetes Service: an EndpointSlice watch through the Kubernetes API.
 
-Topology syntax (``endpoints:`` item)::
-
-    - kubernetes: {service: infermesh-model-server, namespace: infermesh, port: grpc}
-
-``port`` is a port name or number as the Service's EndpointSlices list it (a number is the
-pod's, target, port); ``namespace`` defaults to the pod's own (the service account's namespace
-file), else ``default``.
+The source (``endpoints: - kubernetes: {...}``) is parsed by ``config.kubernetes_source``.
 
 The API server is the in-cluster one (``KUBERNETES_SERVICE_HOST``/``_PORT``, the service
 account's token, re-read on every connection, and CA) unless ``INFERMESH_KUBERNETES_API`` names
@@ -44,70 +38,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from control_plane.mesh import EndpointAddress
-from control_plane.schema import Checker, show
+from control_plane.config.kubernetes_source import (
+    NAMESPACE_NAME,
+    SERVICE_ACCOUNT,
+    KubernetesEndpoint,
+)
+from control_plane.model.mesh import EndpointAddress
+from control_plane.model.schema import show
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 CONNECT_TIMEOUT_S = 10.0
 LIST_TIMEOUT_S = 30.0
 WATCH_TIMEOUT_S = 300  # the API server ends a watch after this; it is then resumed at once
 WATCH_IDLE_S = WATCH_TIMEOUT_S + 30.0  # nothing at all for this long: the connection is dead
 MAX_BODY_BYTES = 64 * 1024 * 1024
-_SERVICE = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")  # DNS-1035 label
-_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # DNS-1123 label
 _POD_NAME = re.compile(r"[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?")  # DNS-1123 subdomain
-_PORT_NAME = re.compile(r"(?=.{1,15}$)(?=.*[a-z])[a-z0-9]+(-[a-z0-9]+)*")  # IANA_SVC_NAME
-
-
-@dataclass(frozen=True)
-class KubernetesEndpoint:
-    service: str
-    namespace: str
-    port: str | int  # a port name, or a number
-
-    @property
-    def key(self) -> str:
-        return f"kubernetes:{self.namespace}/{self.service}:{self.port}"
-
-
-def default_namespace() -> str:
-    """The pod's namespace (the service account's file), else "default" (blocking read)."""
-    try:
-        return (SERVICE_ACCOUNT / "namespace").read_text(encoding="utf-8").strip() or "default"
-    except (OSError, UnicodeDecodeError):
-        return "default"
-
-
-def parse_source(c: Checker, value: object, path: str) -> KubernetesEndpoint | None:
-    """An ``endpoints[i].kubernetes`` mapping, every error recorded in ``c``; None if invalid."""
-    m = c.mapping(value, path)
-    if m is None:
-        return None
-    before = len(c.errors)
-    c.keys(m, path, ("service", "namespace", "port"), required=("service", "port"))
-    service, namespace, port = m.get("service"), m.get("namespace"), m.get("port")
-    if "service" in m and not (isinstance(service, str) and _SERVICE.fullmatch(service)):
-        what = "a Service name (a lower-case DNS-1035 label: a-z, 0-9, '-', at most 63)"
-        c.fail(f"{path}.service", f"must be {what}", service)
-    if "namespace" in m and not (isinstance(namespace, str) and _NAMESPACE.fullmatch(namespace)):
-        what = "a namespace (a lower-case DNS-1123 label: a-z, 0-9, '-', at most 63)"
-        c.fail(f"{path}.namespace", f"must be {what}", namespace)
-    is_number = isinstance(port, int) and not isinstance(port, bool)
-    if "port" in m and not (
-        (is_number and 1 <= port <= 65535)  # type: ignore[operator]
-        or (isinstance(port, str) and _PORT_NAME.fullmatch(port))
-    ):
-        what = "a port number in 1..65535 or a port name (a-z, 0-9, '-', at most 15)"
-        c.fail(f"{path}.port", f"must be {what}", port)
-    if len(c.errors) > before:
-        return None
-    assert isinstance(service, str) and isinstance(port, str | int)
-    return KubernetesEndpoint(
-        service, namespace if isinstance(namespace, str) else default_namespace(), port
-    )
 
 
 def slice_addresses(item: Mapping[str, Any], port: str | int) -> dict[EndpointAddress, str]:
@@ -143,7 +90,7 @@ def _pod(target: object, namespace: str) -> str:
         return ""
     name, ns = target.get("name"), target.get("namespace") or namespace
     legal = isinstance(name, str) and _POD_NAME.fullmatch(name)
-    return f"{ns}/{name}" if legal and isinstance(ns, str) and _NAMESPACE.fullmatch(ns) else ""
+    return f"{ns}/{name}" if legal and isinstance(ns, str) and NAMESPACE_NAME.fullmatch(ns) else ""
 
 
 @dataclass(frozen=True)

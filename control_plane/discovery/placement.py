@@ -5,8 +5,8 @@ ServerReady) over grpc.aio. ``PlacementPoller`` keeps one channel per endpoint a
 endpoint once per cycle, staggered over the cycle in small ticks, within a probe budget
 (``max_probes_per_s``; above it the cycle stretches) and at most ``max_concurrent_probes`` in
 flight; it calls ``on_change`` at most once per tick, only when the placement (reachability,
-server readiness, READY (model, version) pairs) changed. ``control_plane.placement``
-re-exports all of it.
+server readiness, READY (model, version) pairs) changed. ``routing.mesh_state`` builds the
+mesh state from the reports.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from control_plane.mesh import EndpointAddress, UpstreamTls
+from control_plane.model.mesh import EndpointAddress, UpstreamTls
 from infermesh.pki import server_name
 
 log = logging.getLogger(__name__)

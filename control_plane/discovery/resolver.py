@@ -8,9 +8,9 @@ import logging
 import socket
 from collections.abc import Callable, Iterable
 
-from control_plane.discovery.kubernetes import KubernetesEndpoint
-from control_plane.mesh import EndpointAddress
-from control_plane.topology import DnsEndpoint, EndpointSource, StaticEndpoint, Topology
+from control_plane.config.kubernetes_source import KubernetesEndpoint
+from control_plane.config.topology import DnsEndpoint, EndpointSource, StaticEndpoint, Topology
+from control_plane.model.mesh import EndpointAddress
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
 )
 
-from control_plane.mesh import NO_PODS, ServerPods
+from control_plane.config.topology import TelemetryOptions
+from control_plane.model.mesh import NO_PODS, ServerPods
 from control_plane.telemetry.envoy import is_envoy, node_of
-from control_plane.topology import TelemetryOptions
 from infermesh import pki
 from infermesh.wire import INSTANCE_ID_ATTRIBUTE as INSTANCE_ID
 

@@ -26,12 +26,12 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
-from control_plane import upstream_tls
-from control_plane.mesh import NO_PODS, ServerPods, UpstreamTls
+from control_plane.model.mesh import NO_PODS, ServerPods, UpstreamTls
 from control_plane.telemetry import identity as otlp_identity
 from control_plane.telemetry.decode import Point, PointTuple, decode_request
 from control_plane.telemetry.envoy import is_envoy
 from control_plane.telemetry.otlp_wire import decode_fast
+from control_plane.xds import upstream_tls
 from infermesh import pki
 
 if TYPE_CHECKING:

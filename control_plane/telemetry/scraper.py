@@ -30,7 +30,7 @@ from pathlib import Path
 
 import aiohttp
 
-from control_plane.mesh import UpstreamTls
+from control_plane.model.mesh import UpstreamTls
 from control_plane.telemetry.store import TelemetryStore
 from control_plane.telemetry.triton import TritonMapper, TritonScrape
 from control_plane.telemetry.values import IngestResult

@@ -50,20 +50,20 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
-from control_plane import upstream_tls
 from control_plane.gc_tuning import tune_gc
-from control_plane.mesh import NO_PODS, ServerPods
+from control_plane.model.mesh import NO_PODS, ServerPods
 from control_plane.telemetry.envoy import used_stats
 from control_plane.telemetry.moved import split_moved
 from control_plane.telemetry.receiver import start_receiver
 from control_plane.telemetry.series import VersionSeries
 from control_plane.telemetry.store import TelemetryStore
 from control_plane.telemetry.values import EndpointTelemetry, IngestResult, read_computed
+from control_plane.xds import upstream_tls
 
 if TYPE_CHECKING:
+    from control_plane.config.topology import TelemetryOptions
     from control_plane.metrics import ControlPlaneMetrics
     from control_plane.telemetry.envoy import EnvoyStats
-    from control_plane.topology import TelemetryOptions
 
 log = logging.getLogger(__name__)
 

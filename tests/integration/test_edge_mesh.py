@@ -29,8 +29,8 @@ import tritonclient.http as httpclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from control_plane import edge
-from control_plane.mesh import model_cluster, rest_cluster
+from control_plane.model.mesh import model_cluster, rest_cluster
+from control_plane.xds import edge
 from model_server.demo_models import build_identity_model, write_model
 from tests.edge_mesh_support import EdgeMesh
 from tests.envoy_support import free_port, free_port_pair

@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import pytest
 
-from control_plane.bootstrap import XdsTls
+from control_plane.xds.bootstrap import XdsTls
 from infermesh import pki
 from tests.envoy_support import Envoy, free_port
 from tests.integration.test_models_cli import infermesh

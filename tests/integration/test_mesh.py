@@ -15,9 +15,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 from envoy.config.cluster.v3 import cluster_pb2
 
-from control_plane.mesh import model_cluster
-from control_plane.resources import build_resources
-from control_plane.snapshot import CLUSTER_TYPE, build_snapshot
+from control_plane.model.mesh import model_cluster
+from control_plane.xds.resources import build_resources
+from control_plane.xds.snapshot import CLUSTER_TYPE, build_snapshot
 from tests.envoy_support import Envoy, free_port
 from tests.mesh_support import ControlPlaneThread, start_ads_envoy, write_topology
 from tests.support import ServerProcess, Traffic, start_server, wait_for

@@ -1,5 +1,5 @@
 """Mutual TLS from Envoy (and the control plane's probes) to real model servers, with Envoy's
-certificate and the CA served over SDS on the ADS stream (control_plane.upstream_tls).
+certificate and the CA served over SDS on the ADS stream (control_plane.xds.upstream_tls).
 
 Real certificates (infermesh.pki), real Envoy, real TLS model servers: traffic flows through
 Envoy over mTLS; a process on a server's address with another server's valid certificate gets
@@ -22,8 +22,8 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from prometheus_client import generate_latest
 
-from control_plane.bootstrap import XdsTls
-from control_plane.snapshot import CLUSTER_TYPE
+from control_plane.xds.bootstrap import XdsTls
+from control_plane.xds.snapshot import CLUSTER_TYPE
 from infermesh import pki
 from tests.envoy_support import Envoy, free_port
 from tests.mesh_support import ControlPlaneThread, start_plane_and_envoy, write_topology

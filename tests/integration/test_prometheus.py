@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from control_plane.mesh import model_cluster
+from control_plane.model.mesh import model_cluster
 from tests.envoy_support import free_port
 from tests.mesh_support import ControlPlaneThread, start_ads_envoy, write_topology
 from tests.support import ROOT, start_server, stop_process, wait_for

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from control_plane.mesh import model_cluster
+from control_plane.model.mesh import model_cluster
 from tests.envoy_support import Envoy, free_port
 from tests.mesh_support import ControlPlaneThread, start_plane_and_envoy, write_topology
 from tests.support import ServerProcess, Traffic, post_faults, start_server, wait_for

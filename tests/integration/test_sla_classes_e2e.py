@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2_grpc
 
-from control_plane.lanes import large_cluster, sla_cluster
-from control_plane.mesh import EndpointAddress, model_cluster
+from control_plane.model.lanes import large_cluster, sla_cluster
+from control_plane.model.mesh import EndpointAddress, model_cluster
 from tests import support
 from tests.envoy_support import Envoy, free_port, free_port_pair
 from tests.mesh_support import ControlPlaneThread, start_plane_and_envoy, write_topology

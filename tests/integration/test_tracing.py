@@ -16,7 +16,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from control_plane.mesh import model_cluster
+from control_plane.model.mesh import model_cluster
 from infermesh.api_keys import add_key, basic_authorization, new_key
 from tests.envoy_support import free_port
 from tests.mesh_support import ControlPlaneThread, start_ads_envoy, write_topology

@@ -13,10 +13,10 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
 
-from control_plane.ads import AdsServicer
 from control_plane.metrics import ControlPlaneMetrics
-from control_plane.nodes import NodeRegistry
-from control_plane.snapshot import (
+from control_plane.xds.ads import AdsServicer
+from control_plane.xds.nodes import NodeRegistry
+from control_plane.xds.snapshot import (
     CLUSTER_TYPE,
     ENDPOINT_TYPE,
     InconsistentSnapshot,

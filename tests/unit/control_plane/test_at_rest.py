@@ -9,9 +9,10 @@ from array import array
 
 import pytest
 
-from control_plane.mesh import EndpointAddress
-from control_plane.placement import EndpointReport
-from control_plane.routing import Router
+from control_plane.config.topology import Topology, parse_topology
+from control_plane.discovery.placement import EndpointReport
+from control_plane.model.mesh import EndpointAddress
+from control_plane.routing.router import Router
 from control_plane.scoring.at_rest import at_rest, near, signals_moved
 from control_plane.scoring.ejection import EjectionState
 from control_plane.scoring.pipeline import PoolState
@@ -19,7 +20,6 @@ from control_plane.scoring.types import EndpointSignals, PoolPolicy
 from control_plane.telemetry.decode import PointTuple
 from control_plane.telemetry.store import TelemetryStore
 from control_plane.telemetry.values import EndpointTelemetry, ModelTelemetry, Signal
-from control_plane.topology import Topology, parse_topology
 
 POLICY = PoolPolicy(capacity_qps=100, sla_p99_ms=50)
 

@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
-from control_plane import canary
 from control_plane.admin.api import REFUSAL_STATUS
-from control_plane.canary import CanaryPolicy, CanaryRun, VersionStats, judge, parse_policy
-from control_plane.canary_runs import CanaryRejected, CanaryRuns
+from control_plane.config.topology import TopologyError, parse_topology
 from control_plane.metrics import ControlPlaneMetrics
+from control_plane.model import canary
+from control_plane.model.canary import CanaryPolicy, CanaryRun, VersionStats, judge, parse_policy
+from control_plane.routing.canary_runs import CanaryRejected, CanaryRuns
 from control_plane.telemetry.values import Signal, VersionTelemetry
-from control_plane.topology import TopologyError, parse_topology
 
 POLICY = CanaryPolicy(steps=(10, 50, 100), dwell_s=5, min_requests=20)
 GOOD = VersionStats(requests=100, p99_ms=20, error_rate=0.0)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import generate_latest
 
-from control_plane.mesh import EndpointAddress, EndpointAssignment, EndpointHealth
 from control_plane.metrics import ControlPlaneMetrics
+from control_plane.model.mesh import EndpointAddress, EndpointAssignment, EndpointHealth
 
 A, B = EndpointAddress("10.0.0.1", 8001), EndpointAddress("10.0.0.2", 8001)
 OK, DRAIN = EndpointHealth.HEALTHY, EndpointHealth.DRAINING

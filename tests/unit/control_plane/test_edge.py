@@ -1,4 +1,4 @@
-"""Edge protocols in the Envoy resources (control_plane.edge): the REST twins of every cluster,
+"""Edge protocols in the Envoy resources (control_plane.xds.edge): the REST twins of every cluster,
 their routes derived from the gRPC routes, gRPC-Web and CORS, and the topology options. Pure,
 plus one run of the real Envoy in validate mode."""
 
@@ -22,11 +22,8 @@ from envoy.extensions.filters.network.local_ratelimit.v3 import local_rate_limit
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2 as http_pb2
 from google.protobuf import json_format
 
-from control_plane import edge
-from control_plane.exposure import RBAC_FILTER
-from control_plane.incremental import SnapshotBuilder
-from control_plane.lua_routing import LUA_FILTER, lua_source
-from control_plane.mesh import (
+from control_plane.config.topology import TopologyError, parse_topology_text
+from control_plane.model.mesh import (
     LISTENER_NAME,
     ROUTE_CONFIG_NAME,
     SERVERS_CLUSTER,
@@ -46,7 +43,11 @@ from control_plane.mesh import (
     model_cluster,
     rest_cluster,
 )
-from control_plane.resources import (
+from control_plane.xds import edge
+from control_plane.xds.exposure import RBAC_FILTER
+from control_plane.xds.incremental import SnapshotBuilder
+from control_plane.xds.lua_routing import LUA_FILTER, lua_source
+from control_plane.xds.resources import (
     CLUSTER_TYPE,
     ENDPOINT_TYPE,
     LISTENER_TYPE,
@@ -54,8 +55,7 @@ from control_plane.resources import (
     build_resources,
     route_clusters,
 )
-from control_plane.snapshot import build_snapshot
-from control_plane.topology import TopologyError, parse_topology_text
+from control_plane.xds.snapshot import build_snapshot
 from infermesh.wire import VERSION_HEADER
 from tests.envoy_support import envoy_binary, free_port
 
@@ -310,7 +310,7 @@ def test_listener_filters_and_json_local_replies_for_rest() -> None:
         "envoy.filters.http.local_ratelimit", "envoy.filters.http.router",
     ]  # fmt: skip
     *refusals, limited, other, on_grpc = manager.local_reply_config.mappers
-    assert len(refusals) == 2  # control_plane.exposure's, first
+    assert len(refusals) == 2  # control_plane.xds.exposure's, first
     assert limited.body_format_override.json_format["error"] == edge.RATE_LIMITED_MESSAGE
     assert other.body_format_override.json_format["error"] == "%LOCAL_REPLY_BODY%"
     text = on_grpc.body_format_override.text_format_source.inline_string

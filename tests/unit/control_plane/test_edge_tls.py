@@ -1,4 +1,4 @@
-"""TLS on the public listener (``listener.tls``, control_plane.edge_tls): the certificate from
+"""TLS on the public listener (``listener.tls``, control_plane.xds.edge_tls): the certificate from
 files, served to Envoy over SDS; gRPC over TLS and HTTPS with h2 by ALPN; a plaintext client
 gets nothing; a renewed certificate is served on new connections with no restart; a bad file
 is refused naming it. Real Envoy, real model servers, real TLS clients."""
@@ -21,7 +21,7 @@ import tritonclient.grpc as grpcclient
 from cryptography import x509
 from tritonclient.utils import InferenceServerException
 
-from control_plane.topology import TopologyError, parse_topology
+from control_plane.config.topology import TopologyError, parse_topology
 from infermesh import pki
 from tests import edge_mesh_support
 from tests.envoy_support import Envoy

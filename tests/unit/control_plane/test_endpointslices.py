@@ -29,17 +29,18 @@ from typing import Any
 
 import pytest
 
+from control_plane.config import kubernetes_source
+from control_plane.config.kubernetes_source import KubernetesEndpoint
+from control_plane.config.topology import StaticEndpoint, TopologyError, parse_topology
 from control_plane.discovery import kubernetes as endpointslices
 from control_plane.discovery.kubernetes import (
     ApiConfig,
     Backoff,
     EndpointSlices,
-    KubernetesEndpoint,
     slice_addresses,
 )
 from control_plane.discovery.resolver import EndpointResolver
-from control_plane.mesh import EndpointAddress
-from control_plane.topology import StaticEndpoint, TopologyError, parse_topology
+from control_plane.model.mesh import EndpointAddress
 from tests.envoy_support import free_port
 from tests.support import ROOT, wait_for
 
@@ -274,7 +275,7 @@ def topology(*endpoints: object) -> dict[str, Any]:
 
 
 def test_topology_entries_parse(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(endpointslices, "SERVICE_ACCOUNT", tmp_path / "absent")
+    monkeypatch.setattr(kubernetes_source, "SERVICE_ACCOUNT", tmp_path / "absent")
     parsed = parse_topology(
         topology(
             {"kubernetes": {"service": "model-server", "namespace": "ml", "port": "grpc"}},
@@ -289,7 +290,7 @@ def test_topology_entries_parse(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     )
     (tmp_path / "sa").mkdir()
     (tmp_path / "sa" / "namespace").write_text("infermesh\n")
-    monkeypatch.setattr(endpointslices, "SERVICE_ACCOUNT", tmp_path / "sa")
+    monkeypatch.setattr(kubernetes_source, "SERVICE_ACCOUNT", tmp_path / "sa")
     entry = {"kubernetes": {"service": "model-server", "port": "grpc"}}
     assert parse_topology(topology(entry)).endpoints[0].namespace == "infermesh"  # type: ignore[union-attr]
 

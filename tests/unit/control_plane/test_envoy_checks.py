@@ -12,15 +12,15 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
-from control_plane.envoy_checks import changes, checked_down_by_model
-from control_plane.lanes import sla_cluster
-from control_plane.mesh import (
+from control_plane.model.lanes import sla_cluster
+from control_plane.model.mesh import (
     SERVERS_CLUSTER,
     EndpointAddress,
     EndpointAssignment,
     model_cluster,
     rest_cluster,
 )
+from control_plane.routing.envoy_checks import changes, checked_down_by_model
 from control_plane.telemetry.envoy import ENVOY_NODE_TAG, EnvoyStats, stat_name, used_stats
 from control_plane.telemetry.identity import refusal
 from infermesh import pki

@@ -8,8 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from control_plane.incremental import SnapshotBuilder
-from control_plane.mesh import (
+from control_plane.model.mesh import (
     SERVERS_CLUSTER,
     CircuitBreaker,
     EndpointAddress,
@@ -21,8 +20,9 @@ from control_plane.mesh import (
     RestOptions,
     model_cluster,
 )
-from control_plane.resources import build_resources
-from control_plane.snapshot import (
+from control_plane.xds.incremental import SnapshotBuilder
+from control_plane.xds.resources import build_resources
+from control_plane.xds.snapshot import (
     CLUSTER_TYPE,
     ENDPOINT_TYPE,
     LISTENER_TYPE,

@@ -10,14 +10,16 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.route.v3 import route_components_pb2 as rc_pb2
 from envoy.config.route.v3 import route_pb2
 
-from control_plane.lanes import (
+from control_plane.config.topology import Topology, TopologyError, parse_topology
+from control_plane.discovery.placement import EndpointReport
+from control_plane.model.lanes import (
     fleet_labels,
     lane_members,
     large_cluster,
     matches,
     sla_cluster,
 )
-from control_plane.mesh import (
+from control_plane.model.mesh import (
     EndpointAddress,
     LargeInputs,
     SlaClass,
@@ -25,9 +27,8 @@ from control_plane.mesh import (
     model_cluster,
     rest_cluster,
 )
-from control_plane.placement import EndpointReport, build_mesh_state
-from control_plane.resources import ENDPOINT_TYPE, ROUTE_TYPE, build_resources
-from control_plane.topology import Topology, TopologyError, parse_topology
+from control_plane.routing.mesh_state import build_mesh_state
+from control_plane.xds.resources import ENDPOINT_TYPE, ROUTE_TYPE, build_resources
 from model_server.memory import device_class_name
 
 A, B, C, D = (EndpointAddress("127.0.0.1", p) for p in (8001, 8002, 8003, 8004))

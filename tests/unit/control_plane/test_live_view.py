@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from control_plane.admin import http as admin_module
 from control_plane.admin.http import AdminExposureError, AdminServer, AdminTokens, check_exposure
 from control_plane.admin.live_view import History, LiveFeed, build_frame, endpoint_state
-from control_plane.cli import read_token
+from control_plane.app.cli import read_token
 from tests.support import wait_for
 
 ROUTE = {"weight": 100, "health": "HEALTHY", "score": 0.9, "reason": "score 0.90"}

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from control_plane.telemetry.scraper import INLINE_BODY_BYTES, TASK_PREFIX, MetricsScraper
 from control_plane.telemetry.store import TelemetryStore
-from control_plane.upstream_tls import read_pki
+from control_plane.xds.upstream_tls import read_pki
 from infermesh import pki
 from tests.unit.control_plane.test_triton_metrics import requests
 

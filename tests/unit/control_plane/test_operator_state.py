@@ -1,12 +1,12 @@
-"""control_plane.operator_state: the overrides and splits an operator sets, checked before any
+"""control_plane.model.operator_state: the overrides and splits an operator sets, checked before any
 of a change is applied, with messages that name the field."""
 
 from __future__ import annotations
 
 import pytest
 
-from control_plane.mesh import EndpointAddress, EndpointHealth
-from control_plane.operator_state import InvalidChange, OperatorState
+from control_plane.model.mesh import EndpointAddress, EndpointHealth
+from control_plane.model.operator_state import InvalidChange, OperatorState
 
 A = EndpointAddress("127.0.0.1", 8001)
 

@@ -21,8 +21,8 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 
-from control_plane.mesh import model_cluster
 from control_plane.metrics import ControlPlaneMetrics
+from control_plane.model.mesh import model_cluster
 from control_plane.telemetry.envoy import EnvoyStats
 from control_plane.telemetry.receiver import EXPORT_METHOD, start_decoders, start_receiver
 from control_plane.telemetry.store import TelemetryStore

@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.mesh import (
+from control_plane.config.topology import Topology, parse_topology
+from control_plane.discovery.placement import (
+    EndpointReport,
+    PlacementPoller,
+    grpc_target,
+    open_channel,
+    probe_endpoint,
+)
+from control_plane.model.mesh import (
     SERVERS_CLUSTER,
     EndpointAddress,
     EndpointAssignment,
@@ -19,16 +27,7 @@ from control_plane.mesh import (
     MeshState,
     model_cluster,
 )
-from control_plane.placement import (
-    ClusterMemo,
-    EndpointReport,
-    PlacementPoller,
-    build_mesh_state,
-    grpc_target,
-    open_channel,
-    probe_endpoint,
-)
-from control_plane.topology import Topology, parse_topology
+from control_plane.routing.mesh_state import ClusterMemo, build_mesh_state
 from tests.support import EXPLICIT, ServerProcess, start_server
 
 A = EndpointAddress("127.0.0.1", 8001)

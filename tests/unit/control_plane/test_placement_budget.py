@@ -16,10 +16,9 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from control_plane.discovery.placement import TICK_S
-from control_plane.mesh import EndpointAddress
-from control_plane.placement import EndpointReport, PlacementPoller
-from control_plane.topology import PlacementOptions, TopologyError, parse_topology
+from control_plane.config.topology import PlacementOptions, TopologyError, parse_topology
+from control_plane.discovery.placement import TICK_S, EndpointReport, PlacementPoller
+from control_plane.model.mesh import EndpointAddress
 
 MODEL = ("classifier", "1")
 Changes = list[Mapping[EndpointAddress, EndpointReport]]

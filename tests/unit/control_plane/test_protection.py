@@ -13,9 +13,8 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 )
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
-from control_plane import bootstrap
-from control_plane.fallback import CircuitState, Fallbacks, step
-from control_plane.mesh import (
+from control_plane.config.topology import TopologyError, parse_topology
+from control_plane.model.mesh import (
     ROUTE_CONFIG_NAME,
     CircuitBreaker,
     EndpointAddress,
@@ -27,17 +26,18 @@ from control_plane.mesh import (
     fallback_cluster,
     model_cluster,
 )
-from control_plane.protection import RATE_LIMIT_FILTER, token_bucket
-from control_plane.resources import (
+from control_plane.routing.fallback import CircuitState, Fallbacks, step
+from control_plane.telemetry.envoy import EnvoyStats
+from control_plane.xds import bootstrap
+from control_plane.xds.protection import RATE_LIMIT_FILTER, token_bucket
+from control_plane.xds.resources import (
     CLUSTER_TYPE,
     ENDPOINT_TYPE,
     LISTENER_TYPE,
     ROUTE_TYPE,
     build_resources,
 )
-from control_plane.snapshot import build_snapshot
-from control_plane.telemetry.envoy import EnvoyStats
-from control_plane.topology import TopologyError, parse_topology
+from control_plane.xds.snapshot import build_snapshot
 from infermesh.wire import FALLBACK_HEADER
 
 A = EndpointAssignment(EndpointAddress("127.0.0.1", 9001))

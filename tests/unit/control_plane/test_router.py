@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from control_plane.mesh import EndpointAddress, EndpointHealth
-from control_plane.placement import EndpointReport
-from control_plane.routing import Router
+from control_plane.config.topology import Topology, parse_topology
+from control_plane.discovery.placement import EndpointReport
+from control_plane.model.mesh import EndpointAddress, EndpointHealth
+from control_plane.routing.router import Router
 from control_plane.scoring.ejection import EjectionCause
 from control_plane.telemetry.values import EndpointTelemetry, Signal
-from control_plane.topology import Topology, parse_topology
 
 A, B, C = (EndpointAddress("127.0.0.1", p) for p in (9001, 9002, 9003))
 SLA = 50.0

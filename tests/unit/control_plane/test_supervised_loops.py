@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from control_plane import server
+from control_plane.app import server
 from control_plane.metrics import ControlPlaneMetrics
 
 

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
+from control_plane.app.server import ticks_or_wakes
+from control_plane.config.topology import TelemetryOptions, parse_topology_text
 from control_plane.metrics import ControlPlaneMetrics
-from control_plane.server import ticks_or_wakes
 from control_plane.telemetry.moved import REFRESH_S, split_moved, telemetry_moved
 from control_plane.telemetry.shards import Push, TelemetryShards
 from control_plane.telemetry.values import EndpointTelemetry, Flag, ModelTelemetry, Signal
-from control_plane.topology import TelemetryOptions, parse_topology_text
 
 BASE = EndpointTelemetry(
     "a:1", 0.2, 1.0, stale=False,

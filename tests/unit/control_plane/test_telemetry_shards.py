@@ -22,12 +22,12 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 from opentelemetry.proto.metrics.v1 import metrics_pb2 as m
 
+from control_plane.config.topology import TelemetryOptions
 from control_plane.telemetry.receiver import EXPORT_METHOD
 from control_plane.telemetry.series import version_telemetry
 from control_plane.telemetry.shards import Push, TelemetryShards
 from control_plane.telemetry.store import TelemetryStore
 from control_plane.telemetry.values import EndpointTelemetry, Flag, Signal
-from control_plane.topology import TelemetryOptions
 from tests.envoy_support import free_port
 from tests.integration.test_control_plane_process import alive, children, start_control_plane
 from tests.mesh_support import write_topology

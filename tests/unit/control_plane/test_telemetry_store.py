@@ -18,9 +18,9 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.metrics.v1 import metrics_pb2 as m
 
+from control_plane.config.topology import TelemetryOptions, TopologyError, parse_topology
 from control_plane.telemetry.series import bucket_quantile
 from control_plane.telemetry.store import TelemetryStore
-from control_plane.topology import TelemetryOptions, TopologyError, parse_topology
 from infermesh.cli import main, telemetry_rows
 
 EP = "127.0.0.1:8001"

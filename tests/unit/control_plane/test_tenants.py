@@ -22,13 +22,13 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 )
 from google.protobuf import json_format
 
-from control_plane import identity
-from control_plane.exposure import RBAC_FILTER
-from control_plane.lua_routing import LUA_FILTER
-from control_plane.mesh import OTHER_TENANT, ListenerOptions, TenantPolicy
-from control_plane.resources import LISTENER_TYPE, ROUTE_TYPE, build_resources
-from control_plane.tenants import read_api_keys, security_warnings
-from control_plane.topology import Topology, TopologyError, load_topology, parse_topology
+from control_plane.config.tenants import read_api_keys, security_warnings
+from control_plane.config.topology import Topology, TopologyError, load_topology, parse_topology
+from control_plane.model.mesh import OTHER_TENANT, ListenerOptions, TenantPolicy
+from control_plane.xds import identity
+from control_plane.xds.exposure import RBAC_FILTER
+from control_plane.xds.lua_routing import LUA_FILTER
+from control_plane.xds.resources import LISTENER_TYPE, ROUTE_TYPE, build_resources
 from infermesh.api_keys import add_key, basic_authorization, hash_line, new_key, revoke_key
 from infermesh.secrets import SecretError
 from model_server import tenancy

@@ -16,8 +16,19 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from control_plane.config.topology import (
+    DnsEndpoint,
+    PlacementOptions,
+    StaticEndpoint,
+    Topology,
+    TopologyError,
+    load_topology,
+    parse_topology,
+    parse_topology_text,
+    topology_fingerprint,
+)
 from control_plane.discovery.resolver import EndpointResolver, resolve_endpoints
-from control_plane.mesh import (
+from control_plane.model.mesh import (
     CircuitBreaker,
     EdgeAuth,
     EndpointAddress,
@@ -29,17 +40,6 @@ from control_plane.mesh import (
     TenantPolicy,
 )
 from control_plane.scoring.types import PoolPolicy
-from control_plane.topology import (
-    DnsEndpoint,
-    PlacementOptions,
-    StaticEndpoint,
-    Topology,
-    TopologyError,
-    load_topology,
-    parse_topology,
-    parse_topology_text,
-    topology_fingerprint,
-)
 from infermesh.api_keys import ensure_local_credentials
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -402,7 +402,7 @@ def test_resolver_logs_a_failing_name_once(caplog: pytest.LogCaptureFixture) -> 
     async def twice() -> list[tuple[EndpointAddress, ...]]:
         return [await resolver.resolve(sources), await resolver.resolve(sources)]
 
-    with caplog.at_level(logging.WARNING, logger="control_plane.topology"):
+    with caplog.at_level(logging.WARNING, logger="control_plane.config.topology"):
         first, second = asyncio.run(twice())
     assert first == second and EndpointAddress("127.0.0.1", 9) in first
     warnings = [r for r in caplog.records if "no-such-host.invalid" in r.getMessage()]
@@ -410,7 +410,7 @@ def test_resolver_logs_a_failing_name_once(caplog: pytest.LogCaptureFixture) -> 
 
 
 def test_model_routing_policy_from_the_topology() -> None:
-    from control_plane.topology import parse_topology_text
+    from control_plane.config.topology import parse_topology_text
 
     text = """
 models:
@@ -436,7 +436,7 @@ models:
 
 
 def test_model_routing_policy_errors_are_all_reported() -> None:
-    from control_plane.topology import TopologyError, parse_topology_text
+    from control_plane.config.topology import TopologyError, parse_topology_text
 
     text = """
 models:

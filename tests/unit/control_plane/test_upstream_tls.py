@@ -1,4 +1,4 @@
-"""listener.upstream_tls (control_plane.upstream_tls): what the topology accepts and refuses,
+"""listener.upstream_tls (control_plane.xds.upstream_tls): what the topology accepts and refuses,
 and the resources Envoy gets: TLS clusters with SNI and SAN checks, EDS hostnames, the CA
 for every node and each node's identity for that node alone. Real certificates; no Envoy
 here (tests/integration/test_mtls_mesh.py runs one)."""
@@ -12,19 +12,19 @@ from typing import Any
 import pytest
 from envoy.extensions.transport_sockets.tls.v3 import secret_pb2, tls_pb2
 
-from control_plane import upstream_tls
-from control_plane.mesh import (
+from control_plane.config.topology import TopologyError, parse_topology
+from control_plane.model.mesh import (
     EndpointAddress,
     EndpointAssignment,
     MeshState,
     ServerPods,
     model_cluster,
 )
-from control_plane.resources import build_resources
-from control_plane.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, SECRET_TYPE, Snapshot
 from control_plane.telemetry.identity import plaintext_warnings
-from control_plane.topology import TopologyError, parse_topology
-from control_plane.upstream_tls import CA_SECRET, IDENTITY_SECRET, node_secrets
+from control_plane.xds import upstream_tls
+from control_plane.xds.resources import build_resources
+from control_plane.xds.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, SECRET_TYPE, Snapshot
+from control_plane.xds.upstream_tls import CA_SECRET, IDENTITY_SECRET, node_secrets
 from infermesh import pki
 
 

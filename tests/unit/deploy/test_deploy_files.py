@@ -10,8 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from control_plane.cli import build_parser as control_plane_parser
-from control_plane.topology import load_topology
+from control_plane.app.cli import build_parser as control_plane_parser
+from control_plane.config.topology import load_topology
 from infermesh import cert_keeper, pki
 from infermesh.api_keys import ensure_local_credentials
 from infermesh.compose import interpolate, load_services

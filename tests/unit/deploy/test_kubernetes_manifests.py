@@ -16,11 +16,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from control_plane.bootstrap import build_parser as bootstrap_parser
-from control_plane.bootstrap import prepare_xds_tls
-from control_plane.cli import build_parser as control_plane_parser
-from control_plane.discovery.kubernetes import KubernetesEndpoint
-from control_plane.topology import Topology, parse_topology_text
+from control_plane.app.cli import build_parser as control_plane_parser
+from control_plane.config.kubernetes_source import KubernetesEndpoint
+from control_plane.config.topology import Topology, parse_topology_text
+from control_plane.xds.bootstrap import build_parser as bootstrap_parser
+from control_plane.xds.bootstrap import prepare_xds_tls
 from infermesh import pki
 from infermesh.api_keys import add_key, new_key
 from model_server.cli import build_parser as model_server_parser
@@ -394,7 +394,7 @@ def test_control_plane_service_ports_match_its_flags() -> None:
     )
     assert model_server.otlp_endpoint == tuple(replicas)
     envoy = container("infermesh-envoy")["command"]
-    assert envoy[:4] == ["python", "-m", "control_plane.bootstrap", "--run"]
+    assert envoy[:4] == ["python", "-m", "control_plane.xds.bootstrap", "--run"]
     flag = {envoy[i]: envoy[i + 1] for i in range(4, envoy.index("--") - 1)}
     assert flag["--xds-host"] == name  # resolves to every replica: a broken stream moves on
     assert flag["--xds-port"] == str(args.xds_port)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.bootstrap import prepare_xds_tls
+from control_plane.xds.bootstrap import prepare_xds_tls
 from infermesh import cert_keeper, pki, probe
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from control_plane import exposure
-from control_plane.bootstrap import render_bootstrap
 from control_plane.telemetry import decode as otlp_decode
+from control_plane.xds import exposure
+from control_plane.xds.bootstrap import render_bootstrap
 from infermesh import wire
 from model_server.metrics import ServerMetrics
 
