@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import subprocess
+import sys
 import threading
 import urllib.request
 from collections.abc import Coroutine, Sequence
@@ -21,7 +23,7 @@ import yaml
 from control_plane.app.server import ControlPlane, ControlPlaneSettings
 from control_plane.xds.bootstrap import XdsTls, render_bootstrap, write_sds_files
 from tests.envoy_support import Envoy, free_port, start_envoy
-from tests.support import post_json, wait_for
+from tests.support import ROOT, post_json, wait_for
 
 T = TypeVar("T")
 # Tests of routing, not of identity, serve anyone (tests/integration/test_edge_tenants.py
@@ -147,3 +149,13 @@ def start_plane_and_envoy(
         f"{healthy} healthy endpoint entries in Envoy",
     )
     return plane, envoy
+
+
+def start_control_plane(topology: Path, log: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    """The control plane on free xDS, admin and OTLP ports, its output in ``log``."""
+    command = [
+        sys.executable, "-m", "control_plane", "--topology", str(topology),
+        "--xds-port", "0", "--admin-port", "0", "--otlp-port", "0",
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        return subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT), log

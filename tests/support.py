@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -308,3 +309,44 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 10) -> Any:
 def post_faults(server: ServerProcess, body: dict[str, Any]) -> None:
     """Sets a model server's injected faults (it must run with --enable-fault-injection)."""
     post_json(f"http://127.0.0.1:{server.metrics_port}/faults", body, timeout=5)
+
+
+def children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with suppress(FileNotFoundError):  # a thread that ended since the listing
+            found.update(int(p) for p in (task / "children").read_text().split())
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def infermesh(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "infermesh.cli", *args],
+        cwd=cwd, capture_output=True, text=True, timeout=60, env=None,
+    )  # fmt: skip
+
+
+MODEL = "demo_lm"
+
+
+def text_request(prompt: str, **parameters: Any) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name=MODEL)
+    tensor = request.inputs.add(name="text_input", datatype="BYTES")
+    tensor.shape.append(1)
+    data = prompt.encode()
+    request.raw_input_contents.append(len(data).to_bytes(4, "little") + data)
+    for key, value in parameters.items():
+        if isinstance(value, str):
+            request.parameters[key].string_param = value
+        elif isinstance(value, float):
+            request.parameters[key].double_param = value
+        else:
+            request.parameters[key].int64_param = value
+    return request

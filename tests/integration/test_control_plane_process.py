@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import urllib.request
-from contextlib import suppress
 from pathlib import Path
 
 import grpc
@@ -19,9 +18,9 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 
 from control_plane.telemetry.receiver import EXPORT_METHOD
 from tests.envoy_support import free_port
-from tests.mesh_support import write_topology
-from tests.support import ROOT, wait_for
-from tests.unit.control_plane.test_telemetry_store import gauge, request
+from tests.mesh_support import start_control_plane, write_topology
+from tests.otlp_support import gauge, request
+from tests.support import ROOT, alive, children, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -36,16 +35,6 @@ def test_a_bad_topology_is_refused_with_every_error(tmp_path: Path) -> None:
     assert result.returncode == 2
     for fragment in ("listener.port", "models[0].name", "models[0].sla_p99_ms", "capacity_qps"):
         assert fragment in result.stderr
-
-
-def start_control_plane(topology: Path, log: Path) -> tuple[subprocess.Popen[bytes], Path]:
-    """The control plane on free xDS, admin and OTLP ports, its output in ``log``."""
-    command = [
-        sys.executable, "-m", "control_plane", "--topology", str(topology),
-        "--xds-port", "0", "--admin-port", "0", "--otlp-port", "0",
-    ]  # fmt: skip
-    with log.open("wb") as out:
-        return subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT), log
 
 
 def test_sighup_reloads_and_a_broken_reload_keeps_the_last_good(tmp_path: Path) -> None:
@@ -77,21 +66,6 @@ def test_sighup_reloads_and_a_broken_reload_keeps_the_last_good(tmp_path: Path) 
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
-
-
-def children(pid: int) -> set[int]:
-    found: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with suppress(FileNotFoundError):  # a thread that ended since the listing
-            found.update(int(p) for p in (task / "children").read_text().split())
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_decoder_processes_decode_and_go_with_the_control_plane(tmp_path: Path) -> None:

@@ -15,9 +15,8 @@ from tritonclient.grpc import service_pb2_grpc
 
 from model_server.demo_lm import build_demo_lm
 from tests.envoy_support import free_port
-from tests.integration.test_generative_server import MODEL, text_request
 from tests.mesh_support import ControlPlaneThread, start_plane_and_envoy, write_topology
-from tests.support import ServerProcess, metric_value, start_server, wait_for
+from tests.support import MODEL, ServerProcess, metric_value, start_server, text_request, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -21,10 +21,9 @@ from model_server.lm_reference import BOS_ID, init_weights
 from model_server.lm_reference import generate_greedy as reference_greedy
 from tests.envoy_support import free_port
 from tests.mesh_support import start_plane_and_envoy, write_topology
-from tests.support import ServerProcess, metric_value, start_server
+from tests.support import MODEL, ServerProcess, metric_value, start_server, text_request
 
 pytestmark = pytest.mark.integration
-MODEL = "demo_lm"
 PROMPT = "The mesh "
 
 
@@ -40,22 +39,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 def expected(prompt: str, max_tokens: int) -> bytes:
     ids = reference_greedy(init_weights(), [BOS_ID, *prompt.encode()], max_tokens)
     return bytes(i for i in ids if i < 256)
-
-
-def text_request(prompt: str, **parameters: Any) -> service_pb2.ModelInferRequest:
-    request = service_pb2.ModelInferRequest(model_name=MODEL)
-    tensor = request.inputs.add(name="text_input", datatype="BYTES")
-    tensor.shape.append(1)
-    data = prompt.encode()
-    request.raw_input_contents.append(len(data).to_bytes(4, "little") + data)
-    for key, value in parameters.items():
-        if isinstance(value, str):
-            request.parameters[key].string_param = value
-        elif isinstance(value, float):
-            request.parameters[key].double_param = value
-        else:
-            request.parameters[key].int64_param = value
-    return request
 
 
 def test_unary_returns_the_whole_completion(server: ServerProcess) -> None:

@@ -1,7 +1,7 @@
 """Mutual TLS on Kubernetes, where cert-manager's csi-driver names a model server's pod in its
 certificate (``spiffe://TD/model-server/pod/NS/POD``) because it cannot know the pod's IP.
 
-A fake Kubernetes API (tests.unit.control_plane.test_endpointslices) serves EndpointSlices
+A fake Kubernetes API (tests.unit.control_plane.discovery.test_endpointslices) serves EndpointSlices
 whose endpoints carry a ``targetRef``; everything else is real: certificates, TLS model
 servers started with ``--tls-pod``, the control plane, Envoy, OTLP over mutual TLS (in the
 control plane's process and in telemetry shards). Traffic reaches the pods through Envoy
@@ -24,11 +24,10 @@ import pytest
 from control_plane.xds.bootstrap import XdsTls
 from infermesh import pki
 from tests.envoy_support import Envoy, free_port
-from tests.integration.test_models_cli import infermesh
-from tests.integration.test_otlp_mtls import Telemetry
+from tests.kube_support import READY, FakeKubeApi
 from tests.mesh_support import ControlPlaneThread, start_plane_and_envoy, write_topology
-from tests.support import ServerProcess, Traffic, metric_value, start_server, wait_for
-from tests.unit.control_plane.test_endpointslices import READY, FakeKubeApi
+from tests.otlp_support import Telemetry
+from tests.support import ServerProcess, Traffic, infermesh, metric_value, start_server, wait_for
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "test"

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import shutil
 import stat
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +13,7 @@ import pytest
 from infermesh.api_keys import API_KEY_FILE, API_KEYS_FILE, ensure_local_credentials
 from infermesh.secrets import ADMIN_TOKEN_FILE, OPERATOR_KEY_FILE
 from infermesh.wire import OPERATOR_HEADER
-from tests.support import EXPLICIT, ROOT, ServerProcess, start_server
+from tests.support import EXPLICIT, ROOT, ServerProcess, infermesh, start_server
 
 pytestmark = pytest.mark.integration
 
@@ -39,13 +37,6 @@ def pool(
     finally:
         for server in servers:
             server.stop()
-
-
-def infermesh(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "infermesh.cli", *args],
-        cwd=cwd, capture_output=True, text=True, timeout=60, env=None,
-    )  # fmt: skip
 
 
 def test_models_unload_load_and_index_on_every_server(

@@ -7,61 +7,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
-from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
-    ExportMetricsServiceResponse,
-)
 
-from control_plane.telemetry.receiver import EXPORT_METHOD
 from infermesh import pki
 from tests.envoy_support import free_port
 from tests.mesh_support import ControlPlaneThread, write_topology
-from tests.support import ServerProcess, metric_value, start_server, wait_for
-from tests.unit.control_plane.test_telemetry_store import gauge, request
+from tests.otlp_support import Telemetry
+from tests.support import start_server, wait_for
 
 pytestmark = pytest.mark.integration
-
-
-@dataclass
-class Telemetry:
-    pki_dir: Path
-    plane: ControlPlaneThread
-    server: ServerProcess
-    other: str  # a second server's address: it has a certificate, and no process runs
-
-    def export(self, who: pki.Workload | None, claimed: str) -> grpc.StatusCode:
-        """One report of server_draining=1 for ``claimed``, sent as ``who`` (None: plaintext)."""
-        target = f"127.0.0.1:{self.plane.plane.otlp_port}"
-        body = request([gauge("server_draining", 1.0)], claimed).SerializeToString()
-        if who is None:
-            channel = grpc.insecure_channel(target)
-        else:
-            files = [self.pki_dir / f"{who.file_stem}.{ext}" for ext in ("key", "crt")]
-            credentials = grpc.ssl_channel_credentials(
-                (self.pki_dir / "ca.crt").read_bytes(), *(f.read_bytes() for f in files)
-            )
-            channel = grpc.secure_channel(target, credentials)
-        with channel:
-            export = channel.unary_unary(
-                EXPORT_METHOD, response_deserializer=ExportMetricsServiceResponse.FromString
-            )
-            try:
-                export(body, timeout=5)
-            except grpc.RpcError as exc:
-                return exc.code()
-        return grpc.StatusCode.OK
-
-    def rejected(self, reason: str) -> float:
-        text = self.plane.admin_get("/metrics")
-        return metric_value(text, "telemetry_reports_rejected_total", reason=reason)
-
-    def draining(self, address: str) -> object:
-        seen = self.plane.admin_get("/telemetry")["endpoints"].get(address) or {}
-        return (seen.get("draining") or {}).get("value")
 
 
 @pytest.fixture(params=[0, 2], ids=["in-process", "2-shards"])

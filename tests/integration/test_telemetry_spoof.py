@@ -21,8 +21,8 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from control_plane.telemetry.receiver import EXPORT_METHOD
 from tests.envoy_support import Envoy, free_port
 from tests.mesh_support import ControlPlaneThread, start_plane_and_envoy, write_topology
+from tests.otlp_support import gauge, request
 from tests.support import ServerProcess, Traffic, start_server
-from tests.unit.control_plane.test_telemetry_store import gauge, request
 
 pytestmark = pytest.mark.integration
 

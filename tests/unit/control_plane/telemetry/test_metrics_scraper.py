@@ -18,7 +18,7 @@ from control_plane.telemetry.scraper import INLINE_BODY_BYTES, TASK_PREFIX, Metr
 from control_plane.telemetry.store import TelemetryStore
 from control_plane.xds.upstream_tls import read_pki
 from infermesh import pki
-from tests.unit.control_plane.test_triton_metrics import requests
+from tests.triton_metrics_support import requests
 
 CAP = 1024 * 1024
 PADDING = "".join(f"# padding line {i:06d} {'x' * 40}\n" for i in range(2_000))

@@ -15,83 +15,13 @@ from hypothesis import strategies as st
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
 )
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.metrics.v1 import metrics_pb2 as m
 
 from control_plane.config.topology import TelemetryOptions, TopologyError, parse_topology
 from control_plane.telemetry.series import bucket_quantile
 from control_plane.telemetry.store import TelemetryStore
 from infermesh.cli import main, telemetry_rows
-
-EP = "127.0.0.1:8001"
-BOUNDS = (*(b * 10.0**e for e in range(-4, 1) for b in (1.0, 2.5, 5.0)), 10.0)
-CUM = m.AGGREGATION_TEMPORALITY_CUMULATIVE
-DELTA = m.AGGREGATION_TEMPORALITY_DELTA
-S = 1_000_000_000
-
-
-def attrs(**kw: str) -> list[KeyValue]:
-    return [KeyValue(key=k, value=AnyValue(string_value=v)) for k, v in kw.items()]
-
-
-def request(metrics: Sequence[m.Metric], endpoint: str | None = EP) -> ExportMetricsServiceRequest:
-    resource = attrs(**{"service.name": "infermesh-model-server"})
-    if endpoint is not None:
-        resource += attrs(**{"service.instance.id": endpoint})
-    rm = m.ResourceMetrics(scope_metrics=[m.ScopeMetrics(metrics=list(metrics))])
-    rm.resource.attributes.extend(resource)
-    return ExportMetricsServiceRequest(resource_metrics=[rm])
-
-
-def histogram(
-    latencies: Sequence[float],
-    t_s: float,
-    temporality: m.AggregationTemporality.ValueType = CUM,
-    model: str = "m",
-    start_s: float = 0.0,
-    version: str = "1",
-) -> m.Metric:
-    counts = [0] * (len(BOUNDS) + 1)
-    for x in latencies:
-        counts[bisect.bisect_left(BOUNDS, x)] += 1
-    point = m.HistogramDataPoint(
-        attributes=attrs(model=model, version=version),
-        start_time_unix_nano=int(start_s * S) + 1,
-        time_unix_nano=int(t_s * S) + 1,
-        count=len(latencies),
-        sum=sum(latencies),
-        bucket_counts=counts,
-        explicit_bounds=BOUNDS,
-    )
-    return m.Metric(
-        name="inference_request_duration_seconds",
-        histogram=m.Histogram(data_points=[point], aggregation_temporality=temporality),
-    )
-
-
-def counter(
-    value: float,
-    t_s: float,
-    code: str = "OK",
-    temporality: m.AggregationTemporality.ValueType = CUM,
-    start_s: float = 0.0,
-    version: str = "1",
-) -> m.Metric:
-    point = m.NumberDataPoint(
-        attributes=attrs(model="m", version=version, code=code),
-        start_time_unix_nano=int(start_s * S) + 1,
-        time_unix_nano=int(t_s * S) + 1,
-        as_double=value,
-    )
-    return m.Metric(
-        name="inference_requests",
-        sum=m.Sum(data_points=[point], aggregation_temporality=temporality, is_monotonic=True),
-    )
-
-
-def gauge(name: str, value: float, **labels: str) -> m.Metric:
-    point = m.NumberDataPoint(attributes=attrs(**labels), as_double=value)
-    return m.Metric(name=name, gauge=m.Gauge(data_points=[point]))
+from tests.otlp_support import BOUNDS, DELTA, EP, counter, gauge, histogram, request
 
 
 def true_quantile(xs: Sequence[float], q: float) -> float:

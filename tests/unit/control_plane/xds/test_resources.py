@@ -60,10 +60,8 @@ from control_plane.xds.resources import (
 from infermesh.wire import MODEL_HEADER, VERSION_HEADER
 from tests.envoy_support import Envoy, envoy_binary, free_port, start_envoy
 from tests.support import ROOT, ServerProcess, infer_classifier, start_server
+from tests.unit.control_plane.xds.meshes import GRPC_ONLY, V1, V2, A, B, mesh_state
 
-A = EndpointAddress("127.0.0.1", 9001)
-B = EndpointAddress("127.0.0.1", 9002)
-V1, V2 = model_cluster("classifier", "1"), model_cluster("classifier", "2")
 Resources = dict[str, dict[str, Any]]  # type URL -> name -> message
 # What envoy/bootstrap.yaml is rendered from.
 DEFAULT_BOOTSTRAP: dict[str, Any] = dict(
@@ -73,30 +71,6 @@ DEFAULT_BOOTSTRAP: dict[str, Any] = dict(
     xds_port=18000,
     admin_port=9901,
 )
-
-
-GRPC_ONLY: dict[str, Any] = {"rest": RestOptions(enabled=False), "grpc_web": False}
-
-
-def mesh_state() -> MeshState:
-    """Two models (the classifier split 90/10 across versions), two servers, one draining."""
-    a = EndpointAssignment(A, weight=3)
-    b = EndpointAssignment(B, weight=1, health=EndpointHealth.DRAINING)
-    classifier = ModelRoute("classifier", 50, timeout_s=2.5, version_split=(("1", 90), ("2", 10)))
-    return MeshState(
-        # The gRPC-only mesh: REST and gRPC-Web are tested in tests/unit/control_plane/test_edge.py.
-        listener=ListenerOptions(
-            port=8080, health_check_interval_s=0.5, retry_budget_percent=20, **GRPC_ONLY
-        ),
-        models=(classifier, ModelRoute("detector", sla_p99_ms=80, timeout_s=4)),
-        clusters={
-            SERVERS_CLUSTER: (a, b),
-            V1: (a, b),
-            V2: (a,),
-            model_cluster("classifier"): (a, b),
-            model_cluster("detector"): (),
-        },
-    )
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,7 @@ def fleet() -> MeshState:
         clusters[model_cluster(model)] = members
         clusters[model_cluster(model, "1")] = members
     return MeshState(
-        # gRPC only: the REST twins' reuse is tested in tests/unit/control_plane/test_edge.py.
+        # gRPC only: the REST twins' reuse is tested in tests/unit/control_plane/xds/test_edge.py.
         listener=ListenerOptions(rest=RestOptions(enabled=False)),
         models=tuple(ModelRoute(m, 50, timeout_s=2) for m in MODELS),
         clusters=dict(sorted(clusters.items())),

@@ -34,7 +34,7 @@ from infermesh.secrets import SecretError
 from model_server import tenancy
 from model_server.errors import InferenceError
 from tests.support import ROOT
-from tests.unit.control_plane.test_resources import mesh_state
+from tests.unit.control_plane.xds.meshes import mesh_state
 
 MODELS = [{"name": "classifier", "sla_p99_ms": 50, "capacity_qps": 100},
           {"name": "detector", "sla_p99_ms": 50, "capacity_qps": 100}]  # fmt: skip

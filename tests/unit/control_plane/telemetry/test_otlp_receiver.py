@@ -26,7 +26,7 @@ from control_plane.model.mesh import model_cluster
 from control_plane.telemetry.envoy import EnvoyStats
 from control_plane.telemetry.receiver import EXPORT_METHOD, start_decoders, start_receiver
 from control_plane.telemetry.store import TelemetryStore
-from tests.unit.control_plane.test_telemetry_store import BOUNDS, attrs, gauge, request
+from tests.otlp_support import BOUNDS, attrs, gauge, request
 
 ENDPOINT = "127.0.0.1:9999"
 
@@ -188,7 +188,7 @@ async def test_100k_points(receiver: Receiver) -> None:
 
 @pytest.mark.parametrize("mode", ["thread", "decoder process"])
 async def test_envoy_resources_go_to_envoy_stats(mode: str, decoders: Executor) -> None:
-    from tests.unit.control_plane.test_protection import overflow_report
+    from tests.unit.control_plane.xds.test_protection import overflow_report
 
     store, envoy = TelemetryStore(), EnvoyStats()
     clock = iter(float(t) for t in range(1, 100))

@@ -13,7 +13,7 @@ from opentelemetry.proto.metrics.v1 import metrics_pb2 as m
 
 from control_plane.telemetry.store import TelemetryStore
 from control_plane.telemetry.values import Flag, Signal, telemetry_json
-from tests.unit.control_plane.test_telemetry_store import BOUNDS, counter, gauge, histogram, request
+from tests.otlp_support import BOUNDS, counter, gauge, histogram, request
 
 EP2 = "127.0.0.1:8002"
 

@@ -42,7 +42,7 @@ from control_plane.model.mesh import (
 from control_plane.scoring.types import PoolPolicy
 from infermesh.api_keys import ensure_local_credentials
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 EXAMPLE = ROOT / "examples" / "topology.yaml"
 
 

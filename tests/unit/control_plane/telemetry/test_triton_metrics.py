@@ -12,41 +12,11 @@ import pytest
 from control_plane.telemetry.store import TelemetryStore
 from control_plane.telemetry.triton import TritonMapper, TritonScrape, bucket_shares
 from control_plane.telemetry.values import EndpointTelemetry, Signal
+from tests.triton_metrics_support import family, requests
 
 EP = "10.0.0.7:8001"
 T0_NS = 1_700_000_000 * 10**9
-SAMPLE = Path(__file__).resolve().parents[2] / "data" / "triton_metrics_sample.txt"
-
-Sample = tuple[dict[str, str], float | str]  # str: "NaN" and the like
-
-
-def family(name: str, kind: str, *samples: Sample) -> str:
-    lines = [f"# HELP {name} test", f"# TYPE {name} {kind}"]
-    for labels, value in samples:
-        text = ",".join(f'{k}="{v}"' for k, v in labels.items())
-        lines.append(f"{name}{{{text}}} {value}" if text else f"{name} {value}")
-    return "\n".join(lines) + "\n"
-
-
-def requests(
-    success: float,
-    duration_us: float,
-    failure: float = 0.0,
-    model: str = "m",
-    version: str = "1",
-) -> str:
-    """The per-request counters of one model version, as Triton 2.51 writes them."""
-    mv = {"model": model, "version": version}
-    return (
-        family("nv_inference_request_success", "counter", (mv, success))
-        + family(
-            "nv_inference_request_failure",
-            "counter",
-            ({**mv, "reason": "BACKEND"}, failure / 2),
-            ({**mv, "reason": "REJECTED"}, failure / 2),
-        )
-        + family("nv_inference_request_duration_us", "counter", (mv, duration_us))
-    )
+SAMPLE = Path(__file__).resolve().parents[3] / "data" / "triton_metrics_sample.txt"
 
 
 def feed(

@@ -26,8 +26,8 @@ from control_plane.telemetry.identity import refusal
 from infermesh import pki
 from tests.envoy_support import free_port
 from tests.mesh_support import start_plane_and_envoy, write_topology
+from tests.otlp_support import gauge, request
 from tests.support import start_server, wait_for
-from tests.unit.control_plane.test_telemetry_store import gauge, request
 
 A = EndpointAddress("127.0.0.1", 9001)
 B = EndpointAddress("127.0.0.1", 9002)

@@ -76,7 +76,7 @@ def test_rate_limited_routes_and_the_filter_order() -> None:
     manager = hcm_pb2.HttpConnectionManager()
     listener.filter_chains[0].filters[-1].typed_config.Unpack(manager)
     names = [f.name for f in manager.http_filters]
-    # gRPC-Web is on by default (tests/unit/control_plane/test_edge.py)
+    # gRPC-Web is on by default (tests/unit/control_plane/xds/test_edge.py)
     edge = ["envoy.filters.http.grpc_web"]
     assert names == [
         "envoy.filters.http.rbac",

@@ -29,10 +29,9 @@ from control_plane.telemetry.shards import Push, TelemetryShards
 from control_plane.telemetry.store import TelemetryStore
 from control_plane.telemetry.values import EndpointTelemetry, Flag, Signal
 from tests.envoy_support import free_port
-from tests.integration.test_control_plane_process import alive, children, start_control_plane
-from tests.mesh_support import write_topology
-from tests.support import ROOT, wait_for
-from tests.unit.control_plane.test_telemetry_store import attrs, counter, gauge, histogram, request
+from tests.mesh_support import start_control_plane, write_topology
+from tests.otlp_support import attrs, counter, gauge, histogram, request
+from tests.support import ROOT, alive, children, wait_for
 
 
 # -- the store's side: what changed since the last push --------------------------------------
