@@ -171,14 +171,16 @@ def _string(request: service_pb2.ModelInferRequest, name: str) -> str:
 
 def text_response(
     request: service_pb2.ModelInferRequest,
+    model: str,
     version: int,
     text: bytes,
     final: bool,
     finish_reason: str = "",
 ) -> service_pb2.ModelInferResponse:
-    """One response: ``text`` as the BYTES output (4-byte length prefix, as raw contents)."""
+    """One response of ``model`` (which may stand in for the one asked for): ``text`` as the
+    BYTES output (4-byte length prefix, as raw contents)."""
     response = service_pb2.ModelInferResponse(
-        model_name=request.model_name, model_version=str(version), id=request.id
+        model_name=model, model_version=str(version), id=request.id
     )
     output = response.outputs.add(name=TEXT_OUTPUT, datatype="BYTES")
     output.shape.append(1)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import model_config_pb2
 
-from model_server.batching import DeadlineExceeded, DynamicBatcher, QueueFull, batching_policy
+from model_server.batching import DynamicBatcher, batching_policy
 from model_server.datatypes import BY_CONFIG_TYPE, Datatype, to_onnx_strings
 from model_server.errors import ModelUnavailable
 from model_server.generation import GenerationEngine
@@ -32,12 +32,19 @@ from model_server.generative import (
     generation_observer,
     is_decoder,
     publish_engine,
+    special_ids,
     text_spec,
 )
 from model_server.memory import MemoryGuard, estimate_model_bytes, process_rss
 from model_server.metrics import ServerMetrics
 from model_server.model_config import ModelSpec, TensorSpec, complete_spec, instance_count
 from model_server.runtime import DeviceChoice, OnnxSession
+from model_server.scheduling import (
+    BatchingScheduler,
+    DirectScheduler,
+    GenerationScheduler,
+    Scheduler,
+)
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +116,8 @@ class ModelVersion:
         self.load_ms = 0.0
         self.slots_total = instance_count(declared)
         self._executor: ThreadPoolExecutor | None = None
-        self.batcher: DynamicBatcher | None = None  # when config.pbtxt asks for dynamic_batching
-        self.engine: GenerationEngine | None = None  # a decoder (Optimum's names) generates
+        # How requests run, chosen once at load (scheduling.py): None until READY.
+        self.scheduler: Scheduler[Any] | None = None
         self._stats_lock = threading.Lock()
         self._submitted = 0  # changed on the event loop
         self._started = 0  # changed by worker threads, under _stats_lock
@@ -161,31 +168,43 @@ class ModelVersion:
         self.load_ms = (time.monotonic() - started) * 1000
         self.metrics.model_load_time.labels(self.name).observe(self.load_ms)
         assert self.session is not None and self.spec is not None
-        policy = batching_policy(self.spec.config)
-        session, executor = self.session, self._executor
-        if is_decoder(session.inputs, session.outputs):
-            self.engine = build_engine(
-                session.inputs,
-                [o.name for o in session.outputs],
-                session.run,
-                self.declared,
-                lambda job: loop.run_in_executor(executor, job),
-                generation_observer(self.metrics, self.name),
-            )
-            self.engine.start()
-            publish_engine(self.metrics, self.name, self.engine)
-        elif policy is not None:
-            executor = self._executor
-            self.batcher = DynamicBatcher(
-                policy,
-                self._run_batch,
-                self.slots_total,
-                lambda job: loop.run_in_executor(executor, job),
-                label=self.label,
-                on_dequeue=self._dequeued,
-            )
-            self.batcher.start()
+        self.scheduler = self._scheduler(loop)
+        self.scheduler.start()
+        if isinstance(self.scheduler, GenerationScheduler):
+            publish_engine(self.metrics, self.name, self.scheduler.engine)
         self._set_state(ModelState.READY, f"on {self.session.provider}")
+
+    def _scheduler(self, loop: asyncio.AbstractEventLoop) -> Scheduler[Any]:
+        """The one place a version's way of running requests is chosen: a decoder (Optimum's
+        names) generates; config.pbtxt's dynamic_batching batches; the rest run directly."""
+        assert self.session is not None and self.spec is not None
+        session, executor = self.session, self._executor
+        in_worker = lambda job: loop.run_in_executor(executor, job)  # noqa: E731
+        if is_decoder(session.inputs, session.outputs):
+            engine = build_engine(
+                session.inputs, [o.name for o in session.outputs], session.run, self.declared,
+                in_worker, generation_observer(self.metrics, self.name),
+            )  # fmt: skip
+            return GenerationScheduler(
+                engine, self.name, self.version, special_ids(self.declared)[0]
+            )
+        policy = batching_policy(self.spec.config)
+        if policy is not None:
+            batcher = DynamicBatcher(
+                policy, self._run_batch, self.slots_total, in_worker, label=self.label,
+                on_dequeue=self._dequeued,
+            )  # fmt: skip
+            refused = self.metrics.rejections
+            return BatchingScheduler(
+                self.spec, self.version, batcher, lambda why: refused.labels(self.name, why).inc()
+            )
+        return DirectScheduler(self.spec, self.version, self.execute_direct)
+
+    @property
+    def engine(self) -> GenerationEngine | None:
+        """The generation engine, for a generative version that is loaded."""
+        scheduler = self.scheduler
+        return scheduler.engine if isinstance(scheduler, GenerationScheduler) else None
 
     def _open_session(self) -> None:
         parameters = {k: v.string_value for k, v in self.declared.parameters.items()}
@@ -215,32 +234,16 @@ class ModelVersion:
                 for _ in range(count):
                     self._compute(outputs, feeds, 0, count=False)
 
-    async def execute(
-        self,
-        feeds: Mapping[str, np.ndarray],
-        outputs: Sequence[str],
-        batch: int,
-        priority: int = 0,
-        timeout_s: float | None = None,
-        received_at: float | None = None,
+    async def execute_direct(
+        self, outputs: Sequence[str], feeds: Mapping[str, np.ndarray], batch: int
     ) -> list[np.ndarray]:
         """Runs one request on the version's worker threads (the instance_group count).
 
-        With dynamic batching the batcher queues it (priority, deadline) and joins it with
-        others. Otherwise requests beyond the slots wait in the executor's queue: that wait is
-        the queue depth, and a request whose client cancels while it waits never runs.
+        Requests beyond the slots wait in the executor's queue: that wait is the queue depth,
+        and a request whose client cancels while it waits never runs.
         """
         if self.session is None or self._executor is None:
             raise ModelUnavailable(f"{self.label} is {self.state.value}")
-        if self.batcher is not None:
-            try:
-                return await self.batcher.submit(
-                    feeds, outputs, batch, priority, timeout_s, received_at
-                )
-            except (QueueFull, DeadlineExceeded) as exc:
-                reason = "queue_full" if isinstance(exc, QueueFull) else "deadline"
-                self.metrics.rejections.labels(self.name, reason).inc()
-                raise
         job = self._executor.submit(self._run, outputs, feeds, batch, time.monotonic_ns())
         self._submitted += 1
         try:
@@ -303,10 +306,8 @@ class ModelVersion:
 
     @property
     def waiting(self) -> int:
-        """Requests submitted and not yet started by a worker (or queued in the batcher)."""
-        queued = self.batcher.queued if self.batcher is not None else 0
-        if self.engine is not None:
-            queued += len(self.engine.waiting)
+        """Requests submitted and not yet started by a worker, or queued in the scheduler."""
+        queued = self.scheduler.queued if self.scheduler is not None else 0
         return self._submitted - self._started + queued
 
     def request_counter(self, code: str) -> Any:
@@ -331,18 +332,17 @@ class ModelVersion:
         if self.state is ModelState.READY:
             self._set_state(ModelState.UNLOADING)
         await self._idle.wait()
-        if self.batcher is not None:
-            await self.batcher.stop()
-        if self.engine is not None:
-            await self.engine.stop()
-            publish_engine(self.metrics, self.name, None)
+        if self.scheduler is not None:
+            await self.scheduler.stop()
+            if isinstance(self.scheduler, GenerationScheduler):
+                publish_engine(self.metrics, self.name, None)
         self._close()
         self._set_state(ModelState.UNAVAILABLE, "unloaded")
 
     def _close(self) -> None:
         self.session = None
         self._instances = queue.SimpleQueue()
-        self.batcher = None
+        self.scheduler = None
         if self._executor is not None:
             self._executor.shutdown(wait=False)
             self._executor = None

@@ -23,20 +23,14 @@ from model_server.errors import (
 )
 from model_server.faults import FaultInjector
 from model_server.gate import ServingGate
-from model_server.generative import (
-    BYTE_VOCAB,
-    join_text,
-    parse_generation,
-    special_ids,
-    text_response,
-)
+from model_server.generative import join_text
 from model_server.lifecycle import ModelState, ModelVersion
 from model_server.metrics import ServerMetrics
 from model_server.model_config import parse_config_override
 from model_server.repository import IndexEntry, ModelRepository
+from model_server.scheduling import Ticket
 from model_server.statistics import add_statistics
 from model_server.tenancy import (
-    ANONYMOUS_IDENTITY,
     EdgeIdentity,
     TenantLabels,
     check_inference,
@@ -46,7 +40,7 @@ from model_server.tenancy import (
     header_value,
 )
 from model_server.tracing import Tracing
-from model_server.validation import decode_request, encode_response, request_scheduling
+from model_server.validation import request_scheduling
 
 log = logging.getLogger(__name__)
 
@@ -259,71 +253,65 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         time_remaining_s: float | None = None,
     ) -> service_pb2.ModelInferResponse:
         """One ModelInfer whatever the transport (gRPC, or REST converted by model_server.rest):
-        routing headers in ``metadata`` (lower-case names), tracing, gate, validation, batching,
-        metrics. Raises InferenceError with the status to answer."""
-        routed = _routed_version(metadata)
-        generative = self._generative(request, routed)
-        identity = edge_identity(metadata, self.tenant_labels)
-        with self.tracing.span(metadata) as span:
-            if span is not None and identity.tenant:
-                span.set_attribute("infermesh.tenant", identity.tenant)
-            try:
-                if generative is not None:  # the whole completion in one answer
-                    check_inference(metadata, identity, request, routed)
-                    responses = [r async for r in self._generate(request, generative, identity)]
-                    response = join_text(responses)
-                else:
-                    response = await self._infer(
-                        request, routed, span, metadata, time_remaining_s, identity
-                    )
-            except InferenceError as exc:
-                self.tracing.finish(span, exc.code, exc.message)
-                raise
-            self.tracing.finish(span, grpc.StatusCode.OK)
-            return response
+        routing headers in ``metadata`` (lower-case names), tracing, gate, validation,
+        scheduling, metrics. A generative model's completion comes as one answer. Raises
+        InferenceError with the status to answer."""
+        responses = [
+            r async for r in self._traced(request, metadata, _routed_version(metadata),
+                                          time_remaining_s)
+        ]  # fmt: skip
+        return responses[0] if len(responses) == 1 else join_text(responses)
 
     async def ModelStreamInfer(
         self,
         request_iterator: AsyncIterator[service_pb2.ModelInferRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
-        """Each request on the stream gets one response (or an error message) in order."""
+        """Each request on the stream gets its responses (one, or one per generated token, the
+        last final) or an error message, in order."""
         metadata = context.invocation_metadata() or ()
         routed = _routed_version(metadata)
-        identity = edge_identity(metadata, self.tenant_labels)
         async for request in request_iterator:
-            generative = self._generative(request, routed)
-            if generative is not None:  # decoupled: one response per token, the last final
-                with self.tracing.span(metadata) as span:  # one span per completion
-                    try:
-                        check_inference(metadata, identity, request, routed)
-                        async for token in self._generate(request, generative, identity):
-                            yield service_pb2.ModelStreamInferResponse(infer_response=token)
-                    except InferenceError as exc:
-                        self.tracing.finish(span, exc.code, exc.message)
-                        yield service_pb2.ModelStreamInferResponse(error_message=exc.message)
-                        continue
-                    self.tracing.finish(span, grpc.StatusCode.OK)
-                continue
-            with self.tracing.span(metadata) as span:
-                try:
-                    response = await self._infer(request, routed, span, metadata, identity=identity)
-                except InferenceError as exc:
-                    self.tracing.finish(span, exc.code, exc.message)
-                    yield service_pb2.ModelStreamInferResponse(error_message=exc.message)
-                    continue
-                self.tracing.finish(span, grpc.StatusCode.OK)
-            yield service_pb2.ModelStreamInferResponse(infer_response=response)
+            try:
+                async for response in self._traced(request, metadata, routed):
+                    yield service_pb2.ModelStreamInferResponse(infer_response=response)
+            except InferenceError as exc:
+                yield service_pb2.ModelStreamInferResponse(error_message=exc.message)
 
-    async def _infer(
+    async def _traced(
+        self,
+        request: service_pb2.ModelInferRequest,
+        metadata: Sequence[tuple[str, Any]],
+        routed: str,
+        time_remaining_s: float | None = None,
+    ) -> AsyncIterator[service_pb2.ModelInferResponse]:
+        """``_serve`` in one tracing span (a completion's tokens share it)."""
+        identity = edge_identity(metadata, self.tenant_labels)
+        with self.tracing.span(metadata) as span:
+            if span is not None and identity.tenant:
+                span.set_attribute("infermesh.tenant", identity.tenant)
+            try:
+                async for response in self._serve(
+                    request, routed, span, metadata, time_remaining_s, identity
+                ):
+                    yield response
+            except InferenceError as exc:
+                self.tracing.finish(span, exc.code, exc.message)
+                raise
+            self.tracing.finish(span, grpc.StatusCode.OK)
+
+    async def _serve(
         self,
         request: service_pb2.ModelInferRequest,
         routed_version: str,
-        span: Any = None,
-        metadata: Sequence[tuple[str, Any]] = (),
-        time_remaining_s: float | None = None,
-        identity: EdgeIdentity = ANONYMOUS_IDENTITY,
-    ) -> service_pb2.ModelInferResponse:
+        span: Any,
+        metadata: Sequence[tuple[str, Any]],
+        time_remaining_s: float | None,
+        identity: EdgeIdentity,
+    ) -> AsyncIterator[service_pb2.ModelInferResponse]:
+        """The one request path, for every kind of model: authorise, admit through the gate,
+        resolve the version once (or the fallback), prepare, inject faults, then the version's
+        scheduler runs it (scheduling.py); counted once however it ends."""
         started = time.monotonic_ns()
         version: ModelVersion | None = None
         code = grpc.StatusCode.OK
@@ -334,45 +322,33 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             self._record(None, exc.code, 0, identity.label)
             raise
         try:
-            wanted = request.model_version or routed_version
-            fallback_from = ""
-            try:
-                version = self.repository.resolve(request.model_name, wanted)
-            except (ModelNotFound, ModelUnavailable):
-                fallback = header_value(metadata, FALLBACK_HEADER)
-                if not fallback or fallback == request.model_name:
-                    raise
-                version = self.repository.resolve(fallback, "")  # its newest READY version
-                fallback_from = request.model_name
+            version, fallback_from = self._resolve(request, routed_version, metadata)
             version.begin_request()
             try:
-                assert version.spec is not None
-                decoded = decode_request(request, version.spec, self.max_request_bytes)
+                scheduler = version.scheduler
+                if scheduler is None:
+                    raise ModelUnavailable(f"{version.label} is {version.state.value}")
+                prepared = scheduler.prepare(request, self.max_request_bytes)
                 priority, timeout_s = request_scheduling(request, metadata, time_remaining_s)
                 check_priority(identity, priority)
                 if span is not None:
                     span.set_attribute("infermesh.model", version.name)
                     span.set_attribute("infermesh.model.version", str(version.version))
-                    span.set_attribute("infermesh.batch_size", decoded.batch)
-                self.metrics.batch_size.labels(version.name).observe(decoded.batch)
-                if self.faults.enabled:
+                    span.set_attribute("infermesh.batch_size", prepared.rows)
+                self.metrics.batch_size.labels(version.name).observe(prepared.rows)
+                if self.faults.enabled:  # drills cover every kind of model alike
                     await self.faults.before_execute(version.version)
-                arrays = await version.execute(
-                    decoded.feeds, decoded.outputs, decoded.batch, priority, timeout_s,
-                    received_at=started / 1e9,
-                )  # fmt: skip
-                response = encode_response(
-                    request, version.spec, version.version, decoded.outputs, arrays
-                )
-                if fallback_from:
-                    response.parameters[FALLBACK_PARAMETER].string_param = fallback_from
-                return response
+                ticket = Ticket(priority, timeout_s, started / 1e9)
+                async for response in scheduler.responses(prepared, ticket):
+                    if fallback_from:
+                        response.parameters[FALLBACK_PARAMETER].string_param = fallback_from
+                    yield response
             finally:
                 version.end_request()
         except InferenceError as exc:
             code = exc.code
             raise
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
             code = grpc.StatusCode.CANCELLED
             raise
         except Exception as exc:
@@ -386,51 +362,23 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             self.gate.leave()
             self._record(version, code, elapsed, identity.label)
 
-    def _generative(
-        self, request: service_pb2.ModelInferRequest, routed: str
-    ) -> ModelVersion | None:
-        """The version that serves ``request`` if it is a generative model (else None: the
-        ordinary path answers, errors included)."""
-        try:
-            version = self.repository.resolve(request.model_name, request.model_version or routed)
-        except InferenceError:
-            return None
-        return version if version.engine is not None else None
-
-    async def _generate(
+    def _resolve(
         self,
         request: service_pb2.ModelInferRequest,
-        version: ModelVersion,
-        identity: EdgeIdentity = ANONYMOUS_IDENTITY,
-    ) -> AsyncIterator[service_pb2.ModelInferResponse]:
-        """One response per generated token; the last carries the final flag."""
-        started = time.monotonic_ns()
-        code = grpc.StatusCode.OK
-        self.gate.enter()
-        version.begin_request()
+        routed_version: str,
+        metadata: Sequence[tuple[str, Any]],
+    ) -> tuple[ModelVersion, str]:
+        """(the version that serves ``request``, the model it stands in for or ""): the one
+        asked for, else the route's fallback model (Envoy's header) at its newest READY
+        version."""
+        wanted = request.model_version or routed_version
         try:
-            engine = version.engine
-            if engine is None:
-                raise ModelUnavailable(f"{version.label} is {version.state.value}")
-            bos, _ = special_ids(version.declared)
-            generation, _ = parse_generation(request, bos, engine.max_positions)
-            if self.faults.enabled:  # as for unary inference: drills cover generation too
-                await self.faults.before_execute(version.version)
-            async for event in engine.generate(generation):
-                text = bytes([event.token]) if event.token < BYTE_VOCAB else b""
-                yield text_response(
-                    request, version.version, text, event.final, event.finish_reason
-                )
-        except InferenceError as exc:
-            code = exc.code
-            raise
-        except (asyncio.CancelledError, GeneratorExit):
-            code = grpc.StatusCode.CANCELLED
-            raise
-        finally:
-            version.end_request()
-            self.gate.leave()
-            self._record(version, code, time.monotonic_ns() - started, identity.label)
+            return self.repository.resolve(request.model_name, wanted), ""
+        except (ModelNotFound, ModelUnavailable):
+            fallback = header_value(metadata, FALLBACK_HEADER)
+            if not fallback or fallback == request.model_name:
+                raise
+            return self.repository.resolve(fallback, ""), request.model_name
 
     def _record(
         self, version: ModelVersion | None, code: grpc.StatusCode, elapsed_ns: int, tenant: str

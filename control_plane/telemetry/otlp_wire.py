@@ -12,8 +12,8 @@ It is only a fast path. ``decode_fast`` answers exactly what
 it does not read itself (a point that would be ignored, a field it does not expect, a message
 set twice, an Envoy resource, malformed bytes), and the caller then takes the protobuf path,
 which gives the same points, ignored counts and errors as before.
-``tests/unit/control_plane/telemetry/test_otlp_wire.py`` holds the two to the same answers over mutated
-and random exports.
+``tests/unit/control_plane/telemetry/test_otlp_wire.py`` holds the two to the same answers over
+mutated and random exports.
 """
 
 from __future__ import annotations
