@@ -54,7 +54,7 @@ from control_plane.telemetry.values import EndpointTelemetry, Signal
 from control_plane.xds.incremental import SnapshotBuilder
 from control_plane.xds.resources import build_resources
 from control_plane.xds.snapshot import build_snapshot
-from model_server.telemetry import build_request
+from model_server.observability.telemetry import build_request
 
 MODELS = 100
 

@@ -4,8 +4,9 @@
    routing) with the servers' telemetry off, exporting every 1 s and every 0.2 s to the control
    plane's OTLP port; settings alternate within each round, servers restarted per setting on the
    same ports (nothing else changes).
-2. In process: TelemetryStore.ingest of realistic export requests (model_server.telemetry's
-   builder), then the full gRPC path (start_receiver + grpc.aio clients), and as_json.
+2. In process: TelemetryStore.ingest of realistic export requests
+   (model_server.observability.telemetry's builder), then the full gRPC path (start_receiver
+   + grpc.aio clients), and as_json.
 
     .venv/bin/python bench/bench_telemetry.py [--rounds 2 --concurrency 16,64 --endpoints 100,1000]
 """
@@ -38,8 +39,8 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from control_plane.telemetry.receiver import EXPORT_METHOD, start_receiver
 from control_plane.telemetry.store import TelemetryStore
 from model_server.demo_models import MODEL_NAME, build_demo_repository
-from model_server.metrics import ServerMetrics
-from model_server.telemetry import build_request
+from model_server.observability.metrics import ServerMetrics
+from model_server.observability.telemetry import build_request
 
 HOST = bms.HOST
 SETTINGS: tuple[tuple[str, float | None], ...] = (

@@ -12,18 +12,18 @@ from pathlib import Path
 from infermesh import pki
 from infermesh.labels import LABEL_TEXT_RULE, is_label_text
 from infermesh.logs import add_log_level, configure_logging
-from model_server.access import (
+from model_server.core.memory import parse_bytes
+from model_server.observability.telemetry import MIN_INTERVAL_S
+from model_server.protocol.service import MODEL_CONTROL_MODES
+from model_server.security.access import (
     GROUPS,
     RestrictionError,
     RestrictionSpec,
     parse_restriction_spec,
     restriction_table,
 )
-from model_server.memory import parse_bytes
-from model_server.peers import TlsFiles
+from model_server.security.peers import TlsFiles
 from model_server.server import ModelServer, ServerSettings
-from model_server.service import MODEL_CONTROL_MODES
-from model_server.telemetry import MIN_INTERVAL_S
 
 log = logging.getLogger("model_server")
 

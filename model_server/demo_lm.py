@@ -5,7 +5,7 @@
     <out>/demo_lm/config.pbtxt
     <out>/demo_lm/1/model.onnx
 
-The network and its seeded weights are those of ``model_server.lm_reference`` (the numpy
+The network and its seeded weights are those of ``model_server.generative.lm_reference`` (the numpy
 reference: byte-level vocabulary of 260, learned absolute positions, pre-LayerNorm blocks,
 tied LM head); the graph computes the same function, so tests compare the two.
 
@@ -46,7 +46,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from model_server.demo_models import IR_VERSION, OPSET, _write_atomic, write_model
-from model_server.lm_reference import (
+from model_server.generative.lm_reference import (
     DEFAULT_CONFIG,
     LN_EPSILON,
     MASK_VALUE,

@@ -17,11 +17,8 @@ from grpc_health.v1._async import HealthServicer
 from tritonclient.grpc import service_pb2_grpc
 
 from infermesh import pki
-from model_server.access import RestrictedApiInterceptor, Restriction, restriction_table
-from model_server.admin_http import AdminServer, start_admin_server
-from model_server.faults import FaultInjector
-from model_server.gate import ServingGate
-from model_server.memory import (
+from model_server.core.faults import FaultInjector
+from model_server.core.memory import (
     MemoryGuard,
     MemorySource,
     NvmlMemory,
@@ -29,14 +26,17 @@ from model_server.memory import (
     default_memory_budget,
     format_bytes,
 )
-from model_server.metrics import ServerMetrics
-from model_server.peers import RELOAD_CHECK_S, MeshAccessInterceptor, ServerTls, TlsFiles
-from model_server.repository import ModelRepository
-from model_server.rest import RestServer
-from model_server.runtime import DeviceChoice, choose_device
-from model_server.service import InferenceService
-from model_server.telemetry import OtlpExporter
-from model_server.tracing import Tracing
+from model_server.core.runtime import DeviceChoice, choose_device
+from model_server.lifecycle.repository import ModelRepository
+from model_server.observability.metrics import ServerMetrics
+from model_server.observability.telemetry import OtlpExporter
+from model_server.observability.tracing import Tracing
+from model_server.protocol.admin_http import AdminServer, start_admin_server
+from model_server.protocol.rest import RestServer
+from model_server.protocol.service import InferenceService
+from model_server.scheduling.gate import ServingGate
+from model_server.security.access import RestrictedApiInterceptor, Restriction, restriction_table
+from model_server.security.peers import RELOAD_CHECK_S, MeshAccessInterceptor, ServerTls, TlsFiles
 
 log = logging.getLogger("model_server")
 
@@ -68,7 +68,7 @@ class ServerSettings:
     # (loads/unloads through the API), poll (load at start, reload what changes on disk).
     model_control_mode: str = "none"
     repository_poll_interval: float = 15.0  # seconds between scans in poll mode
-    # --restricted-api: which API groups need which credential header (model_server.access)
+    # --restricted-api: which API groups need which credential header (model_server.security.access)
     restrictions: tuple[Restriction, ...] = ()
     # HOST:PORT of each OTLP/gRPC metrics receiver (one per control-plane replica)
     otlp_endpoints: tuple[str, ...] = ()
@@ -76,7 +76,7 @@ class ServerSettings:
     telemetry_interval: float = 1.0
     enable_fault_injection: bool = False
     labels: tuple[tuple[str, str], ...] = ()  # routing labels (--label); device_class is auto
-    tls: TlsFiles | None = None  # mutual TLS on gRPC and REST (model_server.peers); None: off
+    tls: TlsFiles | None = None  # mutual TLS on gRPC and REST (security.peers); None: off
     tls_pod: str = ""  # NAMESPACE/POD: on Kubernetes the certificate names the pod
 
     def resolved_metrics_port(self) -> int:

@@ -1,12 +1,12 @@
 """OTLP metrics for a fleet of synthetic endpoints, shaped like real model servers' exports.
 
-Every ``--interval`` seconds each endpoint reports the instruments of ``model_server.metrics``
-the control plane's TelemetryStore reads, converted as ``model_server.telemetry`` does
-(Counter -> monotonic CUMULATIVE Sum without ``_total``, Gauge -> Gauge, Histogram ->
-CUMULATIVE explicit-bounds Histogram; labels as string attributes; resource
-``service.instance.id`` = the endpoint's "HOST:PORT"). Ten points per endpoint:
-``inference_request_duration_seconds`` {model, version} (the server's 70 latency bounds),
-``inference_requests`` {code=OK, model, version}, ``inference_queue_depth`` {model},
+Every ``--interval`` seconds each endpoint reports the instruments of
+``model_server.observability.metrics`` the control plane's TelemetryStore reads, converted as
+``model_server.observability.telemetry`` does (Counter -> monotonic CUMULATIVE Sum without
+``_total``, Gauge -> Gauge, Histogram -> CUMULATIVE explicit-bounds Histogram; labels as
+string attributes; resource ``service.instance.id`` = the endpoint's "HOST:PORT"). Ten points
+per endpoint: ``inference_request_duration_seconds`` {model, version} (the server's 70 latency
+bounds), ``inference_requests`` {code=OK, model, version}, ``inference_queue_depth`` {model},
 ``inference_in_flight_requests``, ``accelerator_memory_used_bytes`` and ``_total_bytes``
 {device, source}, ``inference_batch_size`` {model}, ``kv_cache_blocks_used`` and ``_total``
 {model}, ``server_draining``. Endpoints are batched as a collector would: ``--batch``
@@ -49,7 +49,7 @@ from opentelemetry.proto.metrics.v1 import metrics_pb2
 from opentelemetry.proto.resource.v1 import resource_pb2
 
 from infermesh.wire import LATENCY_BUCKETS_S
-from model_server.metrics import BATCH_BUCKETS
+from model_server.observability.metrics import BATCH_BUCKETS
 
 EXPORT = "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export"
 CUMULATIVE = metrics_pb2.AGGREGATION_TEMPORALITY_CUMULATIVE
@@ -125,7 +125,7 @@ class Profile:
     def scope_field(self, now_ns: int) -> bytes:
         """ResourceMetrics field 2 (scope_metrics) with this profile's ten points."""
         scope = metrics_pb2.ScopeMetrics()
-        scope.scope.name, scope.scope.version = "model_server.metrics", "scale-bench"
+        scope.scope.name, scope.scope.version = "model_server.observability.metrics", "scale-bench"
         m, common = self.model, {"start_time_unix_nano": START_NS, "time_unix_nano": now_ns}
 
         def histogram(name: str, counts: list[int], bounds: tuple[float, ...], total: float,

@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
-from model_server.faults import FaultError, Faults, parse_faults
+from model_server.core.faults import FaultError, Faults, parse_faults
 from tests.support import (
     ServerProcess,
     classifier_request,

@@ -17,8 +17,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from model_server.demo_lm import build_demo_lm
-from model_server.lm_reference import BOS_ID, init_weights
-from model_server.lm_reference import generate_greedy as reference_greedy
+from model_server.generative.lm_reference import BOS_ID, init_weights
+from model_server.generative.lm_reference import generate_greedy as reference_greedy
 from tests.envoy_support import free_port
 from tests.mesh_support import start_plane_and_envoy, write_topology
 from tests.support import MODEL, ServerProcess, metric_value, start_server, text_request

@@ -110,7 +110,10 @@ def test_broken_models_fail_with_reasons_and_the_rest_serves(
         with pytest.raises(InferenceServerException) as load_error:
             server.client().load_model("corrupt")
         assert "version 1" in load_error.value.message()
-        assert "ERROR model_server.lifecycle: model 'corrupt' version 1: FAILED" in server.log()
+        assert (
+            "ERROR model_server.lifecycle.version: model 'corrupt' version 1: FAILED"
+            in server.log()
+        )
     finally:
         server.stop()
 

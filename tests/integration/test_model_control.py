@@ -19,7 +19,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from model_server.access import (
+from model_server.security.access import (
     GROUP_OF_METHOD,
     GROUPS,
     RestrictionError,

@@ -16,8 +16,8 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metric
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
-from model_server.metrics import ServerMetrics
-from model_server.telemetry import build_request
+from model_server.observability.metrics import ServerMetrics
+from model_server.observability.telemetry import build_request
 from tests.support import infer_classifier, start_server, wait_for
 
 pytestmark = pytest.mark.integration

@@ -8,7 +8,7 @@ import re
 from prometheus_client import CollectorRegistry
 
 from control_plane.metrics import ControlPlaneMetrics
-from model_server.metrics import ServerMetrics
+from model_server.observability.metrics import ServerMetrics
 from tests.support import ROOT
 
 PROMQL_WORDS = {"histogram_quantile", "clamp_min", "sum", "by", "rate", "increase"}

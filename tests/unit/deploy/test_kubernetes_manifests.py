@@ -304,7 +304,7 @@ def test_model_server_ports_probes_and_address(tmp_path: Path) -> None:
     rest = configmap_topology(tmp_path).listener.rest
     assert rest.enabled and args.http_port == args.port + rest.port_offset
     # The gRPC port speaks only mutual TLS, which the kubelet cannot: readiness is the
-    # metrics port's plaintext /ready (model_server.admin_http).
+    # metrics port's plaintext /ready (model_server.protocol.admin_http).
     readiness = c["readinessProbe"]["httpGet"]
     assert readiness["path"] == "/ready" and port_number(c, readiness["port"]) == args.metrics_port
     for kind, probe in probes(c):

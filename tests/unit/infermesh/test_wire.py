@@ -11,7 +11,7 @@ from control_plane.telemetry import decode as otlp_decode
 from control_plane.xds import exposure
 from control_plane.xds.bootstrap import render_bootstrap
 from infermesh import wire
-from model_server.metrics import ServerMetrics
+from model_server.observability.metrics import ServerMetrics
 
 
 def test_the_model_server_exports_every_metric_the_control_plane_reads_as_its_kind() -> None:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from model_server.memory import MemoryGuard, ProcessMemory
-from model_server.metrics import ServerMetrics
-from model_server.repository import ModelRepository
-from model_server.runtime import DeviceChoice
+from model_server.core.memory import MemoryGuard, ProcessMemory
+from model_server.core.runtime import DeviceChoice
+from model_server.lifecycle.repository import ModelRepository
+from model_server.observability.metrics import ServerMetrics
 
 
 @pytest.fixture

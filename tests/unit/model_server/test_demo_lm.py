@@ -10,7 +10,6 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from model_server import lm_reference as ref
 from model_server.demo_lm import (
     BATCH,
     PAST,
@@ -21,7 +20,8 @@ from model_server.demo_lm import (
     input_names,
     output_names,
 )
-from model_server.lm_reference import KV, LmConfig, LmWeights
+from model_server.generative import lm_reference as ref
+from model_server.generative.lm_reference import KV, LmConfig, LmWeights
 from tests.support import start_server
 
 CONFIG = ref.DEFAULT_CONFIG

@@ -29,7 +29,7 @@ from control_plane.model.mesh import (
 )
 from control_plane.routing.mesh_state import build_mesh_state
 from control_plane.xds.resources import ENDPOINT_TYPE, ROUTE_TYPE, build_resources
-from model_server.memory import device_class_name
+from model_server.core.memory import device_class_name
 
 A, B, C, D = (EndpointAddress("127.0.0.1", p) for p in (8001, 8002, 8003, 8004))
 MODEL = {"name": "classifier", "sla_p99_ms": 50, "capacity_qps": 100}

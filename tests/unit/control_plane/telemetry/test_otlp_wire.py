@@ -24,8 +24,8 @@ from control_plane.telemetry import otlp_wire
 from control_plane.telemetry.decode import decode_request
 from control_plane.telemetry.otlp_wire import decode_fast
 from control_plane.telemetry.receiver import decode_export
-from model_server.metrics import ServerMetrics
-from model_server.telemetry import build_request
+from model_server.observability.metrics import ServerMetrics
+from model_server.observability.telemetry import build_request
 
 MAX_POINTS = 10_000
 

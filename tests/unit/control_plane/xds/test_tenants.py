@@ -31,8 +31,8 @@ from control_plane.xds.lua_routing import LUA_FILTER
 from control_plane.xds.resources import LISTENER_TYPE, ROUTE_TYPE, build_resources
 from infermesh.api_keys import add_key, basic_authorization, hash_line, new_key, revoke_key
 from infermesh.secrets import SecretError
-from model_server import tenancy
-from model_server.errors import InferenceError
+from model_server.core.errors import InferenceError
+from model_server.security import tenancy
 from tests.support import ROOT
 from tests.unit.control_plane.xds.meshes import mesh_state
 

@@ -1,0 +1,357 @@
+"""Continuous batching for a decoder (Optimum's input/output names) over the block KV cache.
+
+``GenerationEngine.generate(request)`` yields one ``TokenEvent`` per generated token, the last
+one flagged ``final``. One scheduler task on the event loop runs the model on a worker thread:
+
+- **Admission**: a waiting sequence joins when its prompt plus one token fits in the KV cache.
+  When it does not, the sequence waits (``when_full="wait"``) or is refused at once with
+  RESOURCE_EXHAUSTED (``"reject"``). A running sequence's blocks are never taken.
+- **Prefill**: each new sequence's prompt runs alone (past length 0) and its keys/values go
+  into its blocks; its first token is sampled from the last position.
+- **Decode**: every running sequence advances one token per step, together: the last token of
+  each, their cached keys/values gathered left-padded, an attention mask that hides the padding,
+  and position ids that continue each sequence. New sequences are prefilled between steps.
+- A sequence ends at EOS, ``max_tokens``, a stop sequence, or when its consumer goes away
+  (client cancelled or disconnected); its blocks go back at once.
+
+The model is any callable from Optimum's feeds (``input_ids``, ``attention_mask``,
+``position_ids``, ``past_key_values.{i}.key/.value``) to its outputs (``logits``,
+``present.{i}.key/.value``), e.g. an ONNX Runtime session's run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections import deque
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from model_server.core.errors import InferenceError, InvalidInput
+from model_server.generative.kv_cache import KvCache, KvCacheFull
+
+Feeds = dict[str, np.ndarray]
+Decoder = Callable[[Feeds], Mapping[str, np.ndarray]]
+# Runs a blocking call off the event loop (the model's worker thread).
+Offload = Callable[[Callable[[], Mapping[str, np.ndarray]]], Awaitable[Mapping[str, np.ndarray]]]
+
+
+class KvBudgetExhausted(InferenceError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: tuple[int, ...]
+    max_tokens: int = 32
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: the whole vocabulary
+    seed: int = 0
+    stop: tuple[tuple[int, ...], ...] = ()  # token sequences that end the generation
+
+    def check(self, max_positions: int) -> None:
+        if not self.prompt:
+            raise InvalidInput("the prompt is empty")
+        if self.max_tokens < 1:
+            raise InvalidInput(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if len(self.prompt) + self.max_tokens > max_positions:
+            raise InvalidInput(
+                f"prompt ({len(self.prompt)} tokens) + max_tokens ({self.max_tokens}) exceeds "
+                f"the model's {max_positions} positions"
+            )
+        if self.temperature < 0 or self.top_k < 0:
+            raise InvalidInput("temperature and top_k must be >= 0")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token: int
+    index: int  # 0 for the first generated token
+    final: bool
+    finish_reason: str = ""  # on the final event: eos, length, stop, (or an error)
+
+
+@dataclass(eq=False)
+class _Sequence:
+    name: str
+    request: GenerationRequest
+    events: asyncio.Queue[TokenEvent | BaseException]
+    created: float
+    rng: np.random.Generator
+    generated: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    gone: bool = False  # the consumer went away
+    done: bool = False  # its final event (or error) was sent
+
+    @property
+    def tokens(self) -> list[int]:
+        """What the model has seen: the prompt and every token generated so far."""
+        return [*self.request.prompt, *self.generated]
+
+
+@dataclass
+class GenerationStats:
+    """Counts of what the engine decided (token timings go to ``observe``, the metrics)."""
+
+    sequences_done: int = 0
+    refused: int = 0
+    preempted: int = 0
+
+
+class GenerationEngine:
+    def __init__(
+        self,
+        decoder: Decoder,
+        cache: KvCache,
+        offload: Offload,
+        eos_token: int,
+        max_positions: int,
+        max_running: int = 32,
+        when_full: str = "wait",
+        clock: Callable[[], float] = time.monotonic,
+        observe: Callable[[str, float], None] = lambda what, value: None,
+    ) -> None:
+        self._decoder = decoder
+        self.cache = cache
+        self._offload = offload
+        self.eos_token = eos_token
+        self.max_positions = max_positions
+        self.max_running = max_running
+        self.when_full = when_full
+        self._clock = clock
+        self._observe = observe  # ("ttft"|"tpot", seconds) and ("token", 1) as they happen
+        self.waiting: deque[_Sequence] = deque()
+        self.running: list[_Sequence] = []
+        self._names = itertools.count()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.stats = GenerationStats()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._schedule())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for sequence in [*self.running, *self.waiting]:
+            self.cache.release(sequence.name)
+            self._finish(
+                sequence, InferenceError("the model is unloading", grpc.StatusCode.UNAVAILABLE)
+            )
+        self.running, self.waiting = [], deque()
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
+        """The tokens of one sequence as they are made; the last event is ``final``."""
+        request.check(self.max_positions)
+        total = self.cache.shape.total_blocks
+        longest = self.cache.blocks_for(len(request.prompt) + request.max_tokens)
+        if longest > total:
+            self.stats.refused += 1
+            raise KvBudgetExhausted(
+                f"the sequence may need {longest} KV blocks, more than the cache's {total}"
+            )
+        needed = self.cache.blocks_for(len(request.prompt) + 1)
+        if self.when_full == "reject" and (needed > self.cache.free_blocks or self.waiting):
+            self.stats.refused += 1
+            raise KvBudgetExhausted(
+                f"KV cache full: the prompt needs {needed} blocks, "
+                f"{self.cache.free_blocks} free of {total}; retry later"
+            )
+        sequence = _Sequence(
+            f"seq-{next(self._names)}", request, asyncio.Queue(), self._clock(),
+            np.random.default_rng(request.seed),
+        )  # fmt: skip
+        self.waiting.append(sequence)
+        self._wake.set()
+        try:
+            while True:
+                event = await sequence.events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                yield event
+                if event.final:
+                    return
+        finally:
+            if not sequence.done:  # cancelled or disconnected: its blocks go back next step
+                sequence.gone = True
+                self._wake.set()
+
+    # -- the scheduler ----------------------------------------------------------------------
+    async def _schedule(self) -> None:
+        while True:
+            self._drop_gone()
+            self._wake.clear()
+            admitted = self._admit()
+            for sequence in admitted:
+                await self._prefill(sequence)
+            if self.running:
+                await self._decode()
+            elif not admitted:
+                await self._wake.wait()
+
+    def _admit(self) -> list[_Sequence]:
+        admitted: list[_Sequence] = []
+        while self.waiting and len(self.running) + len(admitted) < self.max_running:
+            sequence = self.waiting[0]
+            try:
+                self.cache.reserve(sequence.name, len(sequence.tokens) + 1)
+            except KvCacheFull:
+                break  # it waits (FIFO) until running sequences give blocks back
+            self.waiting.popleft()
+            admitted.append(sequence)
+        return admitted
+
+    def _drop_gone(self) -> None:
+        for sequence in [s for s in self.running if s.gone]:
+            self.running.remove(sequence)
+            self.cache.release(sequence.name)
+        self.waiting = deque(s for s in self.waiting if not s.gone)
+
+    async def _prefill(self, sequence: _Sequence) -> None:
+        prompt = np.array([sequence.tokens], dtype=np.int64)  # more than the prompt if resumed
+        n = prompt.shape[1]
+        feeds = self._feeds(
+            prompt,
+            np.ones((1, n), np.int64),
+            np.arange(n, dtype=np.int64)[None, :],
+            *self._empty_past(1),
+        )
+        try:
+            outputs = await self._offload(lambda: self._decoder(feeds))
+        except Exception as exc:
+            self.cache.release(sequence.name)
+            self._finish(sequence, InferenceError(f"prefill failed: {exc}"))
+            return
+        layers = self.cache.shape.layers
+        keys = [outputs[f"present.{i}.key"][0] for i in range(layers)]
+        values = [outputs[f"present.{i}.value"][0] for i in range(layers)]
+        self.cache.append(sequence.name, keys, values)
+        self.running.append(sequence)
+        self._emit(sequence, outputs["logits"][0, -1])
+
+    async def _decode(self) -> None:
+        batch = [s for s in self.running if not s.gone]
+        if not batch:
+            return
+        for sequence in list(batch):  # room for the token this step adds
+            try:
+                self.cache.reserve(sequence.name, self.cache.length(sequence.name) + 1)
+            except KvCacheFull:
+                batch.remove(sequence)  # waits for a block this step (others finish first)
+        if not batch:  # nobody can grow: the newest gives its blocks back and starts over later
+            self._preempt(self.running[-1])
+            return
+        names = [s.name for s in batch]
+        keys, values, longest = self.cache.gather(names)
+        lengths = np.array([self.cache.length(n) for n in names], dtype=np.int64)
+        mask = np.zeros((len(batch), longest + 1), np.int64)
+        for row, length in enumerate(lengths):
+            mask[row, longest - length :] = 1  # left padding is hidden
+        last = np.array([[s.generated[-1]] for s in batch], dtype=np.int64)
+        feeds = self._feeds(last, mask, lengths[:, None], keys, values)
+        try:
+            outputs = await self._offload(lambda: self._decoder(feeds))
+        except Exception as exc:
+            for sequence in batch:
+                self.running.remove(sequence)
+                self.cache.release(sequence.name)
+                self._finish(sequence, InferenceError(f"decode step failed: {exc}"))
+            return
+        layers = self.cache.shape.layers
+        for row, sequence in enumerate(batch):
+            if sequence.gone:
+                continue
+            new_keys = [outputs[f"present.{i}.key"][row, :, -1:] for i in range(layers)]
+            new_values = [outputs[f"present.{i}.value"][row, :, -1:] for i in range(layers)]
+            self.cache.append(sequence.name, new_keys, new_values)
+            self._emit(sequence, outputs["logits"][row, -1])
+
+    def _preempt(self, sequence: _Sequence) -> None:
+        """Frees a running sequence's blocks; it waits first in line and is prefilled again
+        with everything it has generated (recomputed, never corrupted)."""
+        self.running.remove(sequence)
+        self.cache.release(sequence.name)
+        self.waiting.appendleft(sequence)
+        self.stats.preempted += 1
+
+    def _feeds(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        position_ids: np.ndarray,
+        keys: list[np.ndarray],
+        values: list[np.ndarray],
+    ) -> Feeds:
+        feeds = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+        }
+        for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+            feeds[f"past_key_values.{i}.key"] = k
+            feeds[f"past_key_values.{i}.value"] = v
+        return feeds
+
+    def _empty_past(self, batch: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        shape = (batch, self.cache.shape.heads, 0, self.cache.shape.head_dim)
+        layers = self.cache.shape.layers
+        return (
+            [np.zeros(shape, np.float32) for _ in range(layers)],
+            [np.zeros(shape, np.float32) for _ in range(layers)],
+        )
+
+    # -- tokens -----------------------------------------------------------------------------
+    def _emit(self, sequence: _Sequence, logits: np.ndarray) -> None:
+        token = sample(logits, sequence.request, sequence.rng)
+        now = self._clock()
+        if sequence.first_token_at is None:
+            sequence.first_token_at = now
+            self._observe("ttft", now - sequence.created)
+        sequence.generated.append(token)
+        self._observe("token", 1.0)
+        reason = self._finish_reason(sequence)
+        event = TokenEvent(token, len(sequence.generated) - 1, bool(reason), reason)
+        sequence.events.put_nowait(event)
+        sequence.done = bool(reason)
+        if reason:
+            count = len(sequence.generated)
+            if count > 1:
+                self._observe("tpot", (now - sequence.first_token_at) / (count - 1))
+            self.stats.sequences_done += 1
+            self.running.remove(sequence)
+            self.cache.release(sequence.name)
+
+    def _finish_reason(self, sequence: _Sequence) -> str:
+        generated, request = sequence.generated, sequence.request
+        if generated[-1] == self.eos_token:
+            return "eos"
+        for stop in request.stop:
+            if stop and tuple(generated[-len(stop) :]) == stop:
+                return "stop"
+        return "length" if len(generated) >= request.max_tokens else ""
+
+    def _finish(self, sequence: _Sequence, error: BaseException) -> None:
+        sequence.done = True
+        sequence.events.put_nowait(error)
+
+
+def sample(logits: np.ndarray, request: GenerationRequest, rng: np.random.Generator) -> int:
+    """Greedy at temperature 0; else softmax(logits / temperature) over the top_k tokens."""
+    if request.temperature == 0:
+        return int(np.argmax(logits))
+    scaled = logits.astype(np.float64) / request.temperature
+    if 0 < request.top_k < scaled.size:
+        cutoff = np.partition(scaled, -request.top_k)[-request.top_k]
+        scaled = np.where(scaled >= cutoff, scaled, -np.inf)
+    probabilities = np.exp(scaled - scaled.max())
+    probabilities /= probabilities.sum()
+    return int(rng.choice(scaled.size, p=probabilities))

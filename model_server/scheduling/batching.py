@@ -1,0 +1,264 @@
+"""Dynamic batching with Triton's semantics: priorities, queue delay, deadlines, a bounded queue.
+
+A model version whose config.pbtxt has ``dynamic_batching`` (and ``max_batch_size > 0``) gets a
+``DynamicBatcher``. Requests wait in one FIFO queue per priority level; a scheduler task on the
+event loop forms a batch whenever an execution slot (instance) is free: the oldest request of the
+highest priority first, then every compatible request (same inputs, same non-batch shapes and
+types) in priority then arrival order, up to ``max_batch_size`` rows. A batch smaller than that
+(and not a preferred size) waits for more until its oldest request has queued
+``max_queue_delay``. Inputs are joined with one ``np.concatenate`` per input, run in one ONNX
+Runtime call on a worker thread, and the outputs split back by rows.
+
+A request whose deadline (the sooner of its gRPC deadline, its "timeout" parameter and the
+queue policy's default timeout) passes while it is queued is answered DEADLINE_EXCEEDED and
+never runs. A full queue (``max_queue_size``) answers RESOURCE_EXHAUSTED at once. A request
+whose client cancels while queued leaves the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from model_server.core.errors import InferenceError, InvalidInput
+from model_server.core.model_config import BatchingPolicy
+
+RunBatch = Callable[[Mapping[str, np.ndarray], Sequence[str], int], list[np.ndarray]]
+
+
+class QueueFull(InferenceError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class DeadlineExceeded(InferenceError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+@dataclass(eq=False)
+class _Pending:
+    feeds: Mapping[str, np.ndarray]
+    outputs: tuple[str, ...]
+    rows: int
+    priority: int
+    deadline: float | None  # monotonic seconds
+    queued_at: float  # monotonic seconds
+    future: asyncio.Future[list[np.ndarray]]
+    key: tuple[tuple[str, tuple[int, ...], str], ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = tuple(
+            sorted((n, tuple(a.shape[1:]), a.dtype.str) for n, a in self.feeds.items())
+        )
+
+
+@dataclass
+class BatchStats:
+    """What the batcher did (the metrics count the same per model, see lifecycle)."""
+
+    batches: int = 0
+    rows: int = 0
+    rejected_full: int = 0
+    expired: int = 0
+
+
+class DynamicBatcher:
+    def __init__(
+        self,
+        policy: BatchingPolicy,
+        run_batch: RunBatch,
+        slots: int,
+        execute: Callable[[Callable[[], list[np.ndarray]]], asyncio.Future[list[np.ndarray]]],
+        label: str = "model",
+        clock: Callable[[], float] = time.monotonic,
+        on_dequeue: Callable[[float], None] = lambda waited_s: None,
+    ) -> None:
+        self.policy = policy
+        self.label = label
+        self._run_batch = run_batch  # blocking: joins nothing, runs one ONNX Runtime call
+        self._execute = execute  # runs a blocking callable on the version's worker threads
+        self._free_slots = slots
+        self._slots = slots
+        self._clock = clock
+        self._on_dequeue = on_dequeue  # each request's time in the queue, as it leaves
+        self._queues: list[deque[_Pending]] = [deque() for _ in range(policy.priority_levels)]
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._running: set[asyncio.Task[None]] = set()
+        self.stats = BatchStats()
+
+    @property
+    def queued(self) -> int:
+        return sum(len(q) for q in self._queues)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._schedule())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for queue in self._queues:
+            while queue:
+                pending = queue.popleft()
+                if not pending.future.done():
+                    pending.future.set_exception(
+                        InferenceError(f"{self.label} is unloading", grpc.StatusCode.UNAVAILABLE)
+                    )
+
+    async def submit(
+        self,
+        feeds: Mapping[str, np.ndarray],
+        outputs: Sequence[str],
+        rows: int,
+        priority: int = 0,
+        timeout_s: float | None = None,
+        received_at: float | None = None,
+    ) -> list[np.ndarray]:
+        """Queues one request and waits for its outputs (in ``outputs`` order).
+
+        Timeouts count from ``received_at`` (the server's clock when the call arrived) when
+        given: under overload a call may wait in gRPC and the event loop before it gets here.
+        """
+        policy = self.policy
+        if not 0 <= priority <= policy.priority_levels:
+            raise InvalidInput(
+                f"{self.label}: priority {priority} must be in 1..{policy.priority_levels} "
+                "(0 for the default)"
+            )
+        if policy.max_queue_size and self.queued >= policy.max_queue_size:
+            self.stats.rejected_full += 1
+            raise QueueFull(
+                f"{self.label}: queue full ({policy.max_queue_size} requests waiting); retry later"
+            )
+        now = self._clock()
+        limits = [t for t in (timeout_s, policy.default_timeout_s or None) if t is not None]
+        start = now if received_at is None else min(now, received_at)
+        deadline = start + min(limits) if limits else None
+        level = (priority or policy.default_priority) - 1
+        future: asyncio.Future[list[np.ndarray]] = asyncio.get_running_loop().create_future()
+        pending = _Pending(feeds, tuple(outputs), rows, level, deadline, now, future)
+        self._queues[level].append(pending)
+        self._wake.set()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # A cancelled request still queued leaves the queue; one already running finishes.
+            with contextlib.suppress(ValueError):
+                self._queues[level].remove(pending)
+            raise
+
+    # -- the scheduler ------------------------------------------------------------------------
+    async def _schedule(self) -> None:
+        while True:
+            self._expire()
+            self._wake.clear()  # nothing awaits between here and the wait: no lost wake-up
+            if self._free_slots <= 0 or not self.queued:
+                await self._wait(None)
+                continue
+            batch, rows, oldest = self._gather()
+            remaining = self.policy.max_queue_delay_s - (self._clock() - oldest)
+            # Waiting for company only pays while another batch runs: on an idle model a lone
+            # request would just lose the delay (Triton waits; the benchmark's c1 paid 2x).
+            idle = self._free_slots == self._slots
+            if (
+                rows < self.policy.max_batch_size
+                and remaining > 0
+                and not self._preferred(rows)
+                and not idle
+            ):
+                await self._wait(remaining)  # for more requests, or the delay to run out
+                continue
+            now = self._clock()
+            for pending in batch:
+                self._queues[pending.priority].remove(pending)
+                self._on_dequeue(now - pending.queued_at)
+            self._free_slots -= 1
+            task = asyncio.get_running_loop().create_task(self._run(batch, rows))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _wait(self, limit_s: float | None) -> None:
+        """Until something is queued or a slot frees (or ``limit_s``, or the next deadline)."""
+        deadlines = [p.deadline for q in self._queues for p in q if p.deadline is not None]
+        if deadlines:
+            until = min(deadlines) - self._clock()
+            limit_s = until if limit_s is None else min(limit_s, until)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(
+                self._wake.wait(), None if limit_s is None else max(0.0, limit_s)
+            )
+
+    def _preferred(self, rows: int) -> bool:
+        return rows in self.policy.preferred_batch_sizes
+
+    def _expire(self) -> None:
+        now = self._clock()
+        for queue in self._queues:
+            for pending in [p for p in queue if p.deadline is not None and p.deadline <= now]:
+                queue.remove(pending)
+                self.stats.expired += 1
+                if not pending.future.done():
+                    waited_ms = (now - pending.queued_at) * 1000
+                    pending.future.set_exception(
+                        DeadlineExceeded(
+                            f"{self.label}: deadline passed after {waited_ms:.0f} ms in the queue; "
+                            "the request did not run"
+                        )
+                    )
+
+    def _gather(self) -> tuple[list[_Pending], int, float]:
+        """The next batch: the head of the best non-empty level and what fits with it."""
+        head = next((q[0] for q in self._queues if q), None)
+        if head is None:
+            return [], 0, 0.0
+        batch, rows, limit = [], 0, self.policy.max_batch_size
+        for queue in self._queues:
+            for pending in queue:
+                if pending.key == head.key and rows + pending.rows <= limit:
+                    batch.append(pending)
+                    rows += pending.rows
+            if rows >= limit:
+                break
+        return batch, rows, min(p.queued_at for p in batch)
+
+    async def _run(self, batch: list[_Pending], rows: int) -> None:
+        outputs = sorted({name for p in batch for name in p.outputs})
+        try:
+            feeds = (
+                batch[0].feeds
+                if len(batch) == 1
+                else {
+                    name: np.concatenate([p.feeds[name] for p in batch]) for name in batch[0].feeds
+                }
+            )
+            results = await self._execute(lambda: self._run_batch(feeds, outputs, rows))
+        except BaseException as exc:  # the whole batch shares the failure
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_exception(
+                        exc if isinstance(exc, Exception) else asyncio.CancelledError()
+                    )
+            if not isinstance(exc, Exception):
+                raise
+            return
+        finally:
+            self._free_slots += 1
+            self._wake.set()
+        self.stats.batches += 1
+        self.stats.rows += rows
+        by_name = dict(zip(outputs, results, strict=True))
+        start = 0
+        for p in batch:
+            if not p.future.done():
+                p.future.set_result([by_name[n][start : start + p.rows] for n in p.outputs])
+            start += p.rows

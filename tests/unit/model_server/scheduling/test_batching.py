@@ -1,0 +1,352 @@
+"""The dynamic batcher: joining, splitting, priorities, deadlines, a bounded queue."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2, service_pb2
+
+from model_server.core.errors import InvalidInput
+from model_server.core.model_config import BatchingPolicy, batching_errors, batching_policy
+from model_server.core.validation import request_scheduling
+from model_server.scheduling.batching import DeadlineExceeded, DynamicBatcher, QueueFull
+
+WEIGHTS = np.arange(12, dtype=np.float32).reshape(4, 3)
+
+
+class Model:
+    """y = x @ W and s = sum(x): records each call's rows; ``gate`` holds calls until set."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+        self.order: list[float] = []  # the first value of each call's first row
+        self.entered = 0  # calls that reached the model (held or not)
+        self.hold = {0.0}  # calls whose first value is one of these wait for the gate
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def run(
+        self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str], rows: int
+    ) -> list[np.ndarray]:
+        self.entered += 1
+        x = feeds["x"]
+        if float(x[0, 0]) in self.hold:
+            self.gate.wait(10)
+        assert x.shape[0] == rows
+        self.calls.append(rows)
+        self.order.append(float(x[0, 0]))
+        computed = {"y": lambda: x @ WEIGHTS, "s": lambda: x.sum(axis=1, keepdims=True)}
+        return [computed[name]() for name in outputs]
+
+
+def batcher(
+    model: Model, slots: int = 1, **policy: Any
+) -> tuple[DynamicBatcher, ThreadPoolExecutor]:
+    pool = ThreadPoolExecutor(max_workers=slots)
+    loop = asyncio.get_running_loop()
+    settings = {"max_batch_size": 8, **policy}
+    b = DynamicBatcher(
+        BatchingPolicy(**settings), model.run, slots, lambda job: loop.run_in_executor(pool, job)
+    )
+    b.start()
+    return b, pool
+
+
+async def occupy(b: DynamicBatcher, model: Model) -> asyncio.Task[list[np.ndarray]]:
+    """Holds the only slot with a request of value 0 until ``model.gate`` is set."""
+    model.gate.clear()
+    before = model.entered
+    blocker = asyncio.create_task(b.submit(sample(0), ["s"], 1))
+    await until(lambda: model.entered == before + 1, "the blocker to start")
+    return blocker
+
+
+def sample(value: float, rows: int = 1, width: int = 4) -> dict[str, np.ndarray]:
+    return {"x": np.full((rows, width), value, dtype=np.float32)}
+
+
+async def until(condition: Any, what: str, limit_s: float = 5.0) -> None:
+    """Polls ``condition`` (state changed by worker threads) until true, within ``limit_s``."""
+    async with asyncio.timeout(limit_s):
+        while not condition():  # noqa: ASYNC110 (worker threads change it: no event to await)
+            await asyncio.sleep(0.005)
+
+
+async def test_concurrent_requests_run_as_fewer_calls_with_the_same_results() -> None:
+    model = Model()
+    b, pool = batcher(model)
+    model.gate.clear()  # the first request occupies the only slot; the rest queue
+    first = asyncio.create_task(b.submit(sample(0), ["y"], 1))
+    await until(lambda: model.entered == 1, "the first to start")
+    rest = [asyncio.create_task(b.submit(sample(i, rows=1 + i % 2), ["y", "s"], 1 + i % 2))
+            for i in range(1, 7)]  # fmt: skip
+    await until(lambda: b.queued == 6, "six queued")
+    model.gate.set()
+    results = await asyncio.gather(first, *rest)
+    assert model.calls == [1, 8, 1]  # the first alone, then two batches of at most 8 rows
+    for i, outputs in enumerate(results[1:], start=1):
+        x = sample(i, rows=1 + i % 2)["x"]
+        np.testing.assert_array_equal(outputs[0], x @ WEIGHTS)
+        np.testing.assert_array_equal(outputs[1], x.sum(axis=1, keepdims=True))
+    assert b.stats.batches == len(model.calls) and b.stats.rows == 10
+    await b.stop()
+    pool.shutdown()
+
+
+async def test_batches_never_exceed_max_batch_size_and_shapes_do_not_mix() -> None:
+    model = Model()
+    b, pool = batcher(model, max_batch_size=4)
+    blocker = await occupy(b, model)
+    wide = [asyncio.create_task(b.submit(sample(i, width=4), ["s"], 1)) for i in range(6)]
+    narrow = [asyncio.create_task(b.submit(sample(i, width=2), ["s"], 1)) for i in range(2)]
+    await until(lambda: b.queued == 8, "eight queued")
+    model.gate.set()
+    await asyncio.gather(blocker, *wide, *narrow)
+    assert max(model.calls) <= 4
+    assert sorted(model.calls) == [1, 2, 2, 4]  # blocker, 4 + 2 wide, 2 narrow
+    for i, task in enumerate(narrow):
+        np.testing.assert_array_equal(task.result()[0], [[2.0 * i]])
+    await b.stop()
+    pool.shutdown()
+
+
+async def test_higher_priority_runs_first() -> None:
+    model = Model()
+    b, pool = batcher(model, max_batch_size=1, priority_levels=3, default_priority=2)
+    blocker = await occupy(b, model)
+    low = asyncio.create_task(b.submit(sample(3), ["s"], 1, priority=3))
+    default = asyncio.create_task(b.submit(sample(2), ["s"], 1))
+    high = asyncio.create_task(b.submit(sample(1), ["s"], 1, priority=1))
+    await until(lambda: b.queued == 3, "three queued")
+    model.gate.set()
+    await asyncio.gather(blocker, low, default, high)
+    assert model.order == [0, 1, 2, 3]
+    with pytest.raises(InvalidInput, match=r"priority 4 must be in 1\.\.3"):
+        await b.submit(sample(0), ["s"], 1, priority=4)
+    await b.stop()
+    pool.shutdown()
+
+
+async def test_a_request_past_its_deadline_never_runs() -> None:
+    model = Model()
+    b, pool = batcher(model, max_batch_size=1)
+    blocker = await occupy(b, model)
+    with pytest.raises(DeadlineExceeded, match="did not run") as raised:
+        await b.submit(sample(7), ["s"], 1, timeout_s=0.05)
+    assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    model.gate.set()
+    await blocker
+    assert model.order == [0] and b.stats.expired == 1
+    await b.stop()
+    pool.shutdown()
+
+
+async def test_timeouts_count_from_arrival_not_from_the_queue() -> None:
+    """A call that already waited in gRPC and the event loop has less of its timeout left."""
+    model = Model()
+    b, pool = batcher(model, max_batch_size=1, default_timeout_s=0.2)
+    blocker = await occupy(b, model)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(DeadlineExceeded):
+        await b.submit(sample(7), ["s"], 1, received_at=time.monotonic() - 0.15)
+    assert loop.time() - started < 0.12  # 0.05 s were left, not 0.2
+    model.gate.set()
+    await blocker
+    await b.stop()
+    pool.shutdown()
+
+
+async def test_the_queue_policy_timeout_applies_without_a_request_timeout() -> None:
+    model = Model()
+    b, pool = batcher(model, max_batch_size=1, default_timeout_s=0.05)
+    blocker = await occupy(b, model)
+    with pytest.raises(DeadlineExceeded):
+        await b.submit(sample(7), ["s"], 1)
+    model.gate.set()
+    await blocker
+    await b.stop()
+    pool.shutdown()
+
+
+async def test_a_full_queue_rejects_at_once() -> None:
+    model = Model()
+    b, pool = batcher(model, max_batch_size=1, max_queue_size=2)
+    blocker = await occupy(b, model)
+    queued = [asyncio.create_task(b.submit(sample(i), ["s"], 1)) for i in (1, 2)]
+    await until(lambda: b.queued == 2, "two queued")
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(QueueFull, match="queue full") as raised:
+        await b.submit(sample(3), ["s"], 1)
+    assert loop.time() - started < 0.05
+    assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    model.gate.set()
+    await asyncio.gather(blocker, *queued)
+    assert b.stats.rejected_full == 1 and model.order == [0, 1, 2]
+    await b.stop()
+    pool.shutdown()
+
+
+async def test_queue_delay_waits_for_company_unless_idle_or_preferred() -> None:
+    model = Model()
+    b, pool = batcher(model, slots=2, max_queue_delay_s=0.2, preferred_batch_sizes=(2,))
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await b.submit(sample(1), ["s"], 1)  # nothing running: waiting would only add latency
+    assert loop.time() - started < 0.15
+    blocker = await occupy(b, model)  # one instance busy: now company is worth waiting for
+    started = loop.time()
+    await b.submit(sample(1), ["s"], 1)
+    assert loop.time() - started >= 0.19
+    started = loop.time()
+    await b.submit(sample(1, rows=2), ["s"], 2)  # a preferred size: at once
+    assert loop.time() - started < 0.15
+    model.gate.set()
+    await blocker
+    assert model.calls == [1, 1, 2, 1]  # in the order they finished
+    await b.stop()
+    pool.shutdown()
+
+
+async def test_a_cancelled_request_leaves_the_queue() -> None:
+    model = Model()
+    b, pool = batcher(model, max_batch_size=1)
+    blocker = await occupy(b, model)
+    doomed = asyncio.create_task(b.submit(sample(5), ["s"], 1))
+    await until(lambda: b.queued == 1, "one queued")
+    doomed.cancel()
+    await until(lambda: b.queued == 0, "the queue to empty")
+    model.gate.set()
+    await blocker
+    assert model.order == [0]
+    await b.stop()
+    pool.shutdown()
+
+
+async def test_a_failing_call_fails_every_request_of_the_batch_and_the_batcher_goes_on() -> None:
+    model = Model()
+    calls = 0
+
+    def flaky(feeds: Mapping[str, np.ndarray], outputs: Sequence[str], rows: int) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("onnxruntime said no")
+        return model.run(feeds, outputs, rows)
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    loop = asyncio.get_running_loop()
+    b = DynamicBatcher(
+        BatchingPolicy(max_batch_size=4), flaky, 1, lambda job: loop.run_in_executor(pool, job)
+    )
+    b.start()
+    with pytest.raises(RuntimeError, match="said no"):
+        await b.submit(sample(1), ["s"], 1)
+    assert (await b.submit(sample(2), ["s"], 1))[0].tolist() == [[8.0]]
+    await b.stop()
+    pool.shutdown()
+
+
+# -- configuration ----------------------------------------------------------------------------
+def config(text: str) -> model_config_pb2.ModelConfig:
+    return text_format.Parse(text, model_config_pb2.ModelConfig())
+
+
+def test_policy_from_config_pbtxt() -> None:
+    policy = batching_policy(
+        config(
+            "max_batch_size: 16 dynamic_batching { preferred_batch_size: [8, 4] "
+            "max_queue_delay_microseconds: 500 priority_levels: 3 default_priority_level: 2 "
+            "default_queue_policy { max_queue_size: 64 default_timeout_microseconds: 250000 } }"
+        )
+    )
+    assert policy == BatchingPolicy(
+        max_batch_size=16,
+        preferred_batch_sizes=(4, 8),
+        max_queue_delay_s=0.0005,
+        priority_levels=3,
+        default_priority=2,
+        max_queue_size=64,
+        default_timeout_s=0.25,
+    )
+    assert batching_policy(config("max_batch_size: 16")) is None
+    assert batching_policy(config("max_batch_size: 0 dynamic_batching {}")) is None
+    default = batching_policy(config("max_batch_size: 4 dynamic_batching {}"))
+    assert default == BatchingPolicy(max_batch_size=4)
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        (
+            "max_batch_size: 4 dynamic_batching { preferred_batch_size: 8 }",
+            "preferred_batch_size 8",
+        ),
+        (
+            "max_batch_size: 4 dynamic_batching { preferred_batch_size: 0 }",
+            "preferred_batch_size 0",
+        ),
+        (
+            "max_batch_size: 4 dynamic_batching { priority_levels: 2 default_priority_level: 3 }",
+            "default_priority_level 3 must be <= priority_levels (2)",
+        ),
+    ],
+)
+def test_bad_batching_config_is_named(text: str, error: str) -> None:
+    (found,) = batching_errors(config(text))
+    assert error in found
+
+
+# -- what a request asks for ------------------------------------------------------------------
+def infer_request(**parameters: tuple[str, Any]) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name="m")
+    for name, (kind, value) in parameters.items():
+        setattr(request.parameters[name], kind, value)
+    return request
+
+
+@pytest.mark.parametrize(
+    ("parameters", "metadata", "remaining", "expected"),
+    [
+        ({}, (), None, (0, None)),
+        ({"priority": ("uint64_param", 2)}, (), None, (2, None)),
+        ({"priority": ("int64_param", 1)}, (("x-priority", "3"),), None, (1, None)),
+        ({}, (("x-priority", "3"),), None, (3, None)),
+        ({"timeout": ("int64_param", 250_000)}, (), None, (0, 0.25)),
+        ({"timeout": ("int64_param", 250_000)}, (), 0.1, (0, 0.1)),
+        ({"timeout": ("int64_param", 0)}, (), 2.0, (0, 2.0)),
+    ],
+)
+def test_priority_and_timeout_as_triton_reads_them(
+    parameters: dict[str, tuple[str, Any]],
+    metadata: tuple[tuple[str, str], ...],
+    remaining: float | None,
+    expected: tuple[int, float | None],
+) -> None:
+    assert request_scheduling(infer_request(**parameters), metadata, remaining) == expected
+
+
+@pytest.mark.parametrize(
+    ("parameters", "metadata", "error"),
+    [
+        ({"priority": ("string_param", "high")}, (), "parameters['priority']: expected an int64"),
+        ({"timeout": ("int64_param", -5)}, (), "parameters['timeout']: expected an int64"),
+        ({"priority": ("bool_param", True)}, (), "got bool_param True"),
+        ({}, (("x-priority", "urgent"),), "header x-priority: expected a number >= 0"),
+    ],
+)
+def test_hostile_scheduling_values_are_named(
+    parameters: dict[str, tuple[str, Any]], metadata: tuple[tuple[str, str], ...], error: str
+) -> None:
+    with pytest.raises(InvalidInput, match=error.replace("[", r"\[").replace("]", r"\]")):
+        request_scheduling(infer_request(**parameters), metadata, None)
