@@ -34,6 +34,11 @@ class ControlPlaneMetrics:
             registry=r,
         )
         self.snapshots = Counter("xds_snapshots", "Snapshots set (a changed mesh)", registry=r)
+        self.rebuild_requests = Counter(
+            "xds_rebuild_requests",
+            "Requests for a rebuild (several may be served by one: xds_snapshot_build_seconds)",
+            registry=r,
+        )
         self.snapshot_build = Histogram(
             "xds_snapshot_build_seconds",
             "Time to build and check a snapshot from the mesh state",

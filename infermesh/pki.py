@@ -18,6 +18,10 @@ storms. Files are PEM; private keys are written 0600 and never logged. Loading a
 files checks everything a start-up should refuse on, with a message naming the file and the
 problem: missing or unreadable, not PEM, expired or not yet valid, key not matching the
 certificate, not signed by the CA, or not the identity the process was told to be.
+
+Why it is one module of this length: issuing, writing, loading and checking a certificate share
+the identity rules (SAN forms, trust domain, lifetimes); split, each half would re-state them.
+Its sections (files, loading and checking, helpers) read on their own.
 """
 
 from __future__ import annotations

@@ -9,14 +9,22 @@ QPS, weight and share, so a page that (re)connects draws its sparklines at once.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
+import logging
+import math
 import threading
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+log = logging.getLogger(__name__)
 HISTORY_POINTS = 300  # five minutes at one frame a second
+LIVE_VIEW_INTERVAL_S = 1.0  # a frame every second while a page is open
+LIVE_VIEW_IDLE_INTERVAL_S = 10.0  # and this often while no page is open, at the least:
+LIVE_VIEW_IDLE_S_PER_ENDPOINT = 0.005  # a frame's cost grows with the fleet (50 s at 10,000)
 DECISIONS_SHOWN = 40
 SPARK_FIELDS = ("p99_ms", "qps", "weight", "share")
 
@@ -166,6 +174,26 @@ class LiveFeed:
         finally:
             with self._changed:
                 self.viewers -= 1
+
+    async def publish_forever(
+        self, frame: Callable[[], Awaitable[dict[str, Any]]], fleet_size: Callable[[], int]
+    ) -> None:
+        """A frame every second while a page is open, and every LIVE_VIEW_IDLE_INTERVAL_S
+        otherwise: the history a page draws first stays, and a fleet nobody watches does not
+        pay a frame a second (measured at 11-20% of the control plane's time at 1,000
+        endpoints). The idle interval grows with the fleet: at 10,000 endpoints (py-spy, this
+        2-core host) a frame every 10 s took a quarter of its time."""
+        last = -math.inf
+        while True:
+            now = time.monotonic()
+            idle_s = max(LIVE_VIEW_IDLE_INTERVAL_S, LIVE_VIEW_IDLE_S_PER_ENDPOINT * fleet_size())
+            if self.viewers or now - last >= idle_s:
+                last = now
+                try:
+                    self.publish(await frame())
+                except Exception:  # a view must never take the control plane down
+                    log.exception("live view frame failed")
+            await asyncio.sleep(LIVE_VIEW_INTERVAL_S)
 
     def publish(self, frame: dict[str, Any]) -> None:
         with self._changed:

@@ -1,9 +1,15 @@
-"""The control plane process: topology -> placement -> mesh state -> snapshot -> Envoy.
+"""The control plane process, the composition root: topology -> placement -> mesh state ->
+snapshot -> Envoy.
 
-One place changes what Envoy is told, ``ControlPlane.rebuild``: it is called when the placement
-poller sees a model become READY (or go) somewhere, when the topology file changes (or SIGHUP),
-when DNS answers or a watched Kubernetes Service's EndpointSlices change, and when an operator
-overrides an endpoint's weight or health.
+``ControlPlane`` builds every stage, wires them together and starts their loops
+(``loops.py``; each subsystem owns its own). One object makes snapshots, ``Rebuilder``
+(``rebuilder.py``): placement changes, routing decisions, canary steps, circuits, topology
+reloads and endpoint changes ask it for a rebuild and are coalesced; an operator's change
+(``rebuild``) is served at once.
+
+Why it is one module of this length: it is the composition root, and wiring each stage (the xDS
+and admin servers, telemetry in process or in shards, discovery, the loops) is one list of steps
+in an order that matters; what each stage does lives in its own package.
 """
 
 from __future__ import annotations
@@ -13,11 +19,10 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +34,8 @@ from envoy.service.discovery.v3 import ads_pb2_grpc
 from control_plane.admin.api import OperatorApi
 from control_plane.admin.http import AdminServer, AdminTokens, check_exposure
 from control_plane.admin.live_view import LiveFeed
+from control_plane.app.loops import Loops, ticks_or_wakes
+from control_plane.app.rebuilder import Rebuilder
 from control_plane.config.tenants import security_warnings
 from control_plane.config.topology import (
     Topology,
@@ -41,6 +48,7 @@ from control_plane.config.topology import (
 from control_plane.discovery.endpoints import DiscoveredEndpoints
 from control_plane.discovery.placement import PlacementPoller
 from control_plane.metrics import ControlPlaneMetrics
+from control_plane.model.canary import CanaryRun
 from control_plane.model.mesh import (
     NO_PODS,
     EndpointAddress,
@@ -67,7 +75,7 @@ from control_plane.xds import upstream_tls
 from control_plane.xds.ads import AdsServicer
 from control_plane.xds.incremental import SnapshotBuilder
 from control_plane.xds.nodes import NodeRegistry
-from control_plane.xds.snapshot import InconsistentSnapshot, SnapshotCache
+from control_plane.xds.snapshot import SnapshotCache
 
 log = logging.getLogger("control_plane")
 TOPOLOGY_CHECK_INTERVAL_S = 1.0
@@ -78,12 +86,6 @@ TOPOLOGY_CHECK_INTERVAL_S = 1.0
 # last recompute.
 ROUTING_INTERVAL_S = RECOMPUTE_PERIOD_S
 ROUTING_MIN_GAP_S = 0.1
-JUDGE_INTERVAL_S = 0.5  # how often running canaries and open circuits are judged
-PLACEMENT_HINT_INTERVAL_S = 0.1  # how often telemetry's model-state changes become probes
-LIVE_VIEW_INTERVAL_S = 1.0  # a frame of the live view (GET /ui) every second while watched
-LIVE_VIEW_IDLE_INTERVAL_S = 10.0  # and this often while no page is open, at the least:
-LIVE_VIEW_IDLE_S_PER_ENDPOINT = 0.005  # a frame's cost grows with the fleet (50 s at 10,000)
-LOOP_RESTART_DELAY_S = 1.0  # a loop that raised starts again after this
 
 
 @dataclass(frozen=True)
@@ -107,22 +109,6 @@ def load_with_overrides(settings: ControlPlaneSettings) -> Topology:
         listener = dataclasses.replace(topology.listener, port=settings.listener_port)
         topology = dataclasses.replace(topology, listener=listener)
     return topology
-
-
-async def ticks_or_wakes(
-    wake: asyncio.Event, interval: float, min_gap: float, run: Callable[[], Awaitable[None]]
-) -> None:
-    """Runs ``run`` ``interval`` after the last run ended, or once ``wake`` is set but no
-    sooner than ``min_gap`` after it (routing: at rest nothing moves and the tick is all
-    there is; a change waits for the gap, not for the tick). Forever."""
-    loop = asyncio.get_running_loop()
-    while True:
-        ended = loop.time()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(wake.wait(), interval)
-        await asyncio.sleep(max(0.0, ended + min_gap - loop.time()))
-        wake.clear()
-        await run()
 
 
 class ControlPlane:
@@ -179,16 +165,15 @@ class ControlPlane:
             else (),
             tls=self.topology.listener.upstream_tls,
         )
-        self.last_rebuild: dict[str, Any] = {}
-        self.mesh_state: MeshState | None = None  # what the current snapshot was built from
         self.mesh_memo: ClusterMemo = {}  # clusters' assignments kept between rebuilds
         self.grpc_server: grpc.aio.Server | None = None
         self.admin: AdminServer | None = None
         self.xds_port = 0
         self.admin_port = 0
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.loops = Loops(self.metrics)  # every loop below, supervised (loops.py)
         self.live = LiveFeed()
-        self.builder = SnapshotBuilder()  # re-makes only the resources whose inputs changed
+        # The one place a snapshot is made; requests for one are coalesced (rebuilder.py).
+        self.rebuilder = Rebuilder(self._mesh_inputs, SnapshotBuilder(), self.cache, self.metrics)
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -261,15 +246,32 @@ class ControlPlane:
         await self.grpc_server.start()
         self.admin.start()
         await self.poller.start()
-        self._spawn(self._watch_topology)
+        # Each subsystem owns its loop; this only starts them, supervised.
+        spawn = self.loops.spawn
+        spawn("watch_topology", self._watch_topology)
         if self.settings.routing:
-            self._spawn(self._route_by_telemetry)
-        self._spawn(self.discovery.refresh_dns)
-        self._spawn(self._publish_live_view)
-        self._spawn(self.discovery.follow_slices)
-        self._spawn(self._judge_canaries)
-        self._spawn(self._probe_on_hints)
-        self._spawn(self._watch_circuits)
+            spawn("route_by_telemetry", self._route_by_telemetry)
+        spawn("refresh_dns", self.discovery.refresh_dns)
+        spawn("follow_slices", self.discovery.follow_slices)
+        spawn(
+            "publish_live_view",
+            lambda: self.live.publish_forever(self.api.live_frame, lambda: len(self.endpoints)),
+        )
+        spawn(
+            "judge_canaries",
+            lambda: self.canaries.judge_forever(
+                self._version_stats, self.version_ready, self._canary_stepped
+            ),
+        )
+        spawn(
+            "probe_on_hints", lambda: self.poller.follow_hints(self.telemetry.take_placement_hints)
+        )
+        spawn(
+            "watch_circuits",
+            lambda: self.fallbacks.watch_forever(
+                lambda: self.topology, self.envoy_stats.recent_overflows, self._circuits_moved
+            ),
+        )
         log.info(
             "control plane listening: xds=%s:%d admin=%s:%d otlp=%s:%d topology=%s endpoints=%d",
             t.xds.host, self.xds_port, t.admin.host, self.admin_port,
@@ -296,8 +298,7 @@ class ControlPlane:
     async def stop(self) -> None:
         await self.poller.stop()
         await self.scraper.stop()
-        for task in list(self._tasks):
-            task.cancel()
+        self.loops.stop()
         await self.discovery.stop()
         if self.admin is not None:
             self.admin.stop()
@@ -310,28 +311,22 @@ class ControlPlane:
         if self.shards is not None:
             await asyncio.to_thread(self.shards.stop)
 
-    def _spawn(self, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
-        """Runs one of the control plane's loops; one that fails is logged, counted and
-        started again, so a bug in one iteration never silently stops routing."""
-
-        async def supervised() -> None:
-            while True:
-                try:
-                    await run()
-                    return
-                except Exception:
-                    log.exception("%s failed; restarting it", run.__name__)
-                    self.metrics.loop_failures.labels(run.__name__.strip("_")).inc()
-                    await asyncio.sleep(LOOP_RESTART_DELAY_S)
-
-        task = asyncio.get_running_loop().create_task(supervised())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     # -- the one place that changes what Envoy is told ----------------------------------------
     def rebuild(self, reason: str) -> bool:
-        started = time.perf_counter()
-        state = build_mesh_state(
+        """A rebuild now (an operator's change): whether Envoy's snapshot changed."""
+        return self.rebuilder.now(reason)
+
+    @property
+    def mesh_state(self) -> MeshState | None:
+        """What the current snapshot was built from."""
+        return self.rebuilder.state
+
+    @property
+    def last_rebuild(self) -> dict[str, Any]:
+        return self.rebuilder.last
+
+    def _mesh_inputs(self) -> MeshState:
+        return build_mesh_state(
             self.effective_topology(),
             self.poller.reports,
             self.operator.weights,
@@ -342,31 +337,9 @@ class ControlPlane:
             checked_down=self.checked_down,
             memo=self.mesh_memo,
         )
-        try:
-            snapshot = self.builder.build(state)
-        except InconsistentSnapshot as exc:  # a bug, not an operator error: keep the last good
-            log.error("snapshot not set (%s): %s", reason, exc)
-            return False
-        changed = self.cache.set_snapshot(snapshot)
-        elapsed = time.perf_counter() - started
-        self.metrics.snapshot_build.observe(elapsed)
-        self.last_rebuild = {
-            "reason": reason,
-            "at": round(time.time(), 3),
-            "build_ms": round(elapsed * 1000, 3),
-            "changed": changed,
-            "resources_made": self.builder.made,
-            "resources_reused": self.builder.reused,
-        }
-        if changed:
-            self.metrics.snapshots.inc()
-            self.metrics.publish_assignments(state.clusters)
-            log.info("snapshot set (%s): %s", reason, snapshot.versions())
-        self.mesh_state = state
-        return changed
 
     def _on_placement_change(self, reports: Any) -> None:
-        self.rebuild("placement changed")
+        self.rebuilder.request("placement changed")
 
     async def _route_by_telemetry(self) -> None:
         await ticks_or_wakes(self.routing_wake, ROUTING_INTERVAL_S, ROUTING_MIN_GAP_S,
@@ -385,7 +358,7 @@ class ControlPlane:
         checks = self._follow_envoy_checks(now)
         if result.changed or checks:
             why = "telemetry-driven weights or ejections" if result.changed else "Envoy's checks"
-            self.rebuild(why)
+            self.rebuilder.request(why)
 
     def _follow_envoy_checks(self, now: float) -> bool:
         """With ``listener.health_checks: model``: what Envoy's checks of each model's own
@@ -403,38 +376,12 @@ class ControlPlane:
         self.checked_down = found
         return True
 
-    async def _probe_on_hints(self) -> None:
-        """An endpoint whose telemetry says a model version changed state (or the server
-        started draining) is probed now: at fleet scale placement's cycle is long."""
-        while True:
-            await asyncio.sleep(PLACEMENT_HINT_INTERVAL_S)
-            hints = self.telemetry.take_placement_hints()
-            if hints:
-                known = {a.key: a for a in self.endpoints}
-                self.poller.request_probe([known[k] for k in hints if k in known])
+    def _canary_stepped(self, model: str, run: CanaryRun) -> None:
+        self.operator.set_split(model, run.split())
+        self.rebuilder.request(f"canary of {model}: {run.reason}")
 
-    async def _judge_canaries(self) -> None:
-        while True:
-            await asyncio.sleep(JUDGE_INTERVAL_S)
-            models = [m for m in self.canaries.runs if self.canaries.running(m)]
-            if not models:
-                continue
-            now = time.monotonic()
-            stats = await asyncio.to_thread(self._version_stats, models, now)
-            changed = self.canaries.tick(stats, self.version_ready, now, time.time())
-            for model in changed:
-                self.operator.set_split(model, self.canaries.runs[model].split())
-                self.rebuild(f"canary of {model}: {self.canaries.runs[model].reason}")
-
-    async def _watch_circuits(self) -> None:
-        while True:
-            await asyncio.sleep(JUDGE_INTERVAL_S)
-            now = time.monotonic()
-            changed = self.fallbacks.tick(
-                self.topology, self.envoy_stats.recent_overflows, now, time.time()
-            )
-            if changed:
-                self.rebuild(f"circuit of {', '.join(changed)} opened or closed")
+    def _circuits_moved(self, models: list[str]) -> None:
+        self.rebuilder.request(f"circuit of {', '.join(models)} opened or closed")
 
     def _version_stats(
         self, models: list[str], now: float
@@ -480,7 +427,7 @@ class ControlPlane:
         if await self.discovery.sync():
             await self._pods_moved()
         await self.poller.poll_once()
-        self.rebuild(f"topology reloaded ({reason})")
+        self.rebuilder.request(f"topology reloaded ({reason})")
 
     def _publish_certificates(self) -> None:
         """certificate_expiry_timestamp_seconds{identity}: alert on it (renewal stopped)."""
@@ -525,7 +472,7 @@ class ControlPlane:
         if pods_moved:
             await self._pods_moved()
         await self.poller.poll_once()
-        self.rebuild(reason)
+        self.rebuilder.request(reason)
 
     async def _pods_moved(self) -> None:
         """New pods reach every check of a server's certificate: the probes' and the
@@ -553,26 +500,6 @@ class ControlPlane:
             made = dataclasses.replace(self.topology, listener=listener)
             self._with_pods = (self.topology, self.server_pods, made)
         return made
-
-    async def _publish_live_view(self) -> None:
-        """A frame of the live view every second while a page is open, and every
-        LIVE_VIEW_IDLE_INTERVAL_S otherwise: the history a page draws first stays, and a fleet
-        nobody watches does not pay a frame a second (measured at 11-20% of the control
-        plane's time at 1,000 endpoints). The idle interval grows with the fleet: at 10,000
-        endpoints (py-spy, this 2-core host) a frame every 10 s took a quarter of its time."""
-        last = -math.inf
-        while True:
-            now = time.monotonic()
-            idle_s = max(
-                LIVE_VIEW_IDLE_INTERVAL_S, LIVE_VIEW_IDLE_S_PER_ENDPOINT * len(self.endpoints)
-            )
-            if self.live.viewers or now - last >= idle_s:
-                last = now
-                try:
-                    self.live.publish(await self.api.live_frame())
-                except Exception:  # a view must never take the control plane down
-                    log.exception("live view frame failed")
-            await asyncio.sleep(LIVE_VIEW_INTERVAL_S)
 
     # -- admin --------------------------------------------------------------------------------
     def endpoint_labels(self) -> Mapping[str, Labels]:
@@ -607,7 +534,9 @@ async def serve(settings: ControlPlaneSettings) -> int:
     # Handlers first: a SIGHUP that arrives while starting must not kill the process.
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: plane._spawn(plane.reload_on_hangup))
+    loop.add_signal_handler(
+        signal.SIGHUP, lambda: plane.loops.spawn("reload_on_hangup", plane.reload_on_hangup)
+    )
     try:
         await plane.start()
     except BaseException:

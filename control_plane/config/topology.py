@@ -119,6 +119,10 @@ resolve EDS endpoint addresses): use ``dns:`` for names. ``load_topology`` and
 fingerprint *before* loading, so a write in between only costs one more reload. The
 ``models:`` section is checked in ``control_plane.config.models``; the endpoint sources are
 resolved to addresses by ``control_plane.discovery.resolver``.
+
+Why it is one module of this length: about a third of it is this docstring, the reference of the
+topology file; the parser checks the whole file in one pass so that every error, with its
+field's path, is reported at once.
 """
 
 from __future__ import annotations

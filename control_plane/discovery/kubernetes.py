@@ -19,6 +19,10 @@ requests. Of an endpoint's (fungible) addresses the first is used. An endpoint's
 (a Pod) is kept with its address: with mutual TLS the server's certificate names its pod
 (``pki.model_server_pod``), and the control plane checks it by that name (``ServerPods``). The
 names are as trustworthy as the API server that gave them. Only the standard library.
+
+Why it is one module of this length: LIST and WATCH, resumption, back-off and the HTTP client
+are one protocol with the API server; only the standard library is used, so the client is here
+too.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ endpoint once per cycle, staggered over the cycle in small ticks, within a probe
 flight; it calls ``on_change`` at most once per tick, only when the placement (reachability,
 server readiness, READY (model, version) pairs) changed. ``routing.mesh_state`` builds the
 mesh state from the reports.
+
+Why it is one module of this length: the prober and the poller share the channel and probe-
+budget bookkeeping; the poller's background loop and ``poll_once`` share the same probe path by
+design (one place decides what changed).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ CHANNEL_OPTIONS = (
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
 TICK_S = 0.05  # the background loop probes the next slice of endpoints this often
+HINT_INTERVAL_S = 0.1  # how often telemetry's hints (a model changed state) become probes
 
 Reports = Mapping[EndpointAddress, "EndpointReport"]
 Placement = tuple[bool, bool, frozenset[tuple[str, str]]]
@@ -261,6 +266,16 @@ class PlacementPoller:
         self.tls = tls
         channels, self._channels = list(self._channels.values()), {}
         await asyncio.gather(*(c.close() for c in channels))
+
+    async def follow_hints(self, take_hints: Callable[[], Iterable[str]]) -> None:
+        """Every HINT_INTERVAL_S: the endpoints (``HOST:PORT``) whose telemetry says a model
+        version changed state, or the server started draining, are probed at once: at fleet
+        scale the cycle is long."""
+        while True:
+            await asyncio.sleep(HINT_INTERVAL_S)
+            hints = set(take_hints())
+            if hints:
+                self.request_probe(a for a in self._members if a.key in hints)
 
     def request_probe(self, addresses: Iterable[EndpointAddress]) -> None:
         """Probes these endpoints at the next tick, ahead of the cycle (unknown ones ignored)."""

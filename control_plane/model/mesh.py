@@ -2,6 +2,9 @@
 
 ``MeshState`` is what the topology and the placement poller produce and what
 ``control_plane.xds.resources`` turns into Envoy listeners, routes, clusters and endpoints.
+
+Why it is one module of this length: it is the vocabulary every stage shares, many small frozen
+values and the cluster-naming rules; one place to read them beats a package of tiny modules.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ the control plane puts ``run.split()`` in place and rebuilds the snapshot.
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
@@ -21,6 +23,7 @@ from control_plane.routing.router import record_decision
 from control_plane.telemetry.values import VersionTelemetry
 
 REQUEST_FIELDS = ("version", "stable", "abort")
+JUDGE_INTERVAL_S = 0.5  # how often running canaries are judged
 
 
 class Refusal(enum.Enum):
@@ -137,6 +140,24 @@ class CanaryRuns:
         if stable == version:
             raise CanaryRejected(Refusal.INVALID, "stable: must differ from version")
         return stable
+
+    async def judge_forever(
+        self,
+        stats_of: Callable[[list[str], float], Mapping[str, Mapping[str, VersionTelemetry]]],
+        ready: Callable[[str, str], bool],
+        on_step: Callable[[str, CanaryRun], None],
+    ) -> None:
+        """Every JUDGE_INTERVAL_S: the running canaries judged on their versions' telemetry
+        (``stats_of``, read off the event loop), and ``on_step`` told of each that moved."""
+        while True:
+            await asyncio.sleep(JUDGE_INTERVAL_S)
+            models = [m for m in self.runs if self.running(m)]
+            if not models:
+                continue
+            now = time.monotonic()
+            stats = await asyncio.to_thread(stats_of, models, now)
+            for model in self.tick(stats, ready, now, time.time()):
+                on_step(model, self.runs[model])
 
     def tick(
         self,

@@ -11,8 +11,10 @@ level up. Every change is a decision with its reason.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from control_plane.routing.router import record_decision
 HOLD_S = 5.0
 MAX_HOLD_S = 60.0
 TRIPS_FORGOTTEN_AFTER_S = 60.0
+WATCH_INTERVAL_S = 0.5  # how often the circuits are judged
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,20 @@ class Fallbacks:
     def __init__(self, decisions: deque[dict[str, Any]]) -> None:
         self.states: dict[str, CircuitState] = {}
         self._decisions = decisions
+
+    async def watch_forever(
+        self,
+        topology: Callable[[], Topology],
+        overflows: Callable[[set[str], float], float],
+        on_change: Callable[[list[str]], None],
+    ) -> None:
+        """Every WATCH_INTERVAL_S: each circuit judged on Envoy's recent overflows, and
+        ``on_change`` told of the models whose circuit opened or closed."""
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            changed = self.tick(topology(), overflows, time.monotonic(), time.time())
+            if changed:
+                on_change(changed)
 
     def tick(
         self,

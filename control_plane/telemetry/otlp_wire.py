@@ -14,6 +14,10 @@ set twice, an Envoy resource, malformed bytes), and the caller then takes the pr
 which gives the same points, ignored counts and errors as before.
 ``tests/unit/control_plane/telemetry/test_otlp_wire.py`` holds the two to the same answers over
 mutated and random exports.
+
+Why it is one module of this length: a protobuf wire reader for exactly the OTLP shapes the
+servers send, with its caches; split, its invariants (what it declines and hands to the protobuf
+path) would be in two places.
 """
 
 from __future__ import annotations

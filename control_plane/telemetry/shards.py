@@ -23,6 +23,9 @@ A server that reconnects may land on another shard: its counters start a new win
 (one report's rate spans its uptime, as after a control-plane restart) and the newest push
 wins. A shard that dies is logged, counted (``telemetry_shard_restarts_total``) and started
 again on the same port; its exporters reconnect to the live shards meanwhile.
+
+Why it is one module of this length: the shard process and the control plane's side speak one
+private protocol over pipes; keeping both ends in one module keeps that protocol in one place.
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ event loop reads ``snapshot``/``as_json``.
 
 The signals are values of ``telemetry_values``; the series and the computations over their
 windows are ``telemetry_series``.
+
+Why it is one module of this length: ingestion and the windowed reads share the per-endpoint
+series and its lock; reading is its own section.
 """
 
 from __future__ import annotations

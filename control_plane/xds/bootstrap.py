@@ -2,6 +2,10 @@
 
 Everything else (listener, routes, model clusters, endpoints) arrives over ADS from the
 control plane. ``python -m control_plane.xds.bootstrap`` re-renders ``envoy/bootstrap.yaml``.
+
+Why it is one module of this length: Envoy's bootstrap (admin, node, ADS over TLS, the stats
+sink, overload limits) is one YAML document rendered in one place, with the command that writes
+it.
 """
 
 from __future__ import annotations

@@ -32,6 +32,9 @@ Upstream, the virtual host sets ``x-infermesh-tenant`` (the identity), ``x-infer
 (named tenants only), ``x-infermesh-priority`` and ``x-infermesh-version`` (allowed / denied)
 and removes the
 ``Authorization`` header, so no model server ever sees a credential.
+
+Why it is one module of this length: the five steps above are one filter chain whose order
+matters; each step is a section of its own.
 """
 
 from __future__ import annotations

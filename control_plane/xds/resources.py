@@ -6,6 +6,10 @@ xds-protos message classes, ready for a SotW or delta ADS server. Everything her
 Routing: the model's cluster is chosen by the ``x-model-name`` (and ``x-model-version``)
 request headers. Clients that do not send them (stock tritonclient) are routed by a Lua filter
 that copies ``model_name``/``model_version`` from the body of unary calls into those headers.
+
+Why it is one module of this length: the listener and the route table are built together (each
+route names filters and clusters the listener and clusters must match); the policies it applies
+are in their own modules (edge, identity, exposure, protection, upstream_tls).
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""The KServe v2 / Triton GRPCInferenceService, on the stubs that ship in tritonclient.grpc."""
+"""The KServe v2 / Triton GRPCInferenceService, on the stubs that ship in tritonclient.grpc.
+
+Why it is one module of this length: the GRPCInferenceService servicer is one class (gRPC's
+shape), and the one request path lives in it; what the path calls (schedulers, validation,
+tenancy) is elsewhere.
+"""
 
 from __future__ import annotations
 

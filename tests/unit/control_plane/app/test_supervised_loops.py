@@ -4,18 +4,17 @@ in a routing tick must never stop routing for good (it used to, silently)."""
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 
-from control_plane.app import server
+from control_plane.app import loops
 from control_plane.metrics import ControlPlaneMetrics
 
 
 def test_a_failing_loop_is_counted_and_restarted(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(server, "LOOP_RESTART_DELAY_S", 0.0)
+    monkeypatch.setattr(loops, "LOOP_RESTART_DELAY_S", 0.0)
     metrics = ControlPlaneMetrics()
-    plane = SimpleNamespace(metrics=metrics, _tasks=set())
+    supervisor = loops.Loops(metrics)
     runs: list[int] = []
 
     async def _route_by_telemetry() -> None:
@@ -24,9 +23,9 @@ def test_a_failing_loop_is_counted_and_restarted(monkeypatch: pytest.MonkeyPatch
             raise ValueError("a bug in one tick")
 
     async def main() -> None:
-        server.ControlPlane._spawn(plane, _route_by_telemetry)  # type: ignore[arg-type]
+        supervisor.spawn("route_by_telemetry", _route_by_telemetry)
         for _ in range(1000):
-            if not plane._tasks:
+            if not supervisor.tasks:
                 return
             await asyncio.sleep(0)
         raise AssertionError("the loop never finished")

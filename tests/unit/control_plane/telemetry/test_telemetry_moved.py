@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from control_plane.app.server import ticks_or_wakes
+from control_plane.app.loops import ticks_or_wakes
 from control_plane.config.topology import TelemetryOptions, parse_topology_text
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.telemetry.moved import REFRESH_S, split_moved, telemetry_moved
