@@ -9,9 +9,14 @@ and from the server's own ``inference_requests_total{code=...}`` counter.
 ``--baseline`` runs bench/naive_server.py (the naive reference of PEERS.md) and the model
 server alternately, a fresh process of each per round and level, and reports medians across
 rounds and the ratios ours/naive: on a noisy host only side-by-side figures compare.
+``--baseline-source DIR`` makes the baseline the model server of another source tree instead
+(a ``git worktree`` of an earlier commit, run with ``PYTHONPATH=DIR``): a before/after of a
+change, side by side in one run.
 
     .venv/bin/python bench/bench_model_server.py --duration 10 [--batch 8 --concurrency 16]
     .venv/bin/python bench/bench_model_server.py --baseline --concurrency 1,16 --rounds 3
+    git worktree add /tmp/before REV
+    .venv/bin/python bench/bench_model_server.py --baseline --baseline-source /tmp/before
 """
 
 from __future__ import annotations
@@ -127,12 +132,18 @@ class ServerSpec:
     cmd: list[str]
     listen: re.Pattern[str]  # group 1: gRPC port; group 2 (if any): metrics port
     ready: re.Pattern[str] | None = None  # group 1 must read "True"
+    source: Path | None = None  # another source tree (PYTHONPATH), for a before/after
 
 
-def server_specs(models: Path) -> tuple[ServerSpec, ServerSpec]:
-    """Our server and bench/naive_server.py, each on a free 127.0.0.1 port."""
+def server_specs(models: Path, before: Path | None = None) -> tuple[ServerSpec, ServerSpec]:
+    """Our server and the baseline (bench/naive_server.py, or our server from the source tree
+    ``before``), each on a free 127.0.0.1 port."""
     ours = [sys.executable, "-m", "model_server", "--model-repository", str(models), "--host", HOST]
     ours += ["--port", "0", "--metrics-port", "0", "--models", MODEL_NAME]
+    if before is not None:
+        return ServerSpec("ours", ours, LISTEN_RE, READY_RE), ServerSpec(
+            "before", ours, LISTEN_RE, READY_RE, source=before
+        )
     naive = [sys.executable, str(Path(__file__).with_name("naive_server.py")), "--port", "0"]
     naive += ["--model", str(latest_model(models))]
     return ServerSpec("ours", ours, LISTEN_RE, READY_RE), ServerSpec("naive", naive, NAIVE_RE)
@@ -146,8 +157,11 @@ def latest_model(models: Path) -> Path:
 @contextmanager
 def start_server(spec: ServerSpec, log_path: Path) -> Iterator[tuple[int, int, int | None]]:
     """Yield (pid, grpc_port, metrics_port) of a fresh server on 127.0.0.1; SIGTERM at exit."""
+    env, cwd = None, None
+    if spec.source is not None:  # that tree's packages first, and run from it
+        env, cwd = {**os.environ, "PYTHONPATH": str(spec.source)}, spec.source
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(spec.cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(spec.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -296,11 +310,11 @@ def measure(
 
 def baseline(args: argparse.Namespace, exe: str, levels: list[int], workdir: Path,
              x: np.ndarray, req: service_pb2.ModelInferRequest) -> list[Run]:  # fmt: skip
-    """Ours then naive, --rounds times per level, each a fresh process on a free port."""
+    """Ours then the baseline, --rounds times per level, each a fresh process on a free port."""
     runs = []
     for c in levels:
         for i in range(args.rounds):
-            for spec in server_specs(args.models):
+            for spec in server_specs(args.models, args.baseline_source):
                 runs.append(run := measure(args, spec, exe, [c], workdir, x, req))
                 print(f"c{c} round {i + 1}/{args.rounds} {spec.name}: {fmt_row(run.levels[0])}")
     return runs
@@ -336,12 +350,12 @@ def median_level(levels: list[Level]) -> Level:
     return replace(levels[0], non_ok=non_ok, **changes)
 
 
-def ratios(runs: list[Run], c: int, key: str) -> tuple[float, list[float]]:
-    """ours/naive of the medians, and per round (each ours run against the naive run after it)."""
+def ratios(runs: list[Run], c: int, key: str, other: str) -> tuple[float, list[float]]:
+    """ours/other of the medians, and per round (each ours run against the other's after it)."""
     at_c = [r for r in runs if r.levels[0].concurrency == c]
-    ours, naive = ([getattr(r.levels[0], key) or math.nan for r in at_c if r.server == s]
-                   for s in ("ours", "naive"))  # fmt: skip
-    return median(ours) / median(naive), [o / n for o, n in zip(ours, naive, strict=True)]
+    ours, theirs = ([getattr(r.levels[0], key) or math.nan for r in at_c if r.server == s]
+                    for s in ("ours", other))  # fmt: skip
+    return median(ours) / median(theirs), [o / n for o, n in zip(ours, theirs, strict=True)]
 
 
 def main() -> int:
@@ -355,9 +369,17 @@ def main() -> int:
     p.add_argument("--metrics-url", help="with --url: its metrics port (default gRPC port + 1000)")
     p.add_argument("--baseline", action="store_true", help="alternate with bench/naive_server.py")
     p.add_argument("--rounds", type=int, default=3, help="with --baseline: runs per server/level")
+    p.add_argument(
+        "--baseline-source", type=Path,
+        help="with --baseline: our server from this source tree (an earlier commit) instead",
+    )  # fmt: skip
     p.add_argument("--json", type=Path, help="write machine-readable results here")
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if args.baseline_source and not args.baseline:
+        sys.exit("--baseline-source names the baseline: it needs --baseline")
+    if args.baseline_source and not (args.baseline_source / "model_server").is_dir():
+        sys.exit(f"--baseline-source {args.baseline_source}: no model_server/ there")
     if args.baseline and args.url:
         sys.exit("--baseline starts both servers itself; it does not take --url")
     for url in (args.url, args.metrics_url):
@@ -386,11 +408,12 @@ def main() -> int:
     servers = list(dict.fromkeys(r.server for r in runs))
     table = [(s, median_level([lv for r in runs if r.server == s for lv in r.levels
               if lv.concurrency == c])) for c in levels for s in servers]  # fmt: skip
-    title = "model server vs naive baseline" if args.baseline else "model server"
+    other = "before" if args.baseline_source else "naive"
+    title = f"model server vs {other} baseline" if args.baseline else "model server"
     print(f"\n## {title}, batch {args.batch}: commit {commit}, nproc {nproc}")
     print(f"h2load -m 1 -t 1, {args.duration:g} s per level after a {args.warmup:g} s warm-up")
     if args.baseline:
-        print(f"{args.rounds} rounds per level, ours then naive, each a fresh process; medians "
+        print(f"{args.rounds} rounds per level, ours then {other}, each a fresh process; medians "
               "of the rounds, counts summed")  # fmt: skip
     for s in servers:
         print(f"correctness ({s}): {next(r.check for r in runs if r.server == s)}")
@@ -402,10 +425,12 @@ def main() -> int:
         print(f"| {r.concurrency} | " + (f"{s} | " if args.baseline else "") + fmt_row(r) + " |")
     summary = {}
     if args.baseline:
-        print("\n| concurrency | QPS ours/naive | CPU/request ours/naive | per round (QPS; CPU) |")
+        print(f"\n| concurrency | QPS ours/{other} | CPU/request ours/{other} "
+              "| per round (QPS; CPU) |")  # fmt: skip
         print("| --- | --- | --- | --- |")
         for c in levels:
-            (q, qs), (u, us) = ratios(runs, c, "qps"), ratios(runs, c, "cpu_ms_per_request")
+            (q, qs) = ratios(runs, c, "qps", other)
+            (u, us) = ratios(runs, c, "cpu_ms_per_request", other)
             summary[f"c{c}"] = {"qps_ratio": q, "cpu_per_request_ratio": u}
             rounds = ", ".join(f"{a:.2f}" for a in qs) + "; " + ", ".join(f"{b:.2f}" for b in us)
             print(f"| {c} | {q:.2f} | {u:.2f} | {rounds} |")

@@ -6,6 +6,7 @@ import importlib
 import itertools
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,8 +21,39 @@ from tests.support import stop_process, wait_for
 _BASE_IDS = itertools.count(os.getpid() * 16 % 1_000_000)
 
 
+def _below_ephemeral() -> tuple[int, int]:
+    """Ports the kernel never hands to an outgoing connection: those below its ephemeral
+    range (``net.ipv4.ip_local_port_range``), from 10000."""
+    try:
+        start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        start = 32768
+    return 10000, max(10001, start - 1)
+
+
+_PORTS = random.Random()  # seeded from the OS: parallel runs pick differently
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A port free on 127.0.0.1 now, that this process has not handed out before, and outside
+    the kernel's ephemeral range. A port the kernel picked (bind to port 0) went back to that
+    range when its socket closed, and an outgoing connection's source port could take it
+    before the process it was chosen for bound it: Envoy once NACKed its listener with "cannot
+    bind: Address already in use" and a test waited for traffic that never came."""
+    low, high = _below_ephemeral()
+    for _ in range(200):
+        port = _PORTS.randint(low, high)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as sock:  # that range is full: the kernel's choice
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 

@@ -25,6 +25,7 @@ import grpc
 
 from infermesh.api_keys import client_headers, ensure_local_credentials
 from infermesh.secrets import ADMIN_TOKEN_FILE
+from tests.envoy_support import free_port
 from tests.support import ROOT, Traffic, post_json, stop_process, wait_for
 
 PORTS = ("8001", "8002", "8003")  # model servers, in compose.yaml and deploy/topology.yaml
@@ -253,11 +254,11 @@ def mesh_ports(servers: int, others: int) -> tuple[list[int], list[int]]:
         chosen: list[int] = []
         rest: list[int] = []
         while len(chosen) < servers:
-            port = hold(0)
+            port = hold(free_port())
             if port is not None and all(hold(port + k) for k in SERVER_PORT_OFFSETS):
                 chosen.append(port)  # else what it held stays out of every choice
         while len(rest) < others:
-            port = hold(0)
+            port = hold(free_port())
             if port is not None:
                 rest.append(port)
         return chosen, rest
