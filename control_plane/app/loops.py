@@ -7,9 +7,8 @@ stops routing; ``stop`` cancels exactly the loops this supervisor started."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from control_plane.metrics import ControlPlaneMetrics
@@ -44,19 +43,3 @@ class Loops:
     def stop(self) -> None:
         for task in list(self.tasks):
             task.cancel()
-
-
-async def ticks_or_wakes(
-    wake: asyncio.Event, interval: float, min_gap: float, run: Callable[[], Awaitable[None]]
-) -> None:
-    """Runs ``run`` ``interval`` after the last run ended, or once ``wake`` is set but no
-    sooner than ``min_gap`` after it (routing: at rest nothing moves and the tick is all
-    there is; a change waits for the gap, not for the tick). Forever."""
-    loop = asyncio.get_running_loop()
-    while True:
-        ended = loop.time()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(wake.wait(), interval)
-        await asyncio.sleep(max(0.0, ended + min_gap - loop.time()))
-        wake.clear()
-        await run()

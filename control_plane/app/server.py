@@ -2,7 +2,8 @@
 snapshot -> Envoy.
 
 ``ControlPlane`` builds every stage, wires them together and starts their loops
-(``loops.py``; each subsystem owns its own). One object makes snapshots, ``Rebuilder``
+(``loops.py``; each subsystem owns its own, and the topology watch, whose reload reconfigures
+every stage, is this module's). One object makes snapshots, ``Rebuilder``
 (``rebuilder.py``): placement changes, routing decisions, canary steps, circuits, topology
 reloads and endpoint changes ask it for a rebuild and are coalesced; an operator's change
 (``rebuild``) is served at once.
@@ -34,7 +35,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc
 from control_plane.admin.api import OperatorApi
 from control_plane.admin.http import AdminServer, AdminTokens, check_exposure
 from control_plane.admin.live_view import LiveFeed
-from control_plane.app.loops import Loops, ticks_or_wakes
+from control_plane.app.loops import Loops
 from control_plane.app.rebuilder import Rebuilder
 from control_plane.config.tenants import security_warnings
 from control_plane.config.topology import (
@@ -58,11 +59,11 @@ from control_plane.model.mesh import (
 )
 from control_plane.model.operator_state import OperatorState
 from control_plane.routing.canary_runs import CanaryRuns
-from control_plane.routing.envoy_checks import changes, checked_down_by_model
 from control_plane.routing.fallback import Fallbacks
+from control_plane.routing.loop import RoutingLoop
 from control_plane.routing.mesh_state import ClusterMemo, build_mesh_state
 from control_plane.routing.router import Router
-from control_plane.scoring.types import RECOMPUTE_PERIOD_S, Labels
+from control_plane.scoring.types import Labels
 from control_plane.telemetry import identity as otlp_identity
 from control_plane.telemetry.envoy import EnvoyStats
 from control_plane.telemetry.readings import TelemetryReadings
@@ -79,13 +80,6 @@ from control_plane.xds.snapshot import SnapshotCache
 
 log = logging.getLogger("control_plane")
 TOPOLOGY_CHECK_INTERVAL_S = 1.0
-# How often telemetry is turned into weights and ejections. Ticking whenever telemetry arrives
-# (at most every 0.1 s) was measured not to help on a loaded host: the same median, a longer
-# tail and more idle CPU at 1,000 endpoints (bench_scale.py, an earlier build). With telemetry
-# shards only telemetry that moved (rare at rest) wakes routing, ROUTING_MIN_GAP_S after the
-# last recompute.
-ROUTING_INTERVAL_S = RECOMPUTE_PERIOD_S
-ROUTING_MIN_GAP_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -124,7 +118,6 @@ class ControlPlane:
         self._publish_certificates()
         self.cache = SnapshotCache()
         self.nodes = NodeRegistry()
-        self.routing_wake = asyncio.Event()  # telemetry moved: recompute before the next tick
         self.discovery = DiscoveredEndpoints(
             lambda: self.topology.endpoints, self._endpoints_changed
         )
@@ -150,8 +143,6 @@ class ControlPlane:
         self._with_pods: tuple[Topology | None, ServerPods, Topology] = (
             None, NO_PODS, self.topology,
         )  # fmt: skip
-        # listener.health_checks: model: what Envoy's checks find (routing.envoy_checks)
-        self.checked_down: dict[str, frozenset[EndpointAddress]] = {}
         self.poller = PlacementPoller(
             lambda: self.endpoints,
             self.topology.placement.poll_interval_s,
@@ -174,6 +165,12 @@ class ControlPlane:
         self.live = LiveFeed()
         # The one place a snapshot is made; requests for one are coalesced (rebuilder.py).
         self.rebuilder = Rebuilder(self._mesh_inputs, SnapshotBuilder(), self.cache, self.metrics)
+        # Routing's loop: telemetry into weights and ejections (routing/loop.py).
+        self.routing = RoutingLoop(
+            self.router, self.telemetry, self.envoy_stats, self.metrics,
+            lambda: self.topology, lambda: self.poller.reports, lambda: self.mesh_state,
+            self.rebuilder.request,
+        )  # fmt: skip
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -229,7 +226,7 @@ class ControlPlane:
                 t.telemetry.shards, t.telemetry, self.envoy_stats, self.metrics,
                 # called in a reader thread: the event is set on the loop's
                 on_moved=functools.partial(
-                    asyncio.get_running_loop().call_soon_threadsafe, self.routing_wake.set
+                    asyncio.get_running_loop().call_soon_threadsafe, self.routing.wake.set
                 ),
                 pki=(tls.pki_dir, me.name) if tls is not None and me is not None else None,
             )  # fmt: skip
@@ -250,7 +247,7 @@ class ControlPlane:
         spawn = self.loops.spawn
         spawn("watch_topology", self._watch_topology)
         if self.settings.routing:
-            spawn("route_by_telemetry", self._route_by_telemetry)
+            spawn("route_by_telemetry", self.routing.run_forever)
         spawn("refresh_dns", self.discovery.refresh_dns)
         spawn("follow_slices", self.discovery.follow_slices)
         spawn(
@@ -341,40 +338,10 @@ class ControlPlane:
     def _on_placement_change(self, reports: Any) -> None:
         self.rebuilder.request("placement changed")
 
-    async def _route_by_telemetry(self) -> None:
-        await ticks_or_wakes(self.routing_wake, ROUTING_INTERVAL_S, ROUTING_MIN_GAP_S,
-                             self._route_once)  # fmt: skip
-
-    async def _route_once(self) -> None:
-        now = time.monotonic()
-        telemetry = await asyncio.to_thread(self.telemetry.snapshot, now, False)
-        started = time.perf_counter()
-        result = self.router.recompute(self.topology, telemetry, self.poller.reports, now)
-        self.metrics.routing_recompute.observe(time.perf_counter() - started)
-        self.metrics.routing_pools.labels("computed").inc(result.pools_computed)
-        self.metrics.routing_pools.labels("skipped").inc(result.pools_skipped)
-        for cause in result.new_ejections:
-            self.metrics.ejections.labels(cause).inc()
-        checks = self._follow_envoy_checks(now)
-        if result.changed or checks:
-            why = "telemetry-driven weights or ejections" if result.changed else "Envoy's checks"
-            self.rebuilder.request(why)
-
-    def _follow_envoy_checks(self, now: float) -> bool:
-        """With ``listener.health_checks: model``: what Envoy's checks of each model's own
-        cluster find, for its other clusters. True when that changed (logged as decisions)."""
-        found: dict[str, frozenset[EndpointAddress]] = {}
-        if self.topology.listener.health_checks == "model" and self.mesh_state is not None:
-            unhealthy = self.envoy_stats.checked_down(now)
-            if unhealthy or self.checked_down:
-                found = checked_down_by_model(unhealthy, self.mesh_state.clusters)
-        if found == self.checked_down:
-            return False
-        for model, words in changes(self.checked_down, found):
-            self.router.log(model, words, time.time())
-            log.info("%s: %s", model, words)
-        self.checked_down = found
-        return True
+    @property
+    def checked_down(self) -> dict[str, frozenset[EndpointAddress]]:
+        """listener.health_checks: model: what Envoy's checks find down (routing.loop)."""
+        return self.routing.checked_down
 
     def _canary_stepped(self, model: str, run: CanaryRun) -> None:
         self.operator.set_split(model, run.split())

@@ -1,6 +1,7 @@
 """Routing: the decisions, made from what discovery found and what telemetry says.
 
-``router`` scores every pool with the ``scoring`` plugins and returns a ``RecomputeResult``
+``loop`` is routing's own loop (every tick, or sooner when telemetry moved); ``router`` scores
+every pool with the ``scoring`` plugins and returns a ``RecomputeResult``
 (weights, ejections and their causes, with reasons for people); ``mesh_state`` turns the
 topology and placement into the ``MeshState`` xDS is built from; ``canary_runs`` drives canary
 runs; ``fallback`` opens and closes circuits to fallback models; ``envoy_checks`` reads Envoy's
@@ -16,6 +17,7 @@ __getattr__, __all__ = exports(
         "Fallbacks": "fallback",
         "RecomputeResult": "router",
         "Router": "router",
+        "RoutingLoop": "loop",
         "build_mesh_state": "mesh_state",
     },
 )

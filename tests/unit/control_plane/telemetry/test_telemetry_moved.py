@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from control_plane.app.loops import ticks_or_wakes
 from control_plane.config.topology import TelemetryOptions, parse_topology_text
 from control_plane.metrics import ControlPlaneMetrics
+from control_plane.routing.loop import ticks_or_wakes
 from control_plane.telemetry.moved import REFRESH_S, split_moved, telemetry_moved
 from control_plane.telemetry.shards import Push, TelemetryShards
 from control_plane.telemetry.values import EndpointTelemetry, Flag, ModelTelemetry, Signal
