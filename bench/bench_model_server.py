@@ -1,12 +1,12 @@
 """Benchmark the model server with h2load sending raw gRPC ModelInfer frames.
 
-Same method as the peer figures in shared/docs/PEERS.md: one pre-encoded ModelInfer frame,
+Same method as the peer figures (bench_peers.py): one pre-encoded ModelInfer frame,
 h2load over h2c with ``-m 1`` (one stream per client), a discarded warm-up run, then a timed
 run per concurrency level; QPS and percentiles from h2load's per-request log. h2load only
 checks the HTTP status, so correctness comes from a grpcio call checked against onnxruntime
 and from the server's own ``inference_requests_total{code=...}`` counter.
 
-``--baseline`` runs bench/naive_server.py (the naive reference of PEERS.md) and the model
+``--baseline`` runs bench/naive_server.py (the naive reference server) and the model
 server alternately, a fresh process of each per round and level, and reports medians across
 rounds and the ratios ours/naive: on a noisy host only side-by-side figures compare.
 ``--baseline-source DIR`` makes the baseline the model server of another source tree instead

@@ -11,7 +11,7 @@ interface, so one pre-encoded gRPC frame drives them all:
   (``bench_mesh.py``'s processes), routed by the ``x-model-name: classifier`` header;
 - PyTriton (nvidia-pytriton: a real Triton server, its dynamic batcher);
 - KServe's Python model server (no server-side batching exists there; async ``predict``
-  with onnxruntime offloaded to a thread, the best option in shared/docs/PEERS.md);
+  with onnxruntime offloaded to a thread, the best of its options measured);
 - MLServer (adaptive batching, ``parallel_workers=0``).
 
 Each peer runs a small script from bench/peers/ with the python of its own virtualenv

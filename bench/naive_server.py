@@ -1,6 +1,7 @@
 """Naive reference server: grpc.aio + onnxruntime in a thread, no batching, no checks.
 
-The baseline of shared/docs/PEERS.md ("naive grpc.aio + onnxruntime in a thread"): only
+The naive baseline the peer servers were also measured against (grpc.aio + onnxruntime in a
+thread): only
 ModelInfer, raw tensors in and out, no validation, metrics or statistics. It bounds what a
 Python gRPC front end costs per request; bench_model_server.py --baseline runs it side by side
 with the model server.

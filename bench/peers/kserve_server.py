@@ -2,7 +2,7 @@
 """KServe peer: the demo classifier in KServe's Python model server (v2 gRPC).
 
 Runs in its own virtualenv (kserve, onnxruntime, numpy); started by bench/bench_peers.py.
-KServe's Python server has no server-side batching; its best option in shared/docs/PEERS.md
+KServe's Python server has no server-side batching; its best option measured
 is an async ``predict`` that offloads onnxruntime to a one-thread executor, used here, with
 the per-request latency log line off.
 KServe 0.21 binds REST on 0.0.0.0 and gRPC on [::]: both are rebound to 127.0.0.1 below.

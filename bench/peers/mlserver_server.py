@@ -3,7 +3,7 @@
 
 Runs in its own virtualenv (mlserver, onnxruntime, numpy, uvloop<0.22: with uvloop 0.22+
 MLServer 1.7.1's worker dies with "There is no current event loop"); started by
-bench/bench_peers.py. Best configuration found in shared/docs/PEERS.md plus batching:
+bench/bench_peers.py. Its best configuration measured, plus batching:
 ``parallel_workers=0`` (inference in the server process), adaptive batching
 (``max_batch_size`` 32, ``max_batch_time`` 1 ms by default). gRPC and REST bind 127.0.0.1,
 the metrics server is off. Prints ``PEER READY grpc=127.0.0.1:PORT`` once the model is loaded

@@ -5,7 +5,7 @@ Runs in its own virtualenv (nvidia-pytriton, onnxruntime, numpy); started by
 bench/bench_peers.py. Binds gRPC, HTTP and metrics to 127.0.0.1, prints
 ``PEER READY grpc=127.0.0.1:PORT`` once the model is loaded, and stops on SIGTERM.
 
-Workaround (shared/docs/PEERS.md): the Python backend stub links the system libpython, so
+Workaround (measured here): the Python backend stub links the system libpython, so
 LD_LIBRARY_PATH must name the running interpreter's lib folder; bench_peers.py sets it.
 """
 

@@ -6,7 +6,7 @@ opens a watch; a response answers it; the ACK opens the next one. So a slow Envo
 the newest state once it catches up, never a queue of stale ones, and a rejected (NACKed)
 version is never sent again: the next push waits for a new version.
 
-Behaviour of Envoy 1.40 this relies on (measured, see ENVOY_XDS_NOTES.md):
+Behaviour of Envoy 1.40 this relies on (measured against the real Envoy; the tests hold it):
 - a reconnecting Envoy sends its old version and no nonce: always answer a request without one;
 - after a CDS update Envoy re-requests EDS with the nonce it already ACKed: answer it again, or
   the re-created clusters wait out initial_fetch_timeout (15 s).
