@@ -435,6 +435,7 @@ class ServerPair:
     key_pem: bytes = field(repr=False)
     not_after: dt.datetime = dt.datetime.min
     names: tuple[str, ...] = ()  # the leaf's DNS and IP names
+    not_before: dt.datetime = dt.datetime.min
 
 
 def load_server_pair(cert_path: Path, key_path: Path) -> ServerPair:
@@ -451,7 +452,9 @@ def load_server_pair(cert_path: Path, key_path: Path) -> ServerPair:
         names += [str(ip) for ip in san.get_values_for_type(x509.IPAddress)]
     except x509.ExtensionNotFound:
         names = []
-    return ServerPair(cert_pem, key_pem, leaf.not_valid_after_utc, tuple(names))
+    return ServerPair(
+        cert_pem, key_pem, leaf.not_valid_after_utc, tuple(names), leaf.not_valid_before_utc
+    )
 
 
 def spiffe_id_of(cert: x509.Certificate) -> str | None:

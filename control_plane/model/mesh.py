@@ -404,6 +404,7 @@ class EdgeTls:
     key_pem: bytes = field(repr=False)  # never in a repr, a log or /status
     not_after: float = 0.0  # Unix time
     names: tuple[str, ...] = ()  # the DNS and IP names the certificate carries
+    not_before: float = 0.0  # Unix time
 
     @property
     def files(self) -> tuple[str, ...]:

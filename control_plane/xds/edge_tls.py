@@ -16,6 +16,7 @@ restart; a file that fails its checks keeps the last good topology in use and sh
 from __future__ import annotations
 
 import datetime as dt
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,9 @@ from infermesh import pki
 EDGE_SECRET = "edge-certificate"
 ALPN = ("h2", "http/1.1")
 WARN_BEFORE_S = 7 * 24 * 3600  # public certificates renew 30 days ahead: a week left is late
+# ... and a short-lived one (the mesh CA's edge certificate lives 24 h and is renewed with a
+# third left) is late with a quarter of its life left, not from the moment it is made.
+WARN_LIFETIME_SHARE = 0.25
 _KEYS = {"cert_file": "path", "key_file": "path"}
 
 
@@ -57,7 +61,7 @@ def parse_edge_tls(c: Checker, value: object, path: str, base: Path) -> EdgeTls 
         return None
     return EdgeTls(
         str(files[0]), str(files[1]), pair.cert_pem, pair.key_pem,
-        pair.not_after.timestamp(), pair.names,
+        pair.not_after.timestamp(), pair.names, pair.not_before.timestamp(),
     )  # fmt: skip
 
 
@@ -96,7 +100,8 @@ def warnings(tls: EdgeTls | None, now: float | None = None) -> list[str]:
     if tls is None:
         return []
     left = tls.not_after - (time.time() if now is None else now)
-    if left >= WARN_BEFORE_S:
+    lifetime = tls.not_after - tls.not_before if tls.not_before else math.inf
+    if left >= min(WARN_BEFORE_S, lifetime * WARN_LIFETIME_SHARE):
         return []
     return [
         f"the public listener's certificate {tls.cert_file} expires in {left / 3600:.1f} h: "

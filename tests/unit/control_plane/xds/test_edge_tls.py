@@ -5,6 +5,7 @@ is refused naming it. Real Envoy, real model servers, real TLS clients."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import socket
@@ -22,6 +23,7 @@ from cryptography import x509
 from tritonclient.utils import InferenceServerException
 
 from control_plane.config.topology import TopologyError, parse_topology
+from control_plane.xds import edge_tls
 from infermesh import pki
 from tests import edge_mesh_support
 from tests.envoy_support import Envoy
@@ -61,6 +63,25 @@ def test_a_listener_certificate_is_checked_when_the_topology_is_read(tmp_path: P
     ).listener  # fmt: skip
     assert listener.tls is not None and "PRIVATE" not in repr(listener.tls)
     assert set(listener.tls.names) == {"localhost", "127.0.0.1", "::1"}
+
+
+def test_the_expiry_warning_waits_for_a_late_renewal(tmp_path: Path) -> None:
+    """A fresh 24 h certificate (the mesh CA's edge certificate, renewed with a third left) is
+    not warned about; one with under a quarter of its life left is, and a long-lived public
+    one is a week before it expires."""
+    authority = pki.init_authority(tmp_path)
+    files = pki.issue(authority, pki.edge("localhost"), tmp_path)
+    tls = {"cert_file": str(files.cert), "key_file": str(files.key)}
+    models = [{"name": "classifier", "sla_p99_ms": 50, "capacity_qps": 100}]
+    edge = parse_topology({"listener": {"tls": tls}, "models": models}).listener.tls
+    assert edge is not None and edge.not_after - edge.not_before == pytest.approx(86400, abs=600)
+    assert edge_tls.warnings(edge) == []  # at start: 24 h left
+    assert edge_tls.warnings(edge, now=edge.not_after - 10 * 3600) == []  # due, not late
+    (late,) = edge_tls.warnings(edge, now=edge.not_after - 5 * 3600)
+    assert "expires in 5.0 h: renew it" in late
+    public = dataclasses.replace(edge, not_before=edge.not_after - 90 * 86400)
+    assert edge_tls.warnings(public, now=public.not_after - 8 * 86400) == []
+    assert edge_tls.warnings(public, now=public.not_after - 6 * 86400)
 
 
 @dataclass
