@@ -180,10 +180,28 @@ def build_large_model(n_bytes: int) -> onnx.ModelProto:
     return _finish(graph)
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it (os.umask sets it, racing other threads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _write_atomic(data: bytes, path: Path) -> None:
+    """Writes ``path`` whole or not at all, with the mode an ordinary write would give it: a
+    model repository is read by the model servers, which may run as another user (a
+    container's uid 10001 reading a bind mount); mkstemp's 0600 made every server fail with
+    "Permission denied" on config.pbtxt."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +15,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from model_server import demo_models
+from model_server.demo_lm import build_demo_lm
 from model_server.demo_models import (
     build_classifier,
     build_demo_repository,
@@ -215,3 +219,28 @@ def test_large_model(tmp_path: Path) -> None:
     y = sess.run(["y"], {"x": x})[0]
     assert y.shape == (5, 4)
     np.testing.assert_allclose(y, x + np.arange(1, 5, dtype=np.float32), atol=1e-6)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reading as another uid needs root to switch")
+def test_the_repository_is_readable_by_another_user(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The servers may run as another user than the one who built the models (a container's
+    uid reading a bind mount): every file must be readable by it, as an ordinary write makes
+    it under the usual umask."""
+    top = Path(tempfile.mkdtemp(prefix="infermesh-other-uid-"))
+    try:
+        top.chmod(0o755)  # the test's own directory, so that another uid may enter it
+        build_demo_repository(top)
+        build_demo_lm(top / "lm")
+        files = sorted(str(p) for p in top.rglob("*") if p.is_file())
+        assert len(files) == 5  # classifier: config, v1, v2; demo_lm: config, v1
+        done = subprocess.run(
+            ["cat", *files], user=65534, capture_output=True, check=False, timeout=60
+        )
+        assert done.returncode == 0, done.stderr.decode()[-500:]
+        assert {oct(Path(f).stat().st_mode & 0o777) for f in files} == {
+            oct(0o666 & ~demo_models._umask())
+        }
+    finally:
+        shutil.rmtree(top)
