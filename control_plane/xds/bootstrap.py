@@ -69,16 +69,20 @@ def ads_config_source() -> dict[str, Any]:
     return {"ads": {}, "resource_api_version": "V3"}
 
 
-def xds_cluster(host: str, ports: Sequence[int], name: str = XDS_CLUSTER) -> dict[str, Any]:
+def xds_cluster(
+    host: str, ports: Sequence[int | tuple[str, int]], name: str = XDS_CLUSTER
+) -> dict[str, Any]:
     """An HTTP/2 cluster to a gRPC service of the control plane (ADS, or OTLP), one endpoint per
-    replica's port. A name (a Kubernetes Service) is resolved by Envoy and re-resolved."""
+    replica: a port on ``host``, or a (host, port) of its own (a container's name on a compose
+    network). Names (a Kubernetes Service) are resolved by Envoy and re-resolved."""
+    targets = [(host, p) if isinstance(p, int) else p for p in ports]
     endpoints = [
-        {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
-        for port in ports
+        {"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}}
+        for h, p in targets
     ]
     return {
         "name": name,
-        "type": "STATIC" if is_ip(host) else "STRICT_DNS",
+        "type": "STATIC" if all(is_ip(h) for h, _ in targets) else "STRICT_DNS",
         "connect_timeout": duration(1),
         "typed_extension_protocol_options": {
             HTTP_PROTOCOL_OPTIONS: {
@@ -103,7 +107,7 @@ def render_bootstrap(
     node_id: str,
     node_cluster: str,
     xds_host: str,
-    xds_port: int | Sequence[int],
+    xds_port: int | Sequence[int | str],
     admin_port: int,
     delta: bool,
     otlp_port: int | Sequence[int | str] | None = None,
@@ -112,7 +116,8 @@ def render_bootstrap(
     """The bootstrap as plain data (Envoy reads it as YAML or JSON).
 
     Several ``xds_port``s are control-plane replicas: one cluster with an endpoint each, so a
-    broken ADS stream reconnects to the next replica. With ``otlp_port``(s), Envoy's own stats
+    broken ADS stream reconnects to the next replica; a "HOST:PORT" is a replica on a host of
+    its own (compose.private.yaml's containers). With ``otlp_port``(s), Envoy's own stats
     go to each replica's OTLP receiver every second, one stat sink per replica, so whichever
     replica Envoy follows has seen its stats: a port is on the xDS host, a "HOST:PORT" names
     its own host (a StatefulSet pod's DNS name in Kubernetes). With ``xds_tls`` the stat sinks
@@ -136,7 +141,7 @@ def render_bootstrap(
         },
         "static_resources": {
             "clusters": [
-                xds_cluster(xds_host, [xds_port] if isinstance(xds_port, int) else xds_port)
+                xds_cluster(xds_host, [_target(xds_host, item) for item in _ports(xds_port)])
             ]
         },
         "memory_allocator_manager": {
@@ -292,21 +297,6 @@ def _port(text: str) -> int:
     return port
 
 
-def port_list(text: str) -> list[int]:
-    """``18000`` or ``18000,18001`` (one port per control-plane replica): ``target_list``
-    without hosts."""
-    try:
-        targets = target_list(text)
-    except argparse.ArgumentTypeError:
-        targets = []
-    ports = [t for t in targets if isinstance(t, int)]
-    if not ports or len(ports) != len(targets):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not PORT[,PORT...] with ports between 1 and 65535"
-        )
-    return ports
-
-
 def target_list(text: str) -> list[int | str]:
     """``PORT[,PORT...]`` where an item may be HOST:PORT (a replica on a host of its own)."""
     targets: list[int | str] = []
@@ -381,7 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--node-cluster", default="infermesh")
     parser.add_argument("--xds-host", default="127.0.0.1")
     parser.add_argument(
-        "--xds-port", type=port_list, default=[18000], help="PORT, or PORT,PORT for replicas"
+        "--xds-port",
+        type=target_list,
+        default=[18000],
+        help="PORT, or PORT,PORT for replicas; an item may be HOST:PORT (a replica's own host)",
     )
     parser.add_argument("--admin-port", type=int, default=9901)
     parser.add_argument("--delta", action="store_true", help="incremental (delta) xDS")

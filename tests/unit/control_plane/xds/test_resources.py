@@ -643,18 +643,39 @@ def test_xds_cluster_resolves_names(host: str, kind: str) -> None:
     assert bootstrap.xds_cluster(host, [18000])["type"] == kind
 
 
+def test_xds_replicas_on_hosts_of_their_own_are_one_cluster() -> None:
+    """compose.private.yaml: each replica is a container with a name of its own."""
+    options = {**DEFAULT_BOOTSTRAP, "xds_port": bootstrap.target_list("cp-1:18000,cp-2:18001")}
+    (xds,) = bootstrap.render_bootstrap(**options, delta=False)["static_resources"]["clusters"]
+    addresses = [
+        e["endpoint"]["address"]["socket_address"]
+        for e in xds["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ]
+    assert [(a["address"], a["port_value"]) for a in addresses] == [
+        ("cp-1", 18000),
+        ("cp-2", 18001),
+    ]
+    assert xds["type"] == "STRICT_DNS"
+
+
 @pytest.mark.parametrize(
-    ("text", "ports"),
-    [("18000", [18000]), ("18000,18001", [18000, 18001]), (" 1 , 2 ", [1, 2]), ("1,", [1])],
+    ("text", "targets"),
+    [
+        ("18000", [18000]),
+        ("18000,18001", [18000, 18001]),
+        (" 1 , 2 ", [1, 2]),
+        ("1,", [1]),
+        ("cp-1:18000,18001", ["cp-1:18000", 18001]),
+    ],
 )
-def test_port_lists(text: str, ports: list[int]) -> None:
-    assert bootstrap.port_list(text) == ports
+def test_target_lists(text: str, targets: list[int | str]) -> None:
+    assert bootstrap.target_list(text) == targets
 
 
-@pytest.mark.parametrize("text", ["", ",", "x", "0", "70000", "1,2,x"])
-def test_bad_port_lists_are_refused(text: str) -> None:
+@pytest.mark.parametrize("text", ["", ",", "x", "0", "70000", "1,2,x", ":18000", "cp:0"])
+def test_bad_target_lists_are_refused(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
-        bootstrap.port_list(text)
+        bootstrap.target_list(text)
 
 
 def test_envoy_runs_without_hot_restart_unless_asked() -> None:
