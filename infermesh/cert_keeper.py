@@ -27,18 +27,26 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from infermesh import pki
+from infermesh.addresses import is_ip
 
 READY_FILE = "keeper.ready"  # written after each full pass: the workloads listed in it
 
 
 def parse_workload(text: str, trust_domain: str) -> pki.Workload:
-    """``KIND:NAME`` (``model-server:127.0.0.1:8001``, ``envoy:envoy-1``) as a Workload."""
-    kind, sep, name = text.partition(":")
-    if not sep or not name:
+    """``KIND:NAME`` (``model-server:127.0.0.1:8001``, ``envoy:envoy-1``) as a Workload, and
+    ``KIND:NAME=HOST,HOST`` with more names it is reached by (``control-plane:control-plane=
+    control-plane-1,control-plane-2``: the replicas' DNS names on a compose network)."""
+    spec, more, extra = text.partition("=")
+    kind, sep, name = spec.partition(":")
+    hosts = [h for h in extra.split(",") if h]
+    if not sep or not name or (more and not hosts):
         raise pki.CertificateError(
-            f"workload {text!r}: expected KIND:NAME with KIND one of {', '.join(pki.KINDS)}"
+            f"workload {text!r}: expected KIND:NAME[=HOST,...] with KIND one of"
+            f" {', '.join(pki.KINDS)}"
         )
-    return named_workload(kind, name, trust_domain)
+    dns = [h for h in hosts if not is_ip(h)]
+    ips = [h for h in hosts if is_ip(h)]
+    return named_workload(kind, name, trust_domain, dns, ips)
 
 
 def named_workload(

@@ -93,3 +93,15 @@ def test_envoys_start_names_a_missing_or_expired_certificate(tmp_path: Path) -> 
     )  # fmt: skip
     with pytest.raises(pki.CertificateError, match=r"envoy_envoy-1\.crt: expired"):
         prepare_xds_tls(directory, "envoy-1")
+
+
+def test_a_workload_may_name_more_hosts_it_is_reached_by() -> None:
+    """compose.private.yaml's control planes are reached by their container names."""
+    who = cert_keeper.parse_workload(
+        "control-plane:control-plane=control-plane-1,control-plane-2,10.0.0.5", "infermesh.local"
+    )
+    assert who.spiffe_id == "spiffe://infermesh.local/control-plane/control-plane"
+    assert {"control-plane-1", "control-plane-2", "localhost"} <= set(who.dns)
+    assert {"10.0.0.5", "127.0.0.1"} <= set(who.ips)
+    with pytest.raises(pki.CertificateError, match=r"KIND:NAME\[=HOST"):
+        cert_keeper.parse_workload("control-plane:control-plane=", "infermesh.local")

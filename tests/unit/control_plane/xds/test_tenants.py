@@ -339,3 +339,22 @@ def test_keys_are_added_listed_and_revoked_with_their_secret_shown_once(tmp_path
     assert (keys.stat().st_mode & 0o777) == 0o600 and not list(tmp_path.glob(".api-keys.*"))
     assert not revoke_key(keys, key_id)
     assert basic_authorization("a.b:c") == "Basic " + base64.b64encode(b"a.b:c").decode()
+
+
+def test_keys_init_makes_a_local_mesh_credentials_once(tmp_path: Path) -> None:
+    """What compose's mesh-certs runs first: a mesh in containers starts from nothing."""
+
+    def init() -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "infermesh.cli", "keys", "init"]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+
+    first = init()
+    assert first.returncode == 0, first.stderr
+    made = {Path(line.split("made ", 1)[1]).name for line in first.stdout.splitlines()}
+    assert made == {"operator.key", "admin.token", "api.key", "api-keys"}
+    for name in made:
+        assert (tmp_path / ".infermesh" / name).stat().st_mode & 0o777 == 0o600
+    key = (tmp_path / ".infermesh" / "api.key").read_text()
+    second = init()
+    assert second.returncode == 0 and second.stdout == ""  # nothing made twice
+    assert (tmp_path / ".infermesh" / "api.key").read_text() == key
