@@ -1,8 +1,8 @@
 """Accelerator memory and the memory guard that refuses a load instead of dying to the OOM killer.
 
 On a GPU host memory comes from NVML (``pynvml`` from nvidia-ml-py) per device. On a CPU host it
-is the process's resident memory against a budget: ``--memory-budget``, else the cgroup limit,
-else a share of physical memory. A host without NVML is normal, not an error.
+is the process's resident memory against a budget: ``--memory-budget``, else 90% of the cgroup
+(container) limit, else a share of physical memory. A host without NVML is normal, not an error.
 """
 
 from __future__ import annotations
@@ -21,6 +21,11 @@ log = logging.getLogger(__name__)
 
 # Share of physical memory used as the budget when neither a flag nor a cgroup limit says.
 DEFAULT_PHYSICAL_SHARE = 0.8
+# Share of a cgroup (container) limit used as the budget. The kernel's OOM killer acts on the
+# cgroup's whole charge (RSS, plus kernel memory and the page cache it cannot reclaim in
+# time), not on RSS alone: with the whole limit as the budget, the control plane's ejection
+# (at 95% of the budget) would come within 5% of the kill.
+CGROUP_LIMIT_SHARE = 0.9
 # ONNX Runtime's working memory on top of the weights (arena, optimised copies of initializers).
 MODEL_MEMORY_FACTOR = 1.5
 MODEL_MEMORY_OVERHEAD = 32 * 1024 * 1024
@@ -108,7 +113,7 @@ def physical_memory() -> int:
 def default_memory_budget() -> int:
     limit = cgroup_memory_limit()
     share = int(physical_memory() * DEFAULT_PHYSICAL_SHARE)
-    return min(limit, share) if limit else share
+    return min(int(limit * CGROUP_LIMIT_SHARE), share) if limit else share
 
 
 def process_rss() -> int:

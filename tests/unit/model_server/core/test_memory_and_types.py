@@ -77,3 +77,17 @@ def test_onnx_strings_decode_utf8_and_name_the_bad_element() -> None:
     assert list(to_onnx_strings(np.array([b"a", b"\xc3\xa9"], dtype=object))) == ["a", "é"]
     with pytest.raises(ValueError, match="element 1 is not valid UTF-8"):
         to_onnx_strings(np.array([b"a", b"\xff"], dtype=object))
+
+
+def test_a_containers_limit_leaves_headroom_below_the_oom_killer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In a container the budget is 90% of the cgroup limit, so the control plane's ejection
+    (95% of the budget) comes at 85.5% of what the kernel kills at."""
+    from model_server.core import memory
+
+    monkeypatch.setattr(memory, "physical_memory", lambda: 64 * 2**30)
+    monkeypatch.setattr(memory, "cgroup_memory_limit", lambda: 1000 * 2**20)
+    assert memory.default_memory_budget() == int(1000 * 2**20 * 0.9)
+    monkeypatch.setattr(memory, "cgroup_memory_limit", lambda: None)
+    assert memory.default_memory_budget() == int(64 * 2**30 * 0.8)
