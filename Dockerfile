@@ -13,12 +13,24 @@ ARG PYTHON_IMAGE=python:3.11-slim
 FROM ${PYTHON_IMAGE} AS build
 ARG VARIANT=cpu
 WORKDIR /src
+# pip's CA bundle, when this host's egress needs one (tools/containers.sh passes it): a build
+# secret, mounted for the pip steps only, so it is in no layer of the image.
+#   docker build --secret id=pip_ca,src=/etc/ssl/certs/ca-certificates.crt ...
+# The dependencies first, in a layer of their own: a source change rebuilds in seconds.
 COPY pyproject.toml README.md ./
+RUN --mount=type=secret,id=pip_ca \
+    if [ -f /run/secrets/pip_ca ]; then export PIP_CERT=/run/secrets/pip_ca; fi \
+ && python -m venv /opt/infermesh \
+ && /opt/infermesh/bin/python -m pip install -q --no-cache-dir --disable-pip-version-check -U pip \
+ && /opt/infermesh/bin/python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' > /tmp/requirements.txt \
+ && /opt/infermesh/bin/python -m pip install -q --no-cache-dir --disable-pip-version-check -r /tmp/requirements.txt
 COPY model_server model_server
 COPY control_plane control_plane
 COPY infermesh infermesh
 COPY tools tools
-RUN case "$VARIANT" in cpu) extra="" ;; gpu) extra="[cuda,cudnn]" ;; \
+RUN --mount=type=secret,id=pip_ca \
+    if [ -f /run/secrets/pip_ca ]; then export PIP_CERT=/run/secrets/pip_ca; fi \
+ && case "$VARIANT" in cpu) extra="" ;; gpu) extra="[cuda,cudnn]" ;; \
       *) echo "VARIANT must be cpu or gpu, got '$VARIANT'" >&2; exit 1 ;; esac \
  && INFERMESH_VENV=/opt/infermesh INFERMESH_INSTALL=/src INFERMESH_SKIP_PROMETHEUS=1 INFERMESH_SKIP_BROWSER=1 INFERMESH_SKIP_TRITON=1 \
     bash tools/install.sh \
@@ -27,7 +39,8 @@ RUN case "$VARIANT" in cpu) extra="" ;; gpu) extra="[cuda,cudnn]" ;; \
         "onnxruntime-gpu${extra}==$(/opt/infermesh/bin/python -c \
         'import importlib.metadata as m; print(m.version("onnxruntime-gpu"))')"; \
     fi \
- && /opt/infermesh/bin/python -m model_server.demo_models --out /app/models
+ && /opt/infermesh/bin/python -m model_server.demo_models --out /app/models \
+ && /opt/infermesh/bin/python -m model_server.demo_lm --out /app/models --keep
 
 FROM ${PYTHON_IMAGE}
 ARG VARIANT=cpu
@@ -38,6 +51,9 @@ COPY --from=build /opt/infermesh /opt/infermesh
 COPY --from=build --chown=infermesh /app /app
 COPY --chown=infermesh deploy /app/deploy
 COPY --chown=infermesh examples /app/examples
+# The mesh's state directory (keys, certificates), owned by the service user so that a named
+# volume mounted here starts writable by it (compose.private.yaml's mesh-state).
+RUN install -d -o infermesh -g infermesh -m 0700 /app/.infermesh
 ENV PATH=/opt/infermesh/bin:$PATH PYTHONUNBUFFERED=1 INFERMESH_IMAGE_VARIANT=$VARIANT
 WORKDIR /app
 USER 10001

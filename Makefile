@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.infermesh-installed
 MODELS ?= models
 
-.PHONY: run test test-fast lint typecheck doctor models bench clean
+.PHONY: run test test-fast test-containers lint typecheck doctor models bench clean
 
 $(STAMP): pyproject.toml tools/install.sh
 	bash tools/install.sh
@@ -30,16 +30,28 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 # The whole suite, fast tier first: a broken build fails in about a minute, before the tests
-# that start real processes (about 11 minutes) run.
+# that start real processes (about 11 minutes) run, and the container tier (a few minutes)
+# last.
 test: lint typecheck
-	$(VENV)/bin/python -m pytest -q -x -m "not integration"
+	$(VENV)/bin/python -m pytest -q -x -m "not integration and not containers"
 	$(VENV)/bin/python -m pytest -q -m integration
+	$(MAKE) --no-print-directory test-containers
+
+# The container tier: installs Docker Engine and Compose (root Debian hosts), starts dockerd if
+# none runs (and stops it after), builds the base and the image (cached between runs), and runs
+# compose.private.yaml's scenarios in real containers. Prints each scenario's figures and its
+# time.
+test-containers: $(STAMP)
+	@start=$$(date +%s); \
+	$(VENV)/bin/python -m pytest -q -rP -m containers tests/containers; rc=$$?; \
+	echo "make test-containers: $$(( $$(date +%s) - start )) s"; \
+	exit $$rc
 
 # The fast tier: lint, types and every test that starts no server process; prints its time.
 test-fast: $(STAMP)
 	@start=$$(date +%s); \
 	$(MAKE) --no-print-directory lint typecheck && \
-	$(VENV)/bin/python -m pytest -q -x -m "not integration"; rc=$$?; \
+	$(VENV)/bin/python -m pytest -q -x -m "not integration and not containers"; rc=$$?; \
 	echo "make test-fast: $$(( $$(date +%s) - start )) s (lint, types and the tests that start no process)"; \
 	exit $$rc
 
