@@ -111,10 +111,13 @@ class OperatorApi:
         }  # fmt: skip
         endpoints = {}
         labels = self.plane.endpoint_labels()
+        held = self.plane.held_endpoints
         for address in self.plane.endpoints:
             report = self.plane.poller.reports.get(address)
             endpoints[address.key] = {
                 "reachable": bool(report and report.reachable),
+                # unreachable from here, Envoy's checks pass: on its last placement
+                "held_on_envoys_word": address in held,
                 "server_ready": bool(report and report.server_ready),
                 "ready_models": sorted(
                     f"{m}:{v}" for m, v in (report.ready_models if report else ())
@@ -152,5 +155,10 @@ class OperatorApi:
             "warnings": security_warnings(self.plane.topology.listener)
             + otlp_identity.plaintext_warnings(self.plane.topology.telemetry)
             + upstream_tls.warnings(self.plane.upstream_tls())
-            + edge_tls.warnings(self.plane.topology.listener.tls),
+            + edge_tls.warnings(self.plane.topology.listener.tls)
+            + [
+                f"endpoint {a.key}: unreachable from this control plane (placement probes and "
+                "telemetry); Envoy's health checks pass, so it serves on its last placement"
+                for a in sorted(held, key=lambda a: a.key)
+            ],
         }

@@ -169,7 +169,7 @@ class ControlPlane:
         self.routing = RoutingLoop(
             self.router, self.telemetry, self.envoy_stats, self.metrics,
             lambda: self.topology, lambda: self.poller.reports, lambda: self.mesh_state,
-            self.rebuilder.request,
+            self.rebuilder.request, lambda: self.poller.last_reachable,
         )  # fmt: skip
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -325,7 +325,7 @@ class ControlPlane:
     def _mesh_inputs(self) -> MeshState:
         return build_mesh_state(
             self.effective_topology(),
-            self.poller.reports,
+            self.routing.reports(),
             self.operator.weights,
             self.operator.health,
             pool_weights=self.router.pool_weights(),
@@ -336,12 +336,20 @@ class ControlPlane:
         )
 
     def _on_placement_change(self, reports: Any) -> None:
+        # Before the rebuild reads them: a server that just became unreachable from here but
+        # that Envoy still reaches stays in its clusters, with no flap (routing.partitions).
+        self.routing.refresh_held(time.monotonic())
         self.rebuilder.request("placement changed")
 
     @property
     def checked_down(self) -> dict[str, frozenset[EndpointAddress]]:
         """listener.health_checks: model: what Envoy's checks find down (routing.loop)."""
         return self.routing.checked_down
+
+    @property
+    def held_endpoints(self) -> frozenset[EndpointAddress]:
+        """Unreachable from here, but Envoy's checks pass: kept (routing.partitions)."""
+        return frozenset(self.routing.held)
 
     def _canary_stepped(self, model: str, run: CanaryRun) -> None:
         self.operator.set_split(model, run.split())

@@ -198,6 +198,9 @@ class PlacementPoller:
         self._in_flight: dict[EndpointAddress, asyncio.Task[EndpointReport]] = {}
         self._fresh: dict[EndpointAddress, EndpointReport] = {}  # probed, not yet published
         self._reports: Reports = MappingProxyType({})
+        # Each endpoint's last report that reached it: what routing keeps an endpoint on while
+        # this control plane cannot reach it but Envoy can (routing.partitions).
+        self._last_reachable: dict[EndpointAddress, EndpointReport] = {}
         self._delivered: dict[EndpointAddress, Placement] = {}
         self._differs: set[EndpointAddress] = set()  # placement now != the one delivered
         self._ever_delivered = False
@@ -227,6 +230,11 @@ class PlacementPoller:
     def reports(self) -> Reports:
         """The latest report of every endpoint probed, in address order (read-only)."""
         return self._reports
+
+    @property
+    def last_reachable(self) -> Mapping[EndpointAddress, EndpointReport]:
+        """Each member's last report that reached it (read-only view)."""
+        return MappingProxyType(self._last_reachable)
 
     @property
     def open_channels(self) -> frozenset[EndpointAddress]:
@@ -379,6 +387,7 @@ class PlacementPoller:
             self._requested.pop(address, None)
             self._failed.pop(address, None)
             self._fresh.pop(address, None)
+            self._last_reachable.pop(address, None)
             self._note(address)
         if any(address not in members for address in self._reports):
             reports = {a: r for a, r in self._reports.items() if a in members}
@@ -459,6 +468,7 @@ class PlacementPoller:
         if not fresh:
             return
         self._log_changes(fresh.values())
+        self._last_reachable.update((a, r) for a, r in fresh.items() if r.reachable)
         if all(address in self._reports for address in fresh):
             reports = dict(self._reports)
             reports.update(fresh)  # keeps the address order

@@ -14,12 +14,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from control_plane.config.topology import Topology
-from control_plane.discovery.placement import Reports
+from control_plane.discovery.placement import EndpointReport, Reports
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.model.mesh import EndpointAddress, MeshState
+from control_plane.routing import partitions
 from control_plane.routing.envoy_checks import changes, checked_down_by_model
 from control_plane.routing.router import Router
 from control_plane.scoring.types import RECOMPUTE_PERIOD_S
@@ -58,6 +59,7 @@ class RoutingLoop:
         reports: Callable[[], Reports],
         mesh_state: Callable[[], MeshState | None],
         on_change: Callable[[str], None],
+        last_reachable: Callable[[], Mapping[EndpointAddress, EndpointReport]] = dict,
     ) -> None:
         self.router = router
         self.telemetry = telemetry
@@ -70,6 +72,31 @@ class RoutingLoop:
         self.wake = asyncio.Event()  # telemetry moved: recompute before the next tick
         # listener.health_checks: model: the endpoints Envoy's checks find down, per model
         self.checked_down: dict[str, frozenset[EndpointAddress]] = {}
+        self._last_reachable = last_reachable
+        # Unreachable from here, reached by Envoy: kept on their last report (partitions)
+        self.held: dict[EndpointAddress, EndpointReport] = {}
+
+    def reports(self) -> Reports:
+        """The placement reports routing and the clusters are built from: the poller's, with
+        each held endpoint's last reachable report in place."""
+        return partitions.with_held(self._reports(), self.held)
+
+    def refresh_held(self, now: float) -> bool:
+        """Re-reads which unreachable endpoints Envoy still finds healthy. True (and logged as
+        decisions) when that changed."""
+        held = partitions.held_endpoints(
+            self._reports(),
+            self._last_reachable(),
+            lambda keys: self.envoy_stats.checks_pass(keys, now),
+        )
+        if held == self.held:
+            return False
+        for report, words in partitions.changes(self.held, held):
+            for model in sorted({m for m, _ in report.ready_models}):
+                self.router.log(model, words, time.time())
+            log.warning("%s", words)
+        self.held = held
+        return True
 
     async def run_forever(self) -> None:
         await ticks_or_wakes(self.wake, ROUTING_INTERVAL_S, ROUTING_MIN_GAP_S, self.once)
@@ -77,16 +104,23 @@ class RoutingLoop:
     async def once(self) -> None:
         now = time.monotonic()
         telemetry = await asyncio.to_thread(self.telemetry.snapshot, now, False)
+        held = self.refresh_held(now)
         started = time.perf_counter()
-        result = self.router.recompute(self._topology(), telemetry, self._reports(), now)
+        result = self.router.recompute(self._topology(), telemetry, self.reports(), now)
         self.metrics.routing_recompute.observe(time.perf_counter() - started)
         self.metrics.routing_pools.labels("computed").inc(result.pools_computed)
         self.metrics.routing_pools.labels("skipped").inc(result.pools_skipped)
         for cause in result.new_ejections:
             self.metrics.ejections.labels(cause).inc()
         checks = self._follow_envoy_checks(now)
-        if result.changed or checks:
-            why = "telemetry-driven weights or ejections" if result.changed else "Envoy's checks"
+        if result.changed or checks or held:
+            why = (
+                "telemetry-driven weights or ejections"
+                if result.changed
+                else "Envoy's checks"
+                if checks
+                else "endpoints held on Envoy's word"
+            )
             self._on_change(why)
 
     def _follow_envoy_checks(self, now: float) -> bool:

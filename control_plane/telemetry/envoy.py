@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
@@ -230,6 +230,24 @@ class EnvoyStats:
                 "nodes": sorted(self._nodes),  # the reporting Envoys ("": without the tag)
                 "endpoints": dict(sorted(endpoints.items())),
             }
+
+    def checks_pass(
+        self, addresses: Collection[str], now: float, max_age_s: float = CHECKED_DOWN_MAX_AGE_S
+    ) -> frozenset[str]:
+        """Those of ``addresses`` (endpoint keys) that some Envoy reported within ``max_age_s``
+        and that every such report calls healthy, in every cluster: Envoy reaches them and its
+        checks (and outlier detection) pass. One pass over the gauges, so callers ask only for
+        the few endpoints in question (routing.partitions)."""
+        wanted = set(addresses)
+        if not wanted:
+            return frozenset()
+        seen: set[str] = set()
+        failing: set[str] = set()
+        with self._lock:
+            for (address, _, name, _), (at, value) in self._gauges.items():
+                if name == "healthy" and address in wanted and now - at <= max_age_s:
+                    (seen if value > 0 else failing).add(address)
+        return frozenset(seen - failing)
 
     def checked_down(
         self, now: float, max_age_s: float = CHECKED_DOWN_MAX_AGE_S

@@ -242,3 +242,26 @@ def test_a_server_certificate_may_report_only_for_its_own_address(address: str) 
     assert refused is not None and refused[0] == "other_identity"
     nameless = refusal(sender, "infermesh.local", request([gauge("x", 1.0)], None))
     assert nameless == ("other_identity", f"{sender} reported for 'no instance id'")
+
+
+@pytest.mark.parametrize(
+    ("reports", "now", "passing"),
+    [
+        ([("e1", MODEL, {A.key: 1, B.key: 0})], 1.5, {A.key}),
+        # Healthy in one cluster and down in another (a checked one) is not passing.
+        ([("e1", MODEL, {A.key: 1}), ("e1", SERVERS_CLUSTER, {A.key: 0})], 1.5, set()),
+        # Every Envoy that reported it must find it healthy.
+        ([("e1", MODEL, {A.key: 1}), ("e2", MODEL, {A.key: 0})], 1.5, set()),
+        # No recent word from any Envoy is no evidence.
+        ([("e1", MODEL, {A.key: 1})], 4.5, set()),
+    ],
+)
+def test_envoy_stats_checks_pass(
+    reports: list[tuple[str, str, dict[str, int]]], now: float, passing: set[str]
+) -> None:
+    """What keeps an endpoint the control plane cannot reach (routing.partitions)."""
+    stats = EnvoyStats()
+    for node, cluster, healthy in reports:
+        stats.ingest([envoy_report(node, cluster, healthy)], now=1.0)
+    assert stats.checks_pass([A.key, B.key, "10.0.0.9:1"], now) == passing
+    assert stats.checks_pass([], now) == frozenset()

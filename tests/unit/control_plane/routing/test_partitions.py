@@ -1,0 +1,68 @@
+"""A server this control plane cannot reach but Envoy can stays on its last placement."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+from control_plane.discovery.placement import EndpointReport
+from control_plane.model.mesh import EndpointAddress
+from control_plane.routing import partitions
+
+A = EndpointAddress("10.0.0.11", 8001)
+B = EndpointAddress("10.0.0.12", 8001)
+C = EndpointAddress("10.0.0.13", 8001)
+READY = frozenset({("classifier", "1")})
+
+
+def reached(address: EndpointAddress) -> EndpointReport:
+    return EndpointReport(address, True, READY, True)
+
+
+def lost(address: EndpointAddress) -> EndpointReport:
+    return EndpointReport(address, False, error="UNAVAILABLE: no route to host")
+
+
+def passing(
+    *addresses: EndpointAddress,
+) -> tuple[Callable[[Collection[str]], set[str]], list[set[str]]]:
+    """Envoy's checks passing for ``addresses``, and a record of what was asked."""
+    asked: list[set[str]] = []
+
+    def checks_pass(keys: Collection[str]) -> set[str]:
+        asked.append(set(keys))
+        return {a.key for a in addresses} & set(keys)
+
+    return checks_pass, asked
+
+
+def test_an_unreachable_server_envoy_finds_healthy_is_held_on_its_last_report() -> None:
+    reports = {A: lost(A), B: reached(B), C: lost(C)}
+    last = {A: reached(A), B: reached(B), C: reached(C)}
+    checks, asked = passing(A, B)
+    held = partitions.held_endpoints(reports, last, checks)
+    assert held == {A: last[A]}  # C: Envoy's checks fail too
+    assert asked == [{A.key, C.key}]  # only the unreachable ones are looked up
+    effective = partitions.with_held(reports, held)
+    assert list(effective) == [A, B, C] and effective[A].reachable and not effective[C].reachable
+
+
+def test_a_server_never_reached_is_never_held() -> None:
+    checks, asked = passing(A)
+    assert partitions.held_endpoints({A: lost(A)}, {}, checks) == {}
+    assert asked == []  # nothing to ask Envoy about
+
+
+def test_nothing_held_leaves_the_reports_as_they_are() -> None:
+    reports = {A: reached(A)}
+    assert partitions.with_held(reports, {}) is reports
+
+
+def test_every_change_is_explained() -> None:
+    words = partitions.changes({}, {A: reached(A)})
+    assert [w for _, w in words] == [
+        "10.0.0.11:8001 unreachable from the control plane, but Envoy's health checks pass: "
+        "kept on its last placement (telemetry stale: routed at the pool's median score)"
+    ]
+    ended = partitions.changes({A: reached(A)}, {})
+    assert ended[0][0] == reached(A) and "no longer held" in ended[0][1]
+    assert partitions.changes({A: reached(A)}, {A: reached(A)}) == []
