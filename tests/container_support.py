@@ -181,6 +181,20 @@ class PrivateMesh:
         state = self.inspect(service)["State"]
         return str(state.get("Health", {}).get("Status", state["Status"]))
 
+    def ip(self, service: str) -> str:
+        """The container's address on the mesh network."""
+        (network,) = self.inspect(service)["NetworkSettings"]["Networks"].values()
+        return str(network["IPAddress"])
+
+    def cut(self, service: str, peers: list[str]) -> Partition:
+        """Drops every packet between ``service`` and each of ``peers`` (services), in both
+        directions, with iptables in the service container's network namespace (the host's
+        iptables, through nsenter): a partition between exactly these containers, which
+        `docker network disconnect` cannot make (it cuts a container from every peer)."""
+        return Partition(
+            self.inspect(service)["State"]["Pid"], [self.ip(peer) for peer in peers]
+        ).apply()
+
     def address(self, service: str) -> str:
         """The server's mesh address, IP:8001."""
         return f"{self.net}.{11 + SERVERS.index(service)}:8001"
@@ -206,6 +220,12 @@ class PrivateMesh:
             if line.startswith(f"{cluster}::") and line.endswith("::health_flags::healthy")
         )
 
+    def envoy_requests(self, address: str, cluster: str = "model:classifier") -> int:
+        """Requests Envoy has sent ``address`` in ``cluster`` (its /clusters rq_total)."""
+        prefix = f"{cluster}::{address}::rq_total::"
+        lines = self.envoy_clusters().splitlines()
+        return sum(int(line[len(prefix) :]) for line in lines if line.startswith(prefix))
+
     def traffic(self, clients: int, deadline_s: float) -> Traffic:
         key = (self.workdir / "api.key").read_text().strip()
         from infermesh.api_keys import basic_authorization
@@ -215,6 +235,31 @@ class PrivateMesh:
             metadata=(("authorization", basic_authorization(key)),),
             root_ca=(self.workdir / "pki" / "ca.crt").read_bytes(),
         )  # fmt: skip
+
+
+@dataclass
+class Partition:
+    """iptables DROP rules between one container (``pid``'s network namespace) and ``ips``;
+    ``heal()`` deletes exactly those rules."""
+
+    pid: int
+    ips: list[str]
+
+    def _rules(self, action: str) -> None:
+        for ip in self.ips:
+            for chain, flag in (("INPUT", "-s"), ("OUTPUT", "-d")):
+                subprocess.run(
+                    ["nsenter", "-t", str(self.pid), "-n",
+                     "iptables", action, chain, flag, ip, "-j", "DROP"],
+                    check=True, capture_output=True, timeout=30,
+                )  # fmt: skip
+
+    def apply(self) -> Partition:
+        self._rules("-I")
+        return self
+
+    def heal(self) -> None:
+        self._rules("-D")
 
 
 # Envoy's admin answers on the container's loopback only: read /clusters from inside.
