@@ -271,6 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     start = commands.add_parser("up", help="start the mesh from compose.yaml as processes")
     start.add_argument("--compose", type=Path, default=ROOT / "compose.yaml")
     start.add_argument("--log-dir", type=Path, default=ROOT / ".infermesh" / "logs")
+    start.add_argument(
+        "--stop-leftovers",
+        action="store_true",
+        help="first stop the services a killed infermesh up left running (its run file names "
+        "them): SIGTERM, then SIGKILL after their stop grace period",
+    )
     show = commands.add_parser("status", help="the control plane's view of the mesh")
     default_admin = default_admins(os.environ)
     show.add_argument("--admin", default=default_admin, help=ADMIN_HELP)
@@ -300,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "split":
         return _split(args.admin, args.model, args.weights)
     if args.command == "up":
-        return up(args.compose, args.compose.resolve().parent, args.log_dir)
+        root = args.compose.resolve().parent
+        return up(args.compose, root, args.log_dir, stop_leftovers=args.stop_leftovers)
     if args.command == "telemetry":
         return _telemetry(args.admin, args.json)
     return _status(args.admin, args.json)

@@ -4,11 +4,18 @@ Services start in dependency order; a dependent waits for ``service_healthy`` de
 whose health checks run natively (the same commands the containers run). Output goes to one
 log file per service. On Ctrl-C or SIGTERM the services stop in reverse order, each with its
 stop signal and grace period (model servers drain), and are killed only after it.
+
+A launcher killed outright (SIGKILL) cannot stop them, so each child carries the Linux
+parent-death signal (infermesh.pdeathsig): the kernel sends it its stop signal when the
+launcher dies. The run file and lock (infermesh.runfile) let the next launcher refuse to run
+beside a live one and report (or, with ``--stop-leftovers``, stop) whatever a previous run
+left; every port the services need is checked free before anything starts.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,10 +23,25 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from subprocess import Popen
+from typing import IO
 
 from infermesh.api_keys import API_KEY_FILE, ensure_local_credentials
 from infermesh.certs import PKI_DIR
 from infermesh.compose import Service, load_services
+from infermesh.pdeathsig import guarded
+from infermesh.ports import busy_ports, describe_busy, needed_ports
+from infermesh.runfile import (
+    ProcessId,
+    RunRecord,
+    acquire_lock,
+    describe_leftovers,
+    lock_holder,
+    read_record,
+    remove_record,
+    stop_processes,
+    write_record,
+)
 from infermesh.secrets import ADMIN_TOKEN_FILE, OPERATOR_KEY_FILE
 
 POLL_S = 0.2
@@ -44,13 +66,33 @@ def _environment(service: Service) -> dict[str, str]:
     return env
 
 
+def _installed(program: str, root: Path, env: dict[str, str]) -> bool:
+    """Whether ``program`` would exec: a path (relative to ``root``) or a name on PATH."""
+    if os.sep in program:
+        return os.access(root / program, os.X_OK)
+    return shutil.which(program, path=env.get("PATH")) is not None
+
+
+def _spawn(service: Service, root: Path, env: dict[str, str], log: IO[bytes]) -> Popen[bytes]:
+    """``service``'s process, which gets its stop signal when the launcher dies, even by
+    SIGKILL. The kernel sends it when the *thread* that forked the child ends: only the main
+    thread, which lives as long as the launcher, may start one."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("the launcher starts services from its main thread only")
+    return subprocess.Popen(
+        guarded(service.command, service.stop_signal), cwd=root, env=env,
+        stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,  # Ctrl-C reaches the launcher only: it stops them in order
+    )  # fmt: skip
+
+
 def _healthy(service: Service, root: Path) -> bool:
     assert service.healthcheck is not None
     check = service.healthcheck
     try:
         result = subprocess.run(
-            check.test, cwd=root, env=_environment(service), capture_output=True,
-            timeout=check.timeout_s, check=False,
+            guarded(check.test, signal.SIGTERM), cwd=root, env=_environment(service),
+            capture_output=True, timeout=check.timeout_s, check=False,
         )  # fmt: skip
     except (subprocess.TimeoutExpired, OSError):
         return False
@@ -76,26 +118,14 @@ class Launcher:
 
     def _start(self, service: Service) -> None:
         log_path = self.log_dir / f"{service.name}.log"
-        try:
-            with log_path.open("ab") as log_file:
-                proc = subprocess.Popen(
-                    service.command, cwd=self.root, env=_environment(service),
-                    stdout=log_file, stderr=subprocess.STDOUT,
-                    start_new_session=True,  # Ctrl-C reaches the launcher only: it stops in order
-                )  # fmt: skip
-        except FileNotFoundError:
-            needed_by = [s.name for s in self.services if service.name in s.depends_on]
-            if needed_by:
-                raise LaunchError(
-                    f"{service.name}: {service.command[0]} is not installed "
-                    f"(needed by {', '.join(needed_by)})"
-                ) from None
-            print(
-                f"infermesh: {service.name} skipped: {service.command[0]} is not installed",
-                file=sys.stderr,
-            )
+        env = _environment(service)
+        if not _installed(service.command[0], self.root, env):
+            self._not_installed(service)
             return
+        with log_path.open("ab") as log_file:
+            proc = _spawn(service, self.root, env, log_file)
         self.running.append(Running(service, proc, log_path))
+        self.record()
         print(f"infermesh: {service.name} started (pid {proc.pid}, log {log_path})", flush=True)
         if service.healthcheck is None:
             return
@@ -109,6 +139,27 @@ class Launcher:
             time.sleep(min(service.healthcheck.interval_s, 1.0))
         self.healthy.add(service.name)
         print(f"infermesh: {service.name} healthy after {time.monotonic() - started:.1f}s")
+
+    def _not_installed(self, service: Service) -> None:
+        """An optional service (nothing depends on it) is skipped; a needed one is an error."""
+        needed_by = [s.name for s in self.services if service.name in s.depends_on]
+        if needed_by:
+            raise LaunchError(
+                f"{service.name}: {service.command[0]} is not installed "
+                f"(needed by {', '.join(needed_by)})"
+            )
+        print(
+            f"infermesh: {service.name} skipped: {service.command[0]} is not installed",
+            file=sys.stderr,
+        )
+
+    def record(self) -> None:
+        """The run file: this launcher and each service it runs, for the next launcher."""
+        services = {r.service.name: ProcessId.of(r.proc.pid) for r in self.running}
+        launcher = ProcessId.of(os.getpid())
+        assert launcher is not None  # this very process
+        alive = {name: p for name, p in services.items() if p is not None}
+        write_record(self.root, RunRecord(launcher, alive))
 
     def wait(self) -> int:
         """Until a stop is asked (returns 0) or a service exits on its own and its restart
@@ -153,10 +204,52 @@ class Launcher:
             print(f"infermesh: {service.name} stopped (exit {proc.returncode})", flush=True)
 
 
-def up(compose: Path, root: Path, log_dir: Path) -> int:
+def up(compose: Path, root: Path, log_dir: Path, stop_leftovers: bool = False) -> int:
+    lock = acquire_lock(root)
+    if lock is None:
+        holder = lock_holder(root)
+        who = f"PID {holder}" if holder else "its PID is not written yet"
+        print(
+            f"infermesh: another infermesh up ({who}) is running for {root}; stop it first "
+            "(Ctrl-C there, or kill -TERM that PID: it stops its services in order)",
+            file=sys.stderr,
+        )
+        return 1
+    with lock:  # held until this launcher ends; the kernel drops it if it is killed
+        launcher = Launcher(compose, root, log_dir)
+        problem = _clear_the_way(launcher, stop_leftovers)
+        if problem is not None:
+            print(f"infermesh: {problem}", file=sys.stderr)
+            return 1
+        return _run(launcher)
+
+
+def _clear_the_way(launcher: Launcher, stop_leftovers: bool) -> str | None:
+    """What stands in the mesh's way (None: nothing): a previous run's services that still
+    run (stopped first with ``stop_leftovers``), or a port the services need that is busy."""
+    record = read_record(launcher.root)
+    leftovers = record.leftovers() if record is not None else {}
+    if record is not None and leftovers and not stop_leftovers:
+        return describe_leftovers(record.launcher, leftovers)
+    if leftovers:
+        grace = {s.name: s.stop_grace_s for s in launcher.services}
+        deadline = max(grace.get(name, 10.0) for name in leftovers)
+        listed = ", ".join(f"{name} (PID {p.pid})" for name, p in leftovers.items())
+        print(f"infermesh: stopping the previous run's leftovers: {listed}", flush=True)
+        remaining = stop_processes(leftovers.values(), deadline)
+        if remaining:
+            pids = " ".join(str(p.pid) for p in remaining)
+            return f"could not stop PIDs {pids} (not ours to signal?); stop them, then retry"
+    remove_record(launcher.root)
+    busy = busy_ports(needed_ports(launcher.services))
+    return describe_busy(busy) if busy else None
+
+
+def _run(launcher: Launcher) -> int:
+    root = launcher.root
     for path in ensure_local_credentials(root):
         print(f"infermesh: made {path} (mode 0600); keep it: the mesh's services read it")
-    launcher = Launcher(compose, root, log_dir)
+    launcher.record()
 
     def on_signal(signum: int, frame: object) -> None:
         launcher.stopping.set()
@@ -187,3 +280,4 @@ def up(compose: Path, root: Path, log_dir: Path) -> int:
         return 1
     finally:
         launcher.stop_all()
+        remove_record(root)  # every service stopped: nothing is left for the next launcher

@@ -319,6 +319,18 @@ def children(pid: int) -> set[int]:
     return found
 
 
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` now: its children, theirs, and so on."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        with suppress(FileNotFoundError):  # one that ended since
+            new = children(todo.pop()) - found
+            found |= new
+            todo.extend(new)
+    return found
+
+
 def alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"

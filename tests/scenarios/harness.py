@@ -4,7 +4,8 @@
 port moved to a free one, starts the launcher as a process, waits for "mesh is up", and knows
 each service's PID from the launcher's log (a restarted service gets a new one). ``stop()``
 sends the launcher SIGTERM (it stops the services in reverse order) and kills it only if it
-does not exit in time.
+does not exit in time. ``prepare`` and ``launch`` are ``start``'s two halves: a test may
+launch again in the same directory, on the same ports.
 """
 
 from __future__ import annotations
@@ -85,6 +86,12 @@ class ComposeMesh:
         return None
 
     def start(self, timeout: float = 120) -> ComposeMesh:
+        self.prepare()
+        return self.launch(timeout=timeout)
+
+    def prepare(self) -> None:
+        """The work directory (compose.yaml and the topology on free ports, the credentials)
+        and the launcher's environment, once; ``launch`` may then run the launcher again."""
         compose = (ROOT / "compose.yaml").read_text()
         topology = (ROOT / "deploy" / "topology.yaml").read_text()
         names = ("ENVOY", "ENVOY_ADMIN", "XDS", "ADMIN", "OTLP", "XDS2", "ADMIN2", "OTLP2",
@@ -114,10 +121,14 @@ class ComposeMesh:
             # The CLI's admin token (it would read ./.infermesh/admin.token otherwise)
             "INFERMESH_ADMIN_TOKEN": (self.workdir / ADMIN_TOKEN_FILE).read_text().strip(),
         }
+
+    def launch(self, *flags: str, timeout: float = 120) -> ComposeMesh:
+        """Starts ``infermesh up`` (with ``flags``) in the prepared directory, its output in
+        ``log`` (replaced), and waits for "mesh is up"; raises if the launcher exits first."""
         command = [
             sys.executable, "-m", "infermesh.cli", "up",
             "--compose", str(self.workdir / "compose.yaml"),
-            "--log-dir", str(self.workdir / "logs"),
+            "--log-dir", str(self.workdir / "logs"), *flags,
         ]  # fmt: skip
         with self.log.open("wb") as out:
             self.launcher = subprocess.Popen(
