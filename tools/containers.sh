@@ -78,10 +78,17 @@ build_image() {
   if [ -r "$ca_bundle" ]; then
     secret=(--secret "id=pip_ca,src=$ca_bundle")
   fi
+  local previous
+  previous="$("$docker_cli" image inspect -f '{{.Id}}' "$tag" 2>/dev/null || true)"
   say "building $tag ($variant) FROM $base_image"
   DOCKER_BUILDKIT=1 "$docker_cli" build -q \
     --build-arg "PYTHON_IMAGE=$base_image" --build-arg "VARIANT=$variant" \
     "${secret[@]}" -t "$tag" "$root" >/dev/null
+  # The image this build replaced, now untagged: removed, so repeated runs do not pile up
+  # 900 MB each (kept if a container still uses it).
+  if [ -n "$previous" ] && [ "$previous" != "$("$docker_cli" image inspect -f '{{.Id}}' "$tag")" ]; then
+    "$docker_cli" rmi "$previous" >/dev/null 2>&1 || true
+  fi
   say "image $tag built in $((SECONDS - started)) s," \
       "$("$docker_cli" image inspect -f '{{.Size}}' "$tag" | awk '{printf "%d MB", $1/1e6}')"
 }
