@@ -16,29 +16,30 @@ WORKDIR /src
 # pip's CA bundle, when this host's egress needs one (tools/containers.sh passes it): a build
 # secret, mounted for the pip steps only, so it is in no layer of the image.
 #   docker build --secret id=pip_ca,src=/etc/ssl/certs/ca-certificates.crt ...
-# The dependencies first, in a layer of their own: a source change rebuilds in seconds.
+# The dependencies first, in a layer of their own (the gpu variant's CUDA and cuDNN wheels,
+# about 2 GB, with them): a source change rebuilds in seconds and downloads none of them.
 COPY pyproject.toml README.md ./
 RUN --mount=type=secret,id=pip_ca \
     if [ -f /run/secrets/pip_ca ]; then export PIP_CERT=/run/secrets/pip_ca; fi \
+ && case "$VARIANT" in cpu) extra="" ;; gpu) extra="[cuda,cudnn]" ;; \
+      *) echo "VARIANT must be cpu or gpu, got '$VARIANT'" >&2; exit 1 ;; esac \
  && python -m venv /opt/infermesh \
  && /opt/infermesh/bin/python -m pip install -q --no-cache-dir --disable-pip-version-check -U pip \
  && /opt/infermesh/bin/python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' > /tmp/requirements.txt \
- && /opt/infermesh/bin/python -m pip install -q --no-cache-dir --disable-pip-version-check -r /tmp/requirements.txt
+ && /opt/infermesh/bin/python -m pip install -q --no-cache-dir --disable-pip-version-check -r /tmp/requirements.txt \
+ && if [ -n "$extra" ]; then \
+      /opt/infermesh/bin/python -m pip install -q --no-cache-dir --disable-pip-version-check \
+        "onnxruntime-gpu${extra}==$(/opt/infermesh/bin/python -c \
+        'import importlib.metadata as m; print(m.version("onnxruntime-gpu"))')"; \
+    fi
 COPY model_server model_server
 COPY control_plane control_plane
 COPY infermesh infermesh
 COPY tools tools
 RUN --mount=type=secret,id=pip_ca \
     if [ -f /run/secrets/pip_ca ]; then export PIP_CERT=/run/secrets/pip_ca; fi \
- && case "$VARIANT" in cpu) extra="" ;; gpu) extra="[cuda,cudnn]" ;; \
-      *) echo "VARIANT must be cpu or gpu, got '$VARIANT'" >&2; exit 1 ;; esac \
  && INFERMESH_VENV=/opt/infermesh INFERMESH_INSTALL=/src INFERMESH_SKIP_PROMETHEUS=1 INFERMESH_SKIP_BROWSER=1 INFERMESH_SKIP_TRITON=1 \
     bash tools/install.sh \
- && if [ -n "$extra" ]; then \
-      /opt/infermesh/bin/python -m pip install -q --no-cache-dir \
-        "onnxruntime-gpu${extra}==$(/opt/infermesh/bin/python -c \
-        'import importlib.metadata as m; print(m.version("onnxruntime-gpu"))')"; \
-    fi \
  && /opt/infermesh/bin/python -m model_server.demo_models --out /app/models \
  && /opt/infermesh/bin/python -m model_server.demo_lm --out /app/models --keep
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from infermesh import pki
 from infermesh.labels import LABEL_TEXT_RULE, is_label_text
 from infermesh.logs import add_log_level, configure_logging
-from model_server.core.memory import parse_bytes
+from model_server.core.memory import DeviceUnavailable, parse_bytes
 from model_server.observability.telemetry import MIN_INTERVAL_S
 from model_server.protocol.service import MODEL_CONTROL_MODES
 from model_server.security.access import (
@@ -310,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return asyncio.run(serve(settings))
     except pki.CertificateError as exc:  # names the file and the problem; never key material
+        log.error("cannot start: %s", exc)
+        return 2
+    except DeviceUnavailable as exc:  # a GPU asked for and not there: never served from CPU
         log.error("cannot start: %s", exc)
         return 2
     except KeyboardInterrupt:

@@ -152,15 +152,27 @@ class ProcessMemory:
         return "cpu"
 
 
+class DeviceUnavailable(Exception):
+    """The device the server was started for cannot be used here (said at start, exit 2)."""
+
+
 class NvmlMemory:
     """GPU host: device memory as NVML reports it (all processes on the device)."""
 
     def __init__(self, device_index: int) -> None:
         import pynvml
 
-        pynvml.nvmlInit()
+        try:
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+        except pynvml.NVMLError as exc:
+            # Seen in the gpu image on a host without a GPU: a traceback from deep in pynvml.
+            raise DeviceUnavailable(
+                f"--device cuda:{device_index}: NVML cannot see that GPU ({exc}); this host has "
+                "no NVIDIA driver or no such device, or the container was given no GPU "
+                "(compose.gpu.yaml reserves one; the NVIDIA Container Toolkit brings the driver)"
+            ) from None
         self._nvml = pynvml
-        self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
         self.device = f"cuda:{device_index}"
 
     def read(self) -> MemoryReading:

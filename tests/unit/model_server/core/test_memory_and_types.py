@@ -91,3 +91,13 @@ def test_a_containers_limit_leaves_headroom_below_the_oom_killer(
     assert memory.default_memory_budget() == int(1000 * 2**20 * 0.9)
     monkeypatch.setattr(memory, "cgroup_memory_limit", lambda: None)
     assert memory.default_memory_budget() == int(64 * 2**30 * 0.8)
+
+
+def test_a_gpu_asked_for_on_a_host_without_one_is_refused_by_name() -> None:
+    """The gpu image on a CPU host: a clear start-up error, not a traceback from pynvml."""
+    from model_server.core import memory
+
+    if memory.nvml_device_count() > 0:
+        pytest.skip("this host has a GPU NVML can see")
+    with pytest.raises(memory.DeviceUnavailable, match=r"--device cuda:0: NVML cannot see"):
+        memory.NvmlMemory(0)
