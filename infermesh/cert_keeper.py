@@ -26,7 +26,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from infermesh import pki
+from infermesh import cert_issuer, pki
 from infermesh.addresses import is_ip
 
 READY_FILE = "keeper.ready"  # written after each full pass: the workloads listed in it
@@ -100,9 +100,16 @@ def _usable(directory: Path, who: pki.Workload) -> bool:
 
 
 def keep(
-    directory: Path, names: Sequence[str], trust_domain: str, hours: float, every_s: float
+    directory: Path,
+    names: Sequence[str],
+    trust_domain: str,
+    hours: float,
+    every_s: float,
+    serve_on: str = "",
 ) -> int:
-    """``keep_once`` now and every ``every_s`` seconds (0: once) until SIGTERM or SIGINT."""
+    """``keep_once`` now and every ``every_s`` seconds (0: once) until SIGTERM or SIGINT; with
+    ``serve_on`` (HOST:PORT), after the first pass, the issuer of model servers' certificates
+    for their own addresses (``infermesh.cert_issuer``)."""
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -118,6 +125,9 @@ def keep(
                 print(f"infermesh certs keep: {exc}", file=sys.stderr)
                 return 1
             print(f"infermesh certs keep: renewal failed, retrying: {exc}", file=sys.stderr)
+        if first and serve_on:
+            cert_issuer.serve(directory, serve_on, hours)
+            print(f"infermesh certs keep: issuing model-server certificates on {serve_on}")
         first = False
         if every_s <= 0 or stop.wait(every_s):
             return 0

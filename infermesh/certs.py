@@ -7,9 +7,12 @@
   (``--force``: all of them), keeping each identity and its DNS/IP names. Processes pick the new
   files up on their own (Envoy through the control plane's SDS); nothing restarts.
 - ``show``: each certificate's identity and how long it has left.
-- ``keep KIND:NAME ... [--every S]``: the CA and each listed certificate made when missing or
-  unusable and renewed when due, once or every S seconds (``infermesh.cert_keeper``; compose's
-  ``mesh-certs`` service).
+- ``keep KIND:NAME ... [--every S] [--serve HOST:PORT]``: the CA and each listed certificate
+  made when missing or unusable and renewed when due, once or every S seconds
+  (``infermesh.cert_keeper``; compose's ``mesh-certs`` service); ``--serve``: also certify
+  model servers for their own addresses (``infermesh.cert_issuer``).
+- ``request --from URL --port P --ca FILE --out DIR [--every S]``: a model server's
+  certificate for this host's address from such an issuer; prints the address.
 """
 
 from __future__ import annotations
@@ -21,14 +24,14 @@ from typing import Any
 
 from cryptography import x509
 
-from infermesh import cert_keeper, pki
+from infermesh import cert_issuer, cert_keeper, pki
 
 PKI_DIR = Path(".infermesh") / "pki"
 
 
 def add_parser(commands: Any, root: Path) -> None:
     certs = commands.add_parser("certs", help="the mesh CA and workload certificates (mTLS)")
-    certs.add_argument("action", choices=("init", "issue", "rotate", "show", "keep"))
+    certs.add_argument("action", choices=("init", "issue", "rotate", "show", "keep", "request"))
     certs.add_argument(
         "workload",
         nargs="*",
@@ -42,8 +45,27 @@ def add_parser(commands: Any, root: Path) -> None:
     certs.add_argument("--ip", action="append", default=[], help="issue: an extra IP address")
     certs.add_argument("--force", action="store_true", help="rotate: every certificate, now")
     certs.add_argument(
-        "--every", type=float, default=0.0, help="keep: run again every this many seconds"
+        "--every",
+        type=float,
+        default=0.0,
+        help="keep: run again every this many seconds; request: check for renewal as often",
     )
+    certs.add_argument(
+        "--serve",
+        default="",
+        metavar="HOST:PORT",
+        help="keep: certify model servers for their own addresses here",
+    )
+    certs.add_argument(
+        "--from",
+        dest="issuer",
+        default="",
+        metavar="URL",
+        help="request: the issuer (keep --serve), e.g. http://mesh-certs:8443",
+    )
+    certs.add_argument("--port", type=int, default=8001, help="request: the server's gRPC port")
+    certs.add_argument("--ca", type=Path, help="request: the mesh CA to check the answer with")
+    certs.add_argument("--out", type=Path, help="request: where server.crt and server.key go")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,7 +83,14 @@ def _run(args: argparse.Namespace) -> int:
         print(f"infermesh: a new CA for {authority.trust_domain} in {directory}")
         return 0
     if args.action == "keep":
-        return cert_keeper.keep(directory, args.workload, args.trust_domain, args.hours, args.every)
+        return cert_keeper.keep(
+            directory, args.workload, args.trust_domain, args.hours, args.every, args.serve
+        )
+    if args.action == "request":
+        if not (args.issuer and args.ca and args.out):
+            print("infermesh certs request: needs --from, --ca and --out", file=sys.stderr)
+            return 2
+        return cert_issuer.request(args.issuer, args.port, args.ca, args.out, args.every)
     if args.action == "show":
         for path in sorted(directory.glob("*.crt")):
             print(pki.describe(path))

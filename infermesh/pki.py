@@ -322,20 +322,36 @@ def issue(
     replacing any before (the key is written first, then the certificate, each atomically, so
     a reader never sees a certificate without its key). ``start``: when its validity begins
     (now; an earlier time makes certificates that have already expired, for tests)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = _signed(authority, who, key.public_key(), hours, start)
+    directory.mkdir(parents=True, exist_ok=True)
+    files = workload_files(directory, who)
+    _write_private(files.key, _key_pem(key))
+    _write_atomic(files.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return files
+
+
+def _signed(
+    authority: Authority,
+    who: Workload,
+    public_key: ec.EllipticCurvePublicKey,
+    hours: float,
+    start: dt.datetime | None = None,
+) -> x509.Certificate:
+    """``who``'s certificate for ``public_key``, signed by the CA."""
     if who.trust_domain != authority.trust_domain:
         raise CertificateError(
             f"{who.spiffe_id}: the CA is for trust domain {authority.trust_domain!r}"
         )
-    key = ec.generate_private_key(ec.SECP256R1())
     now = start or _now()
     names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(who.spiffe_id)]
     names += [x509.DNSName(d) for d in who.dns]
     names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in who.ips]
-    cert = (
+    return (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, who.file_stem[:64])]))
         .issuer_name(authority.cert.subject)
-        .public_key(key.public_key())
+        .public_key(public_key)
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - dt.timedelta(minutes=5))
         .not_valid_after(now + dt.timedelta(hours=hours))
@@ -353,11 +369,40 @@ def issue(
         )
         .sign(authority.key, hashes.SHA256())
     )
-    directory.mkdir(parents=True, exist_ok=True)
-    files = workload_files(directory, who)
-    _write_private(files.key, _key_pem(key))
-    _write_atomic(files.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
-    return files
+
+
+def sign_request(
+    authority: Authority, who: Workload, request_pem: bytes, hours: float = WORKLOAD_HOURS
+) -> bytes:
+    """A certificate (PEM) for ``who`` with the public key of a certificate signing request,
+    which must be PEM, self-signed (proof that its sender holds the key) and for a P-256
+    key. Only the key is taken from it: ``who`` (its names) is the caller's decision."""
+    try:
+        request = x509.load_pem_x509_csr(request_pem)
+    except ValueError as exc:
+        raise CertificateError(f"certificate request: not a PEM CSR ({exc})") from None
+    if not request.is_signature_valid:
+        raise CertificateError("certificate request: its signature does not verify")
+    public_key = request.public_key()
+    if (
+        not isinstance(public_key, ec.EllipticCurvePublicKey)
+        or public_key.curve.name != "secp256r1"
+    ):
+        raise CertificateError("certificate request: expected an ECDSA P-256 key")
+    cert = _signed(authority, who, public_key, hours)
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def new_request() -> tuple[bytes, bytes]:
+    """A fresh P-256 key and a CSR for it: (key PEM, CSR PEM). The CSR names nothing: the
+    issuer decides the names (``sign_request``)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    request = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([]))
+        .sign(key, hashes.SHA256())
+    )
+    return _key_pem(key), request.public_bytes(serialization.Encoding.PEM)
 
 
 # --- loading and checking --------------------------------------------------------------------
@@ -559,6 +604,16 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
         serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
     )
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """A key file: 0600, written atomically."""
+    _write_private(path, data)
+
+
+def write_public(path: Path, data: bytes) -> None:
+    """A certificate file: 0644, written atomically."""
+    _write_atomic(path, data, 0o644)
 
 
 def _write_private(path: Path, data: bytes) -> None:
