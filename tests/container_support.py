@@ -83,26 +83,14 @@ class DockerEngine:
             stop_process(self.process, signal.SIGTERM, grace_s=60)
 
 
-def free_subnet() -> str:
-    """A 172.30.N prefix (a /24) that no Docker network and no host route uses."""
-    taken = docker("network", "ls", "-q").split()
-    used = " ".join(docker("network", "inspect", *taken)) if taken else ""
-    routes = subprocess.run(["ip", "-4", "route"], capture_output=True, text=True).stdout
-    for n in random.sample(range(32, 250), 40):
-        prefix = f"172.30.{n}"
-        if f"{prefix}." not in used and f"{prefix}." not in routes:
-            return prefix
-    raise RuntimeError("no free 172.30.N/24 for the test network")
-
-
 @dataclass
 class PrivateMesh:
-    """compose.private.yaml under project ``project``, on ``net``.0/24, Envoy on the host's
-    127.0.0.1:``envoy_port``."""
+    """compose.private.yaml under project ``project`` (Docker picks its network's subnet),
+    Envoy on the host's 127.0.0.1:``envoy_port``. The scaled servers are named
+    ``model-server-N`` here, N their replica number."""
 
     workdir: Path
     project: str = field(default_factory=lambda: f"imt{os.getpid()}x{random.randrange(10**6)}")
-    net: str = field(default_factory=free_subnet)
     envoy_port: int = field(default_factory=free_port)
     extra_files: tuple[Path, ...] = ()
     environment: dict[str, str] = field(default_factory=dict)
@@ -111,7 +99,6 @@ class PrivateMesh:
     def env(self) -> dict[str, str]:
         return {
             **os.environ,
-            "INFERMESH_NET": self.net,
             "INFERMESH_ENVOY_PORT": str(self.envoy_port),
             **self.environment,
         }
@@ -163,12 +150,16 @@ class PrivateMesh:
         print(f"\n--- compose logs of {self.project} ---\n{logs[-8000:]}")
 
     def container(self, service: str) -> str:
-        """The ID of the service's container (running or not)."""
-        ids = docker(
-            "ps", "-aq",
-            "--filter", f"label=com.docker.compose.project={self.project}",
-            "--filter", f"label=com.docker.compose.service={service}",
-        ).split()  # fmt: skip
+        """The ID of the service's container (running or not); ``model-server-N``: replica N
+        of the scaled servers."""
+        number = ""
+        if service in SERVERS:
+            service, _, number = service.rpartition("-")
+        filters = [
+            f"label=com.docker.compose.project={self.project}",
+            f"label=com.docker.compose.service={service}",
+        ] + ([f"label=com.docker.compose.container-number={number}"] if number else [])
+        ids = docker("ps", "-aq", *(arg for f in filters for arg in ("--filter", f))).split()
         if len(ids) != 1:
             raise RuntimeError(f"{service}: expected one container, found {ids}")
         return ids[0]
@@ -196,8 +187,8 @@ class PrivateMesh:
         ).apply()
 
     def address(self, service: str) -> str:
-        """The server's mesh address, IP:8001."""
-        return f"{self.net}.{11 + SERVERS.index(service)}:8001"
+        """The server's mesh address now, IP:8001 (Docker picks the IP at each start)."""
+        return f"{self.ip(service)}:8001"
 
     def exec(self, service: str, *command: str, timeout: float = 60) -> str:
         return docker("exec", self.container(service), *command, timeout=timeout)

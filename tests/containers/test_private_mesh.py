@@ -73,6 +73,44 @@ def test_the_mesh_serves_from_its_own_addresses(mesh: PrivateMesh) -> None:
             assert published == {}, (service, published)
 
 
+def test_a_certificate_is_issued_for_the_callers_own_address_only(mesh: PrivateMesh) -> None:
+    """Any container on the network may ask mesh-certs for a model-server certificate, and
+    gets one for the address its request came from: Envoy's container is certified as
+    Envoy's address, which Docker's DNS does not list among the servers."""
+    printed = mesh.exec(
+        "envoy", "infermesh", "certs", "request", "--from", "http://mesh-certs:8443",
+        "--port", "8001", "--ca", ".infermesh/pki/ca.crt", "--out", "/tmp/rogue",
+    ).strip()  # fmt: skip
+    assert printed == f"{mesh.ip('envoy')}:8001"
+    assert printed not in mesh.status()["endpoints"]
+
+
+def test_scaling_the_servers_up_and_down_under_load(mesh: PrivateMesh) -> None:
+    """`up --scale model-server=4`: the new replica is certified for its address, found
+    through Docker's DNS and routed; back to 3, it drains and leaves."""
+    wait_for(lambda: all_routed(mesh), 60, "every server routed")
+    with mesh.traffic(clients=4, deadline_s=240) as traffic:
+        traffic.wait_ok(100)
+        started = time.monotonic()
+        mesh.compose("up", "-d", "--no-recreate", "--scale", "model-server=4", timeout=180)
+        wait_for(lambda: mesh.envoy_healthy() == 4, 90, "the fourth server routed")
+        up_after = time.monotonic() - started
+        assert len(mesh.status()["endpoints"]) == 4
+        traffic.wait_ok(200)
+        started = time.monotonic()
+        mesh.compose("up", "-d", "--no-recreate", "--scale", "model-server=3", timeout=180)
+        wait_for(lambda: len(mesh.status()["endpoints"]) == 3, 60, "the fourth server gone")
+        down_after = time.monotonic() - started
+        wait_for(lambda: all_routed(mesh), 60, "three servers routed")
+        traffic.wait_ok(100)
+    print(
+        f"\nscaled to 4 servers under load: the new one routed {up_after:.1f} s after `up "
+        f"--scale`; back to 3: gone from the control plane {down_after:.1f} s after; "
+        f"{traffic.ok} OK, {len(traffic.errors)} failed"
+    )
+    assert not traffic.errors, traffic.errors[:5]
+
+
 def test_kill_9_of_a_server_under_load(mesh: PrivateMesh) -> None:
     """`docker kill -s KILL`: Docker counts it as a manual stop, so the restart policy leaves
     the container down. The mesh serves on the other two; `start` brings it back."""
@@ -157,7 +195,7 @@ def test_rolling_restart_of_the_servers_under_load(mesh: PrivateMesh) -> None:
         traffic.wait_ok(100)
         for server in SERVERS:
             started = time.monotonic()
-            mesh.compose("restart", "-t", "40", server, timeout=120)
+            docker("restart", "-t", "40", mesh.container(server), timeout=120)
             back_in_rotation(mesh, server)
             took.append(time.monotonic() - started)
             traffic.wait_ok(50)
