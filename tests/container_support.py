@@ -94,6 +94,8 @@ class PrivateMesh:
     envoy_port: int = field(default_factory=free_port)
     extra_files: tuple[Path, ...] = ()
     environment: dict[str, str] = field(default_factory=dict)
+    compose_file: Path = COMPOSE_FILE
+    services: tuple[str, ...] = ()  # those to bring up (with what they depend on); () all
 
     @property
     def env(self) -> dict[str, str]:
@@ -104,7 +106,8 @@ class PrivateMesh:
         }
 
     def compose(self, *args: str, timeout: float = 180) -> str:
-        files = [arg for path in (COMPOSE_FILE, *self.extra_files) for arg in ("-f", str(path))]
+        paths = (self.compose_file, *self.extra_files)
+        files = [arg for path in paths for arg in ("-f", str(path))]
         done = subprocess.run(
             [*compose_command(), "-p", self.project, *files, *args],
             capture_output=True, text=True, timeout=timeout, env=self.env, cwd=ROOT, check=False,
@@ -115,7 +118,7 @@ class PrivateMesh:
 
     def up(self, timeout: float = 180) -> PrivateMesh:
         started = time.monotonic()
-        self.compose("up", "-d", timeout=timeout)
+        self.compose("up", "-d", *self.services, timeout=timeout)
         wait_for(lambda: self.health("envoy") == "healthy", timeout, "Envoy healthy", 0.5)
         self.up_s = time.monotonic() - started
         pki = self.workdir / "pki"
@@ -150,16 +153,21 @@ class PrivateMesh:
         print(f"\n--- compose logs of {self.project} ---\n{logs[-8000:]}")
 
     def container(self, service: str) -> str:
-        """The ID of the service's container (running or not); ``model-server-N``: replica N
-        of the scaled servers."""
-        number = ""
-        if service in SERVERS:
-            service, _, number = service.rpartition("-")
-        filters = [
-            f"label=com.docker.compose.project={self.project}",
-            f"label=com.docker.compose.service={service}",
-        ] + ([f"label=com.docker.compose.container-number={number}"] if number else [])
-        ids = docker("ps", "-aq", *(arg for f in filters for arg in ("--filter", f))).split()
+        """The ID of the service's container (running or not); ``model-server-N`` is replica N
+        of compose.private.yaml's scaled servers (compose.yaml names its servers so)."""
+        project = f"label=com.docker.compose.project={self.project}"
+
+        def find(*filters: str) -> list[str]:
+            args = (arg for f in (project, *filters) for arg in ("--filter", f))
+            return docker("ps", "-aq", *args).split()
+
+        ids = find(f"label=com.docker.compose.service={service}")
+        if not ids and service in SERVERS:
+            scaled, _, number = service.rpartition("-")
+            ids = find(
+                f"label=com.docker.compose.service={scaled}",
+                f"label=com.docker.compose.container-number={number}",
+            )
         if len(ids) != 1:
             raise RuntimeError(f"{service}: expected one container, found {ids}")
         return ids[0]

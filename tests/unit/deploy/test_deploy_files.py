@@ -30,7 +30,13 @@ def test_compose_commands_parse_with_the_real_command_lines(tmp_path: Path) -> N
     shutil.copy(ROOT / "deploy" / "topology.yaml", tmp_path / "deploy")
     ensure_local_credentials(tmp_path)
     # The certificates mesh-certs keeps: every server's, Envoy's, the control plane's.
-    keep = commands["mesh-certs"]
+    # sh -c "infermesh keys init && exec infermesh certs keep KIND:NAME ...": the credentials
+    # first, in containers too (the mesh-state volume starts empty)
+    shell = commands["mesh-certs"]
+    assert shell[:2] == ("sh", "-c")
+    first, _, keep_line = shell[2].partition(" && exec ")
+    assert first.split() == ["infermesh", "keys", "init"]
+    keep = tuple(keep_line.split())
     assert keep[:3] == ("infermesh", "certs", "keep")
     kept = [w for w in keep[3:] if ":" in w]
     cert_keeper.keep_once(tmp_path / ".infermesh" / "pki", kept, "infermesh.local", 24)
