@@ -61,6 +61,9 @@ class EndpointReport:
     ready_models: frozenset[tuple[str, str]] = frozenset()  # (model, version) pairs READY
     server_ready: bool = False
     error: str = ""  # why an RPC failed; "" when both answered
+    # Unreachable and every call ran out of time: the network said nothing (a partition, or
+    # a host gone), as opposed to a host that answered no (connection refused: no server).
+    silent: bool = False
 
     @property
     def placement(self) -> Placement:
@@ -106,7 +109,7 @@ async def probe_endpoint(
         stub = service_pb2_grpc.GRPCInferenceServiceStub(chan)
         index_request = service_pb2.RepositoryIndexRequest(ready=True)
         ready_request = service_pb2.ServerReadyRequest()
-        (index, index_error), (ready, ready_error) = await asyncio.gather(
+        (index, index_error, index_code), (ready, ready_error, ready_code) = await asyncio.gather(
             _call(
                 "RepositoryIndex",
                 lambda: stub.RepositoryIndex(
@@ -129,16 +132,22 @@ async def probe_endpoint(
         ready_models=models,
         server_ready=bool(ready is not None and ready.ready),
         error="; ".join(e for e in (index_error, ready_error) if e),
+        silent=index is None
+        and ready is None
+        and index_code == ready_code == grpc.StatusCode.DEADLINE_EXCEEDED,
     )
 
 
-async def _call(name: str, call: Callable[[], Awaitable[Any]]) -> tuple[Any, str]:
+async def _call(
+    name: str, call: Callable[[], Awaitable[Any]]
+) -> tuple[Any, str, grpc.StatusCode | None]:
+    """(the answer, or None; the error; its status code)."""
     try:
-        return await call(), ""
+        return await call(), "", None
     except grpc.aio.AioRpcError as exc:
-        return None, f"{name}: {exc.code().name}: {exc.details()}"
+        return None, f"{name}: {exc.code().name}: {exc.details()}", exc.code()
     except Exception as exc:  # a probe never raises; the report carries the error
-        return None, f"{name}: {type(exc).__name__}: {exc}"
+        return None, f"{name}: {type(exc).__name__}: {exc}", None
 
 
 class PlacementPoller:

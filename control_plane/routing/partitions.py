@@ -9,6 +9,10 @@ detection) of it pass, as Envoy reports them through its stat sink
 (``EnvoyStats.checks_pass``). Its telemetry goes stale meanwhile, so routing gives it the
 pool's median score, never a judgement from old numbers.
 
+Only a silent failure is held: every probe ran out of time, as through a partition. A host
+that answers no (connection refused: the server is gone, or stopped after its drain) leaves
+at once, as before: Envoy's stats can still call it healthy for the seconds its checks take
+to notice, and holding it then sent calls to a closed port (found by a test of SLA lanes).
 It leaves as before once Envoy's checks fail too, or once no Envoy has reported it for a few
 seconds (an Envoy cut off from the control plane has no say: it serves on its last
 configuration anyway). A server that was never reached is never held.
@@ -33,7 +37,7 @@ def held_endpoints(
     candidates = {
         address: last_reachable[address]
         for address, report in reports.items()
-        if not report.reachable and address in last_reachable
+        if not report.reachable and report.silent and address in last_reachable
     }
     if not candidates:
         return {}

@@ -19,7 +19,13 @@ def reached(address: EndpointAddress) -> EndpointReport:
 
 
 def lost(address: EndpointAddress) -> EndpointReport:
-    return EndpointReport(address, False, error="UNAVAILABLE: no route to host")
+    """Every probe timed out: the network said nothing."""
+    return EndpointReport(address, False, error="DEADLINE_EXCEEDED", silent=True)
+
+
+def refused(address: EndpointAddress) -> EndpointReport:
+    """The host answered no: nothing listens there any more."""
+    return EndpointReport(address, False, error="UNAVAILABLE: Connection refused")
 
 
 def passing(
@@ -44,6 +50,13 @@ def test_an_unreachable_server_envoy_finds_healthy_is_held_on_its_last_report() 
     assert asked == [{A.key, C.key}]  # only the unreachable ones are looked up
     effective = partitions.with_held(reports, held)
     assert list(effective) == [A, B, C] and effective[A].reachable and not effective[C].reachable
+
+
+def test_a_server_that_refuses_connections_is_not_held() -> None:
+    """Gone or stopped, not cut off: Envoy's checks may still pass for a few seconds."""
+    checks, asked = passing(A)
+    assert partitions.held_endpoints({A: refused(A)}, {A: reached(A)}, checks) == {}
+    assert asked == []
 
 
 def test_a_server_never_reached_is_never_held() -> None:
