@@ -61,7 +61,9 @@ class DockerEngine:
         self.process: subprocess.Popen[bytes] | None = None
 
     def answers(self) -> bool:
-        return docker("info", "--format", "{{.ServerVersion}}", timeout=20, check=False) != ""
+        # The client prints the template (an empty line) even when no daemon answers.
+        version = docker("info", "--format", "{{.ServerVersion}}", timeout=20, check=False)
+        return version.strip() != ""
 
     def start(self) -> DockerEngine:
         if self.answers():
