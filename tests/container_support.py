@@ -212,6 +212,19 @@ class PrivateMesh:
     def envoy_clusters(self) -> str:
         return self.exec("envoy", "python", "-c", CLUSTERS)
 
+    def explain(self, address: str) -> str:
+        """What Envoy and the control planes say of ``address``: for a failed assertion."""
+        envoy = [line for line in self.envoy_clusters().splitlines() if f"::{address}::" in line]
+        planes = []
+        for plane in PLANES:
+            logs = subprocess.run(
+                [DOCKER, "logs", "--tail", "400", self.container(plane)],
+                capture_output=True, text=True, timeout=60, check=False,
+            )  # fmt: skip
+            lines = (logs.stdout + logs.stderr).splitlines()
+            planes += [f"{plane}: {line}" for line in lines if address in line]
+        return "\n".join(["Envoy:", *envoy, "control planes:", *planes[-30:]])
+
     def envoy_healthy(self, cluster: str = "model:classifier") -> int:
         """Hosts of ``cluster`` that Envoy's /clusters shows healthy."""
         lines = self.envoy_clusters().splitlines()

@@ -87,7 +87,8 @@ class RoutingLoop:
         held = partitions.held_endpoints(
             self._reports(),
             self._last_reachable(),
-            lambda keys: self.envoy_stats.checks_pass(keys, now),
+            lambda keys, max_age_s: self.envoy_stats.checks_pass(keys, now, max_age_s),
+            self.held,
         )
         if held == self.held:
             return False

@@ -16,6 +16,12 @@ to notice, and holding it then sent calls to a closed port (found by a test of S
 It leaves as before once Envoy's checks fail too, or once no Envoy has reported it for a few
 seconds (an Envoy cut off from the control plane has no say: it serves on its last
 configuration anyway). A server that was never reached is never held.
+
+Holding starts on a recent word from Envoy (``START_MAX_AGE_S``) and goes on while Envoy's
+last word, up to ``KEEP_MAX_AGE_S`` old, still says its checks pass: on a busy host Envoy's
+one-second stat flushes can arrive a few seconds late, and letting a hold lapse then took the
+server out of its clusters, and out of Envoy's rotation, for the rest of the partition (found
+by the container tier's partition test in CI).
 """
 
 from __future__ import annotations
@@ -26,14 +32,21 @@ from control_plane.discovery.placement import EndpointReport
 from control_plane.model.mesh import EndpointAddress
 
 Held = Mapping[EndpointAddress, EndpointReport]
+# Envoy's word on an endpoint (its stat sink's "healthy" gauge) counts this long (seconds):
+START_MAX_AGE_S = 3.0  # to start holding it: three missed one-second flushes
+KEEP_MAX_AGE_S = 10.0  # to go on holding it
 
 
 def held_endpoints(
     reports: Mapping[EndpointAddress, EndpointReport],
     last_reachable: Mapping[EndpointAddress, EndpointReport],
-    checks_pass: Callable[[Collection[str]], Collection[str]],
+    checks_pass: Callable[[Collection[str], float], Collection[str]],
+    already_held: Collection[EndpointAddress] = (),
 ) -> dict[EndpointAddress, EndpointReport]:
-    """The unreachable endpoints to keep, each with its last reachable report."""
+    """The unreachable endpoints to keep, each with its last reachable report.
+
+    ``checks_pass(keys, max_age_s)``: those of ``keys`` whose Envoy reports within
+    ``max_age_s`` all pass. Endpoints in ``already_held`` may rest on an older report."""
     candidates = {
         address: last_reachable[address]
         for address, report in reports.items()
@@ -41,7 +54,11 @@ def held_endpoints(
     }
     if not candidates:
         return {}
-    passing = set(checks_pass([a.key for a in candidates]))
+    kept = [a.key for a in candidates if a in already_held]
+    new = [a.key for a in candidates if a not in already_held]
+    passing = set(checks_pass(new, START_MAX_AGE_S)) if new else set()
+    if kept:
+        passing |= set(checks_pass(kept, KEEP_MAX_AGE_S))
     return {a: r for a, r in candidates.items() if a.key in passing}
 
 

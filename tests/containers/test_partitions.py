@@ -64,7 +64,7 @@ def test_a_server_cut_off_from_the_control_planes_keeps_serving(mesh: PrivateMes
             sent = mesh.envoy_requests(address)
             traffic.wait_ok(300)
             status = mesh.status()
-            assert routed(mesh) == len(SERVERS)
+            assert routed(mesh) == len(SERVERS), mesh.explain(address)
             assert mesh.envoy_requests(address) > sent  # still served
             assert not status["endpoints"][address]["reachable"]
             assert any(address in w and "Envoy's health checks pass" in w

@@ -29,14 +29,15 @@ def refused(address: EndpointAddress) -> EndpointReport:
 
 
 def passing(
-    *addresses: EndpointAddress,
-) -> tuple[Callable[[Collection[str]], set[str]], list[set[str]]]:
-    """Envoy's checks passing for ``addresses``, and a record of what was asked."""
+    *addresses: EndpointAddress, age_s: float = 0.0
+) -> tuple[Callable[[Collection[str], float], set[str]], list[set[str]]]:
+    """Envoy's checks passing for ``addresses`` in reports ``age_s`` old, and a record of
+    what was asked."""
     asked: list[set[str]] = []
 
-    def checks_pass(keys: Collection[str]) -> set[str]:
+    def checks_pass(keys: Collection[str], max_age_s: float) -> set[str]:
         asked.append(set(keys))
-        return {a.key for a in addresses} & set(keys)
+        return {a.key for a in addresses} & set(keys) if age_s <= max_age_s else set()
 
     return checks_pass, asked
 
@@ -50,6 +51,19 @@ def test_an_unreachable_server_envoy_finds_healthy_is_held_on_its_last_report() 
     assert asked == [{A.key, C.key}]  # only the unreachable ones are looked up
     effective = partitions.with_held(reports, held)
     assert list(effective) == [A, B, C] and effective[A].reachable and not effective[C].reachable
+
+
+def test_a_hold_rests_on_an_older_word_from_envoy_than_it_starts_on() -> None:
+    """Envoy's stat flushes arriving late on a busy host must not end a hold: the server
+    would leave its clusters for the rest of the partition."""
+    late, _ = passing(A, age_s=partitions.START_MAX_AGE_S + 2)
+    reports, last = {A: lost(A)}, {A: reached(A)}
+    assert partitions.held_endpoints(reports, last, late) == {}  # too old to start on
+    assert partitions.held_endpoints(reports, last, late, already_held={A}) == {A: last[A]}
+    gone, _ = passing(A, age_s=partitions.KEEP_MAX_AGE_S + 1)
+    assert partitions.held_endpoints(reports, last, gone, already_held={A}) == {}
+    failing, _ = passing()  # Envoy's checks fail: the hold ends at once
+    assert partitions.held_endpoints(reports, last, failing, already_held={A}) == {}
 
 
 def test_a_server_that_refuses_connections_is_not_held() -> None:
