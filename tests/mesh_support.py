@@ -23,7 +23,7 @@ import yaml
 from control_plane.app.server import ControlPlane, ControlPlaneSettings
 from control_plane.xds.bootstrap import XdsTls, render_bootstrap, write_sds_files
 from tests.envoy_support import Envoy, free_port, start_envoy
-from tests.support import ROOT, post_json, wait_for
+from tests.support import ROOT, ServerProcess, post_json, start_server, wait_for
 
 T = TypeVar("T")
 # Tests of routing, not of identity, serve anyone (tests/integration/test_edge_tenants.py
@@ -121,6 +121,28 @@ def start_ads_envoy(
         xds_tls=xds_tls,
     )
     return start_envoy(config, workdir, admin_port, listener_port)
+
+
+def start_reporting_servers(
+    stops: contextlib.ExitStack,
+    repo: Path,
+    workdir: Path,
+    otlp_port: int,
+    *flags: str,
+    count: int = 3,
+) -> list[ServerProcess]:
+    """``count`` classifier servers that report telemetry to ``otlp_port`` every 0.2 s and
+    take injected faults, stopped by ``stops``."""
+    servers = []
+    for i in range(1, count + 1):
+        server = start_server(
+            repo, workdir / f"s{i}", "--models", "classifier",
+            "--otlp-endpoint", f"127.0.0.1:{otlp_port}", "--telemetry-interval", "0.2",
+            "--enable-fault-injection", *flags,
+        )  # fmt: skip
+        stops.callback(server.stop)
+        servers.append(server)
+    return servers
 
 
 def start_plane_and_envoy(

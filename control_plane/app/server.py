@@ -484,18 +484,21 @@ class ControlPlane:
 
     def effective_topology(self) -> Topology:
         """The topology with the operator's (and canaries') version splits in place of the
-        file's, the models whose circuit is open routed to their fallback, and discovery's
-        pods (``upstream_tls``)."""
+        file's, the models whose circuit is open routed to their fallback, each model's
+        per-try timeout from telemetry (routing.hedging), and discovery's pods
+        (``upstream_tls``)."""
         opened = self.fallbacks.open_models(time.monotonic())
         topology = self._discovered_topology()
         splits = self.operator.splits
-        if not splits and not opened:
+        hedges = self.router.pool_hedges()
+        if not splits and not opened and not hedges:
             return topology
         models = tuple(
             dataclasses.replace(
                 m,
                 version_split=splits.get(m.name, m.version_split),
                 fallback_active=m.name in opened,
+                hedge_per_try_s=hedges[m.name].timeout_s if m.name in hedges else None,
             )
             for m in self.topology.models
         )

@@ -10,7 +10,7 @@ from typing import Any
 
 from control_plane.model import lanes
 from control_plane.model.canary import CanaryPolicy, parse_policy
-from control_plane.model.mesh import CircuitBreaker, ModelRoute, RateLimit
+from control_plane.model.mesh import CircuitBreaker, HedgingPolicy, ModelRoute, RateLimit
 from control_plane.model.schema import Checker, show
 from control_plane.scoring.types import PoolPolicy, ScoreWeights
 
@@ -19,7 +19,13 @@ _MODEL = {
     "timeout_s": "positive", "version_split": "split", "routing": "routing", "canary": "canary",
     "rate_limit": "rate_limit", "circuit_breaker": "circuit_breaker", "fallback": "name",
     "generative": "bool", "placement": "mapping", "memory_bytes": "positive",
-    "sla_classes": "mapping", "large_inputs": "mapping",
+    "sla_classes": "mapping", "large_inputs": "mapping", "hedging": "mapping",
+    "idempotent": "bool",
+}  # fmt: skip
+# models[].hedging (control_plane.routing.hedging); defaults: HedgingPolicy's
+_HEDGING = {
+    "enabled": "bool", "multiplier": "positive", "floor_ms": "positive",
+    "budget_percent": "percent", "hysteresis": "fraction",
 }  # fmt: skip
 _PLACEMENT_RULE = ("require", "prefer", "prefer_weight")
 DEFAULT_PREFER_WEIGHT = 0.2  # the labels scorer's weight when a model prefers labels
@@ -80,16 +86,16 @@ def parse_models(
             lanes.parse_large_inputs(c, m["large_inputs"], f"{path}.large_inputs")
             if "large_inputs" in m else None
         )  # fmt: skip
+        generative = c.value(m, path, "generative", "bool", False)
         routes.append(
             ModelRoute(
                 name, sla, timeout, split, parse_rate_limit(c, m, path), _breaker(c, m, path),
                 c.value(m, path, "fallback", "name", None), sla_classes=classes,
-                large_inputs=large,
+                large_inputs=large, hedging=_hedging(c, m, path, generative),
             )
         )  # fmt: skip
         per_class = _capacity(c, m, path)
         capacity.append((name, per_class[0][1]))
-        generative = c.value(m, path, "generative", "bool", False)
         routing = (m.get("routing", {}), f"{path}.routing", capacity[-1][1], sla, generative)
         pool = _placement(c, m, path, _policy(c, *routing))
         policies.append((name, dataclasses.replace(pool, capacity_by_class=per_class[1:])))
@@ -99,6 +105,28 @@ def parse_models(
             canaries.append((name, policy))
     _check_fallbacks(c, routes)
     return tuple(routes), tuple(capacity), tuple(policies), tuple(canaries)
+
+
+def _hedging(c: Checker, m: dict[str, Any], path: str, generative: bool) -> HedgingPolicy | None:
+    """``hedging:``, on by default for idempotent non-generative models. A generation's time
+    follows its output's length, not the server's health: a hedge would run it twice. A model
+    declared ``idempotent: false`` is never hedged (a hedge runs the request twice)."""
+    idempotent = c.value(m, path, "idempotent", "bool", True)
+    given = c.mapping(m.get("hedging", {}), f"{path}.hedging") or {}
+    where = f"{path}.hedging"
+    c.keys(given, where, _HEDGING)
+    default = HedgingPolicy()
+    enabled = c.value(given, where, "enabled", "bool", idempotent and not generative)
+    if enabled and not idempotent:
+        c.errors.append(f"{where}.enabled: a model declared idempotent: false cannot be hedged")
+    if not enabled:
+        return None
+    return HedgingPolicy(
+        multiplier=c.value(given, where, "multiplier", "positive", default.multiplier),
+        floor_ms=c.value(given, where, "floor_ms", "positive", default.floor_ms),
+        budget_percent=c.value(given, where, "budget_percent", "percent", default.budget_percent),
+        hysteresis=c.value(given, where, "hysteresis", "fraction", default.hysteresis),
+    )
 
 
 def _capacity(c: Checker, m: dict[str, Any], path: str) -> tuple[tuple[str, float], ...]:

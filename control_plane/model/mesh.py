@@ -157,6 +157,19 @@ class CircuitBreaker:
 
 
 @dataclass(frozen=True)
+class HedgingPolicy:
+    """A model's hedged requests (control_plane.routing.hedging): a unary try that has not
+    answered within ``multiplier`` x the pool's healthy P99 (clamped to ``floor_ms`` and the
+    SLA P99) races a second try on another host; at most ``budget_percent`` of the requests in
+    flight to the model's clusters may be retries or hedges."""
+
+    multiplier: float = 2.0
+    floor_ms: float = 5.0
+    budget_percent: float = 10.0
+    hysteresis: float = 0.25  # the per-try timeout moves when it would change by more
+
+
+@dataclass(frozen=True)
 class SlaClass:
     """How requests of one SLA class are routed: their own deadline and retries."""
 
@@ -193,6 +206,9 @@ class ModelRoute:
     fallback_active: bool = False  # the circuit is open: every request goes to the fallback
     sla_classes: tuple[SlaClass, ...] = ()  # x-sla-class values with their own route (lanes)
     large_inputs: LargeInputs | None = None  # a lane for requests with large declared inputs
+    # Hedging (None: off: generative or non-idempotent models, or turned off in the topology)
+    hedging: HedgingPolicy | None = HedgingPolicy()
+    hedge_per_try_s: float | None = None  # the per-try timeout telemetry set (None: not yet)
 
 
 @dataclass(frozen=True)

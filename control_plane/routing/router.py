@@ -8,6 +8,7 @@ plane pushes only when a pool's decision says so (hysteresis), so noise does not
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections import deque
@@ -19,6 +20,7 @@ from control_plane.config.topology import Topology
 from control_plane.discovery.placement import EndpointReport
 from control_plane.model.lanes import fleet_labels
 from control_plane.model.mesh import EndpointAddress, EndpointHealth
+from control_plane.routing.hedging import PerTry, per_try, pool_p99_ms
 from control_plane.scoring.at_rest import at_rest, signals_moved
 from control_plane.scoring.ejection import (
     EjectionCause,
@@ -50,6 +52,7 @@ class PoolMemory:
     # while neither moves, the pool is not recomputed.
     rest: tuple[list[EndpointSignals], PoolPolicy] | None = None
     computed_at: float | None = None  # the time of the last recompute
+    hedge: PerTry | None = None  # the per-try timeout in force (routing.hedging)
 
 
 def _value(signal: Any) -> float | None:
@@ -228,6 +231,8 @@ class Router:
             memory = self.pools.setdefault(model.name, PoolMemory())
             policy = topology.policy(model.name)
             signals = pool_signals(model.name, telemetry, reports, members, labels, made)
+            if model.hedging is None and memory.hedge is not None:  # turned off (a reload)
+                memory.hedge, changed = None, True
             rest = memory.rest
             tolerance = policy.recompute_tolerance
             if rest and rest[1] == policy and not signals_moved(rest[0], signals, tolerance):
@@ -254,6 +259,11 @@ class Router:
                 if now_state.ejected and (was is None or not was.ejected):
                     new_ejections.append(ejection_cause(now_state.causes))
             memory.ejections = dict(ejection.states)
+            p99 = pool_p99_ms(signals, ejection.health)  # hedging from the pool's healthy P99
+            hedge = per_try(model.hedging, model.sla_p99_ms, p99, memory.hedge)
+            if hedge != memory.hedge:
+                self.log(model.name, f"hedging: {hedge.why if hedge else 'off'}", wall)
+                memory.hedge, changed = hedge, True
             on_probation = _probation(memory, signals, ejection.states, policy, now)
             ramped = apply_slow_start(decision.weights, memory.joined_at, now, policy.slow_start_s)
             ramped.update({ep: 1 for ep in on_probation if ep in ramped})
@@ -298,11 +308,16 @@ class Router:
     def pool_weights(self) -> dict[str, dict[EndpointAddress, int]]:
         return {name: dict(m.weights) for name, m in self.pools.items()}
 
+    def pool_hedges(self) -> dict[str, PerTry]:
+        """Per model, the per-try timeout telemetry set (models not hedged, or with no P99
+        yet, are absent)."""
+        return {name: m.hedge for name, m in self.pools.items() if m.hedge is not None}
+
     def pool_health(self) -> dict[str, dict[EndpointAddress, EndpointHealth]]:
         return {name: dict(m.health) for name, m in self.pools.items()}
 
     def explain(self) -> dict[str, Any]:
-        return {name: _explain(m.explanation) for name, m in sorted(self.pools.items())}
+        return {name: _explain(m.explanation, m.hedge) for name, m in sorted(self.pools.items())}
 
 
 Explanation = tuple[
@@ -311,10 +326,12 @@ Explanation = tuple[
 ]  # fmt: skip
 
 
-def _explain(explanation: Explanation | None) -> dict[str, Any]:
-    """Each endpoint's score, weight, health and why, in words."""
+def _explain(explanation: Explanation | None, hedge: PerTry | None = None) -> dict[str, Any]:
+    """Each endpoint's score, weight, health and why, in words; the hedging in force."""
     if explanation is None:
         return {}
+    if hedge is not None:
+        return {**_explain(explanation), "hedging": dataclasses.asdict(hedge)}
     signals, decision, ejection, on_probation, ramped, policy, weights = explanation
     return {
         "endpoints": {

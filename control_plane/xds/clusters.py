@@ -22,7 +22,9 @@ from control_plane.model.mesh import (
     NO_PODS,
     EndpointAssignment,
     EndpointHealth,
+    ListenerOptions,
     MeshState,
+    ModelRoute,
     ServerPods,
     checks_health,
     cluster_model,
@@ -110,7 +112,7 @@ def build_cluster(state: MeshState, name: str) -> cluster_pb2.Cluster:
         else [],
         outlier_detection=outlier_detection(),
         circuit_breakers=circuit_breakers(
-            options.retry_budget_percent, model.circuit_breaker if model else None
+            retry_budget_percent(options, model), model.circuit_breaker if model else None
         ),
         # Per-endpoint stats reach the control plane through Envoy's stat sink every second:
         # where Envoy checks (every cluster, or with health_checks "model" the model's own
@@ -184,3 +186,11 @@ def build_assignment(
         ]  # fmt: skip
         load.endpoints.add(lb_endpoints=endpoints, priority=level)
     return load
+
+
+def retry_budget_percent(options: ListenerOptions, model: ModelRoute | None) -> float:
+    """The share of a cluster's requests in flight that may be retries: the listener's, or a
+    hedged model's hedging budget where that is lower (hedges count as retries in Envoy)."""
+    if model is None or model.hedging is None:
+        return options.retry_budget_percent
+    return min(options.retry_budget_percent, model.hedging.budget_percent)

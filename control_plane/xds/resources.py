@@ -266,10 +266,16 @@ def model_action(
     given, else by its version split."""
     timeout = model.timeout_s if sla is None else sla.timeout_s
     per_try = timeout if sla is None or sla.per_try_timeout_s is None else sla.per_try_timeout_s
+    hedge = model.hedge_per_try_s if model.hedging is not None else None
+    hedged = hedge is not None and (sla is None or sla.per_try_timeout_s is None)
+    if hedge is not None and hedged:  # routing.hedging: from the pool's P99
+        per_try = min(hedge, timeout)
     action = rc_pb2.RouteAction(
         timeout=duration(timeout),
         retry_policy=retry_policy(state, per_try, None if sla is None else sla.max_retries),
     )
+    if hedged:  # a try past its per-try timeout races another host, and is not cancelled
+        action.hedge_policy.hedge_on_per_try_timeout = True
     weights = [] if cluster else split_weights(model)
     versions = [v for v, w in model.version_split if w > 0]  # the same order as split_weights
     target = cluster or model_cluster(model.name)
@@ -307,6 +313,7 @@ def model_routes(
     stream_action = rc_pb2.RouteAction()
     stream_action.CopyFrom(action)
     stream_action.ClearField("retry_policy")
+    stream_action.ClearField("hedge_policy")  # a stream is never hedged: never replayed
     stream_action.timeout.CopyFrom(duration(0))
     stream_action.idle_timeout.CopyFrom(duration(model.timeout_s))
     edge_limits.exempt_stream(stream_action)

@@ -14,8 +14,13 @@ import tritonclient.grpc as grpcclient
 
 from control_plane.model.mesh import model_cluster
 from tests.envoy_support import Envoy, free_port
-from tests.mesh_support import ControlPlaneThread, start_plane_and_envoy, write_topology
-from tests.support import ServerProcess, Traffic, post_faults, start_server, wait_for
+from tests.mesh_support import (
+    ControlPlaneThread,
+    start_plane_and_envoy,
+    start_reporting_servers,
+    write_topology,
+)
+from tests.support import ServerProcess, Traffic, post_faults, wait_for
 
 pytestmark = pytest.mark.integration
 MiB = 1024 * 1024
@@ -28,16 +33,14 @@ def mesh(
     workdir = tmp_path_factory.mktemp("routing")
     otlp, listener = free_port(), free_port()
     with contextlib.ExitStack() as stops:
-        servers = []
-        for i in (1, 2, 3):
-            server = start_server(
-                demo_repo, workdir / f"s{i}", "--models", "classifier",
-                "--otlp-endpoint", f"127.0.0.1:{otlp}", "--telemetry-interval", "0.2",
-                "--enable-fault-injection", "--memory-budget", "600MiB",
-            )  # fmt: skip
-            stops.callback(server.stop)
-            servers.append(server)
-        topology = write_topology(workdir / "t.yaml", listener, [s.url for s in servers])
+        servers = start_reporting_servers(
+            stops, demo_repo, workdir, otlp, "--memory-budget", "600MiB"
+        )
+        # Telemetry-driven weights and ejections alone: with hedging, the slow server's tries
+        # lose their races and are cancelled (test_hedging_e2e.py has it on).
+        topology = write_topology(
+            workdir / "t.yaml", listener, [s.url for s in servers], hedging={"enabled": False}
+        )
         plane, envoy = start_plane_and_envoy(stops, workdir, topology, listener, 3, otlp)
         yield servers, plane, envoy, listener
 

@@ -186,7 +186,7 @@ ERROR_CASES = [
     ("models.0.name", "", "models[0].name: must be a model name (letters, digits, '_', '.', '-'), got \"\""),  # noqa: E501
     ("models.0.name", "a:b", "models[0].name: must be a model name (letters, digits, '_', '.', '-'), got \"a:b\""),  # noqa: E501
     ("models.0.name", 7, "models[0].name: must be a string, got 7"),
-    ("models.0.sla_p99", 5, "models[0].sla_p99: unknown key (expected one of: name, sla_p99_ms, capacity_qps, timeout_s, version_split, routing, canary, rate_limit, circuit_breaker, fallback, generative, placement, memory_bytes, sla_classes, large_inputs)"),  # noqa: E501
+    ("models.0.sla_p99", 5, "models[0].sla_p99: unknown key (expected one of: name, sla_p99_ms, capacity_qps, timeout_s, version_split, routing, canary, rate_limit, circuit_breaker, fallback, generative, placement, memory_bytes, sla_classes, large_inputs, hedging, idempotent)"),  # noqa: E501
     ("models.0.version_split", {}, "models[0].version_split: must be a non-empty mapping of version to weight, got {}"),  # noqa: E501
     ("models.0.version_split", [1, 2], "models[0].version_split: must be a non-empty mapping of version to weight, got [1, 2]"),  # noqa: E501
     ("models.0.version_split", {"v1": 1}, 'models[0].version_split: versions must be numbers like "1", got "v1"'),  # noqa: E501

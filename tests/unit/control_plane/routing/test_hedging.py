@@ -1,0 +1,150 @@
+"""Hedged requests: the per-try timeout follows the pool's healthy P99, and only unary
+inference of idempotent, non-generative models is hedged."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from control_plane.config.topology import TopologyError, parse_topology
+from control_plane.model.mesh import (
+    ROUTE_CONFIG_NAME,
+    EndpointAddress,
+    EndpointAssignment,
+    EndpointHealth,
+    HedgingPolicy,
+    ListenerOptions,
+    MeshState,
+    ModelRoute,
+    SlaClass,
+    model_cluster,
+)
+from control_plane.routing.hedging import PerTry, per_try, pool_p99_ms
+from control_plane.scoring.types import EndpointSignals
+from control_plane.xds.resources import CLUSTER_TYPE, ROUTE_TYPE, build_resources
+
+POLICY = HedgingPolicy(multiplier=3.0, floor_ms=5.0, hysteresis=0.25)
+
+
+def signal(endpoint: str, p99_ms: float | None, stale: bool = False) -> EndpointSignals:
+    return EndpointSignals(endpoint, p99_ms=p99_ms, stale=stale)
+
+
+def test_the_pools_healthy_p99_leaves_out_the_ejected_and_the_stale() -> None:
+    signals = [signal("a", 6.0), signal("b", 7.0), signal("c", 200.0), signal("d", 1.0, True)]
+    assert pool_p99_ms(signals, {"c": "UNHEALTHY"}) == 6.5
+    # one slow server among three does not move the median it is measured against
+    assert pool_p99_ms(signals[:3], {}) == 7.0
+    assert pool_p99_ms([signal("a", None)], {}) is None
+
+
+def test_the_per_try_timeout_is_the_multiple_and_says_so() -> None:
+    found = per_try(POLICY, 50.0, 6.0, None)
+    assert found == PerTry(18.0, 6.0, "per-try 18 ms = 3 x pool P99 6.0 ms")
+    assert found.timeout_s == pytest.approx(0.018)
+
+
+def test_the_per_try_timeout_is_clamped_to_the_floor_and_the_sla() -> None:
+    low = per_try(POLICY, 50.0, 1.0, None)
+    assert low is not None and low.per_try_ms == 5.0 and "the floor" in low.why
+    high = per_try(POLICY, 50.0, 40.0, None)
+    assert high is not None and high.per_try_ms == 50.0 and "the SLA P99" in high.why
+
+
+def test_small_moves_keep_the_timeout_in_force_and_large_ones_replace_it() -> None:
+    current = per_try(POLICY, 100.0, 6.0, None)  # 18 ms
+    assert per_try(POLICY, 100.0, 7.0, current) is current  # 21 ms: within 25 %
+    moved = per_try(POLICY, 100.0, 8.0, current)  # 24 ms: more than 25 %
+    assert moved is not None and moved.per_try_ms == 24.0
+
+
+def test_no_p99_keeps_what_is_in_force_and_no_policy_hedges_nothing() -> None:
+    current = per_try(POLICY, 100.0, 6.0, None)
+    assert per_try(POLICY, 100.0, None, current) is current
+    assert per_try(POLICY, 100.0, None, None) is None
+    assert per_try(None, 100.0, 6.0, current) is None
+
+
+def routes_and_clusters(model: ModelRoute) -> tuple[dict[str, Any], dict[str, Any]]:
+    a = EndpointAddress("127.0.0.1", 8001)
+    clusters = {model_cluster(model.name): (EndpointAssignment(a, 1, EndpointHealth.HEALTHY),)}
+    state = MeshState(ListenerOptions(), (model,), clusters)
+    resources = build_resources(state)
+    config: Any = resources[ROUTE_TYPE][ROUTE_CONFIG_NAME]
+    return {r.name: r for r in config.virtual_hosts[0].routes}, resources[CLUSTER_TYPE]
+
+
+def test_a_hedged_model_races_a_slow_try_on_another_host() -> None:
+    routes, clusters = routes_and_clusters(ModelRoute("classifier", 50, 2.0, hedge_per_try_s=0.018))
+    unary = routes[model_cluster("classifier")].route
+    assert unary.hedge_policy.hedge_on_per_try_timeout
+    assert unary.retry_policy.per_try_timeout.ToMilliseconds() == 18
+    assert unary.retry_policy.num_retries.value >= 1
+    predicates = [p.name for p in unary.retry_policy.retry_host_predicate]
+    assert predicates == ["envoy.retry_host_predicates.previous_hosts"]  # never the same host
+    stream = routes[f"{model_cluster('classifier')}:stream"].route
+    assert not stream.HasField("hedge_policy") and not stream.HasField("retry_policy")
+    (limits,) = clusters[model_cluster("classifier")].circuit_breakers.thresholds
+    assert limits.retry_budget.budget_percent.value == 10
+
+
+def test_without_a_p99_or_with_hedging_off_a_try_has_the_whole_timeout() -> None:
+    for model in (
+        ModelRoute("classifier", 50, 2.0),  # no P99 yet
+        ModelRoute("classifier", 50, 2.0, hedging=None, hedge_per_try_s=0.018),
+    ):
+        routes, clusters = routes_and_clusters(model)
+        unary = routes[model_cluster("classifier")].route
+        assert not unary.HasField("hedge_policy")
+        assert unary.retry_policy.per_try_timeout.ToMilliseconds() == 2000
+    (limits,) = clusters[model_cluster("classifier")].circuit_breakers.thresholds
+    assert limits.retry_budget.budget_percent.value == 25  # the listener's
+
+
+def test_an_sla_class_with_its_own_per_try_timeout_is_not_hedged() -> None:
+    lanes = (SlaClass("interactive", 1.0, 1, 0.1), SlaClass("batch", 10.0))
+    model = ModelRoute("classifier", 50, 2.0, sla_classes=lanes, hedge_per_try_s=0.018)
+    routes, _ = routes_and_clusters(model)
+    by_lane = {n: r.route for n, r in routes.items() if ":sla:" in n and "stream" not in n}
+    interactive = next(r for n, r in by_lane.items() if "interactive" in n)
+    batch = next(r for n, r in by_lane.items() if "batch" in n)
+    assert not interactive.HasField("hedge_policy")
+    assert interactive.retry_policy.per_try_timeout.ToMilliseconds() == 100
+    assert batch.hedge_policy.hedge_on_per_try_timeout
+    assert batch.retry_policy.per_try_timeout.ToMilliseconds() == 18
+
+
+def model_config(**fields: Any) -> dict[str, Any]:
+    return {"models": [{"name": "m", "sla_p99_ms": 50, "capacity_qps": 100, **fields}]}
+
+
+def test_hedging_is_on_by_default_and_off_for_generative_and_non_idempotent_models() -> None:
+    def hedging(**fields: Any) -> HedgingPolicy | None:
+        return parse_topology(model_config(**fields)).models[0].hedging
+
+    assert hedging() == HedgingPolicy()
+    assert hedging(generative=True) is None
+    assert hedging(idempotent=False) is None
+    assert hedging(hedging={"enabled": False}) is None
+    assert hedging(generative=True, hedging={"enabled": True}) == HedgingPolicy()
+    tuned = hedging(hedging={"multiplier": 1.5, "floor_ms": 2, "budget_percent": 5})
+    assert tuned == HedgingPolicy(multiplier=1.5, floor_ms=2, budget_percent=5)
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        (
+            {"idempotent": False, "hedging": {"enabled": True}},
+            "models[0].hedging.enabled: a model declared idempotent: false cannot be hedged",
+        ),
+        ({"hedging": {"multiplier": 0}}, "models[0].hedging.multiplier"),
+        ({"hedging": {"budget_percent": 120}}, "models[0].hedging.budget_percent"),
+        ({"hedging": {"delay_ms": 3}}, "models[0].hedging.delay_ms: unknown key"),
+    ],
+)
+def test_bad_hedging_settings_name_the_field(fields: dict[str, Any], error: str) -> None:
+    with pytest.raises(TopologyError) as info:
+        parse_topology(model_config(**fields))
+    assert any(e.startswith(error) for e in info.value.errors), info.value.errors
