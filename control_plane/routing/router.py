@@ -134,6 +134,7 @@ def _signals(
         qps=_value(per_model.qps if per_model else seen.qps),
         p99_ms=_value(per_model.p99_ms if per_model else seen.p99_ms),
         error_rate=_value(seen.error_rate),
+        abandoned_rate=_value(seen.abandoned_rate),
         memory_used_bytes=_value(seen.memory_used_bytes),
         memory_total_bytes=_value(seen.memory_total_bytes),
         kv_blocks_used=_value(seen.kv_blocks_used),

@@ -29,6 +29,7 @@ _NUMBERS = (
     "qps",
     "p99_ms",
     "error_rate",
+    "abandoned_rate",
     "memory_used_bytes",
     "memory_total_bytes",
     "kv_blocks_used",

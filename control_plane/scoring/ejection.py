@@ -106,6 +106,16 @@ def _judge(
         err = sig.error_rate
         causes.append(f"error rate {_pct(sig.error_rate)} >= {_pct(policy.error_rate_eject)}")
         kinds.add(EjectionCause.ERRORS)
+    abandoned = sig.abandoned_rate
+    if abandoned is not None and abandoned >= policy.error_rate_eject:
+        # Hedging cancels the tries that lost their race: the server's own P99 then stops at
+        # about the per-try timeout, and the share its callers gave up on says how slow it is.
+        lat = max(lat, abandoned)
+        causes.append(
+            f"tries abandoned {_pct(abandoned)} >= {_pct(policy.error_rate_eject)} (slower "
+            "than the per-try timeout: hedged to other servers)"
+        )
+        kinds.add(EjectionCause.LATENCY)
     strikes, struck_at = 0, None
     limit = policy.latency_eject_factor * policy.sla_p99_ms
     if others_p99 is not None and policy.latency_eject_vs_pool > 0:

@@ -28,6 +28,7 @@ class EndpointSignals:
     qps: float | None = None
     p99_ms: float | None = None
     error_rate: float | None = None  # 0..1
+    abandoned_rate: float | None = None  # 0..1: cancelled by their callers (hedges that lost)
     memory_used_bytes: float | None = None
     memory_total_bytes: float | None = None
     kv_blocks_used: float | None = None

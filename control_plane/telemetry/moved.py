@@ -36,6 +36,7 @@ _SIGNALS = (
     "p99_ms",
     "qps",
     "error_rate",
+    "abandoned_rate",
     "queue_depth",
     "in_flight",
     "memory_used_bytes",

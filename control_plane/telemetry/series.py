@@ -19,6 +19,7 @@ from infermesh import wire
 
 DURATION, REQUESTS = wire.REQUEST_DURATION, wire.REQUESTS
 OK_CODES = frozenset({"ok", "0", "200", "success"})
+CANCELLED_CODES = frozenset({"cancelled", "1", "499"})  # gRPC CANCELLED; HTTP 499
 MAX_SAMPLES = 256  # per series; a faster exporter shortens the window rather than the memory
 
 _new_pair = tuple.__new__
@@ -186,18 +187,40 @@ def rate(series: Labeled, now: float, window_s: float) -> Signal | None:
     return Signal(total, now - newest) if found else None
 
 
-def error_rate(series: Labeled, now: float, window_s: float) -> Signal | None:
-    errors = total = 0.0
+def _outcomes(series: Labeled, window_s: float) -> tuple[float, float, float, float]:
+    """(errors, cancelled, all requests, the newest sample's time) over the window."""
+    errors = cancelled = total = 0.0
     newest = -math.inf
     for attrs, s in series:
         delta, span, t = s.delta(window_s)
         if span > 0:
+            code = attrs.get("code", "").lower()
             total += delta[0]
-            errors += 0.0 if attrs.get("code", "").lower() in OK_CODES else delta[0]
+            if code in CANCELLED_CODES:
+                cancelled += delta[0]
+            elif code not in OK_CODES:
+                errors += delta[0]
             newest = max(newest, t)
+    return errors, cancelled, total, newest
+
+
+def error_rate(series: Labeled, now: float, window_s: float) -> Signal | None:
+    """Failed requests over judged ones: a request its caller cancelled (a hedge that lost
+    its race, a client that gave up) is neither a success nor the server's failure."""
+    errors, cancelled, total, newest = _outcomes(series, window_s)
     if newest == -math.inf:
         return None
-    return Signal(errors / total if total > 0 else 0.0, now - newest)
+    judged = total - cancelled
+    return Signal(errors / judged if judged > 0 else 0.0, now - newest)
+
+
+def abandoned_rate(series: Labeled, now: float, window_s: float) -> Signal | None:
+    """Requests their callers cancelled over all requests: with hedging, the tries that were
+    slower than the per-try timeout and lost their race to another server."""
+    _, cancelled, total, newest = _outcomes(series, window_s)
+    if newest == -math.inf:
+        return None
+    return Signal(cancelled / total if total > 0 else 0.0, now - newest)
 
 
 def _count(series: Labeled, window_s: float) -> float:

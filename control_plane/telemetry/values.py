@@ -52,6 +52,7 @@ class EndpointTelemetry:
     p99_ms: Signal | None = None
     qps: Signal | None = None
     error_rate: Signal | None = None
+    abandoned_rate: Signal | None = None  # cancelled by their callers (hedges that lost)
     queue_depth: Signal | None = None
     in_flight: Signal | None = None
     memory_used_bytes: Signal | None = None
@@ -115,6 +116,7 @@ def aged(t: EndpointTelemetry, dt: float, stale_after_intervals: float) -> Endpo
         p99_ms=older(t.p99_ms),
         qps=older(t.qps),
         error_rate=older(t.error_rate),
+        abandoned_rate=older(t.abandoned_rate),
         queue_depth=older(t.queue_depth),
         in_flight=older(t.in_flight),
         memory_used_bytes=older(t.memory_used_bytes),

@@ -62,6 +62,11 @@ def decide(
         ),
         ({"error_rate": 0.6}, "ejected: error rate 60% >= 50%"),
         ({"error_rate": 0.5}, "ejected: error rate 50% >= 50%"),
+        (
+            {"abandoned_rate": 0.7},
+            "ejected: tries abandoned 70% >= 50% (slower than the per-try timeout: hedged to "
+            "other servers)",
+        ),
         ({"memory_used_bytes": 95 * GIB}, "ejected: memory 95% >= watermark 95%"),
     ],
 )

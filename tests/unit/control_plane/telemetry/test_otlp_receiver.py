@@ -93,7 +93,8 @@ def sdk_export(port: int) -> None:
         for i in range(100):
             labels = {"model": "classifier", "version": "1"}
             duration.record(0.002 if i < 98 else 0.2, labels)
-            requests.add(1, {**labels, "code": "OK" if i < 90 else "UNAVAILABLE"})
+            code = "OK" if i < 80 else "CANCELLED" if i < 90 else "UNAVAILABLE"
+            requests.add(1, {**labels, "code": code})
         time.sleep(0.2)  # a measurable span since the provider started
         assert provider.force_flush(timeout_millis=10_000)
     finally:
@@ -106,7 +107,9 @@ async def test_sdk_exporter_reaches_the_store(receiver: Receiver) -> None:
     e = snapshot[ENDPOINT]
     assert not e.stale and e.age_s < 5
     assert e.qps is not None and e.qps.value > 0
-    assert e.error_rate is not None and e.error_rate.value == pytest.approx(0.1)
+    # a request its caller cancelled (a hedge's loser) is not the server's failure
+    assert e.error_rate is not None and e.error_rate.value == pytest.approx(10 / 90)
+    assert e.abandoned_rate is not None and e.abandoned_rate.value == pytest.approx(0.1)
     assert e.p50_ms is not None and 1.0 <= e.p50_ms.value <= 2.5
     assert e.p99_ms is not None and 100.0 <= e.p99_ms.value <= 250.0
     assert [x.model for x in e.models] == ["classifier"]
