@@ -23,6 +23,7 @@ from tritonclient.grpc import service_pb2
 
 from model_server.core.datatypes import DATATYPES
 from model_server.core.errors import InferenceError, InvalidInput
+from model_server.core.validation import whole_number
 from model_server.protocol.shared_memory import Region, SharedMemoryRegistry
 from model_server.security.access import Restriction, check_metadata
 
@@ -64,21 +65,11 @@ def tensor_ref(parameters: Mapping[str, Any], where: str) -> TensorRef | None:
         raise InvalidInput(f"{where}: parameters[{REGION!r}]: expected a region name (a string)")
     if BYTE_SIZE not in parameters:
         raise InvalidInput(f"{where}: parameters[{BYTE_SIZE!r}] is required with {REGION!r}")
-    size = _count(parameters[BYTE_SIZE], BYTE_SIZE, where)
-    offset = _count(parameters[OFFSET], OFFSET, where) if OFFSET in parameters else 0
+    size = whole_number(parameters[BYTE_SIZE], f"{where}: parameters[{BYTE_SIZE!r}]")
+    offset = 0
+    if OFFSET in parameters:
+        offset = whole_number(parameters[OFFSET], f"{where}: parameters[{OFFSET!r}]")
     return TensorRef(region.string_param, offset, size)
-
-
-def _count(parameter: Any, name: str, where: str) -> int:
-    kind = parameter.WhichOneof("parameter_choice")
-    value = getattr(parameter, kind) if kind in ("int64_param", "uint64_param") else None
-    if value is None or value < 0:
-        shown = getattr(parameter, kind) if kind else None
-        raise InvalidInput(
-            f"{where}: parameters[{name!r}]: expected an int64 >= 0, got {kind or 'nothing'} "
-            f"{shown!r}"
-        )
-    return int(value)
 
 
 class RegionRequest:
