@@ -7,7 +7,10 @@ references, and keeps serving."""
 
 from __future__ import annotations
 
+import json
 import os
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -213,6 +216,21 @@ def test_hostile_calls_are_refused_by_name_and_the_server_keeps_serving(
              "parameters['shared_memory_byte_size']: expected an int64 or uint64 >= 0"),
         ):  # fmt: skip
             assert _refused(infer, *args).startswith(expected)
+
+        body = {
+            "inputs": [
+                {"name": n, "shape": [1, 16], "datatype": "INT32", "data": [0] * 16}
+                for n in ("INPUT0", "INPUT1")
+            ],
+            "outputs": [{"name": "OUTPUT0", "parameters": {"shared_memory_region": "in",
+                                                          "shared_memory_byte_size": SIZE}}],
+        }  # fmt: skip
+        url = f"http://127.0.0.1:{server.http_port}/v2/models/simple/infer"
+        request = urllib.request.Request(url, json.dumps(body).encode(), AUTH, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == 400
+        assert "served over gRPC only" in refused.value.read().decode()
 
         answer = infer(SIZE, 0)  # still serving, the region intact
         assert np.array_equal(answer.as_numpy("OUTPUT0"), INPUT0 + INPUT1)
