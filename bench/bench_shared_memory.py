@@ -8,7 +8,9 @@ input from numpy and reads the output with ``as_numpy``; the shared-memory mode 
 input into its region (``set_shared_memory_region``, a 4 MiB copy) and reads the output from
 its region (``get_contents_as_numpy``, a view). Both answers are checked against the input
 once before the rounds. Prints per mode the median QPS of the rounds with their spread
-(min-max), server CPU ms per request, the ratio of the medians and each round's ratio.
+(min-max), server CPU ms per request, the ratio of the medians and each round's ratio, and
+what else ran: the load average and the busiest other processes (CPU % from /proc), before
+and during the rounds.
 
     flock /tmp/infermesh-bench.lock .venv/bin/python bench/bench_shared_memory.py \
         [--rounds 5 --duration 4 --clients 1]
@@ -19,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -112,14 +113,31 @@ def timed(calls: list[Callable[[], np.ndarray]], seconds: float, pid: int) -> Ro
     return Round(done / elapsed, cpu_ms)
 
 
-def host_load() -> str:
-    """The load average and the busiest processes, to say what else ran."""
-    top = subprocess.run(
-        ["ps", "-eo", "pcpu,pid,comm", "--sort=-pcpu", "--no-headers"],
-        capture_output=True, text=True, check=False,
-    ).stdout.splitlines()[:5]  # fmt: skip
+def _ticks() -> dict[int, tuple[str, int]]:
+    """pid -> (command, utime + stime) of every process now."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            head, tail = stat.read_text().rsplit(")", 1)
+        except OSError:
+            continue  # gone meanwhile
+        fields = tail.split()
+        found[int(stat.parent.name)] = (head.split("(", 1)[1], int(fields[11]) + int(fields[12]))
+    return found
+
+
+def others(before: dict[int, tuple[str, int]], seconds: float, mine: set[int]) -> str:
+    """The load average, and the busiest processes other than ``mine`` since ``before``."""
+    after = _ticks()
+    hz = os.sysconf("SC_CLK_TCK")
+    busy = sorted(
+        ((after[p][1] - before[p][1]) / hz / seconds * 100, p, after[p][0])
+        for p in after
+        if p in before and p not in mine
+    )[::-1][:5]
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"load average {load}; busiest: " + "; ".join(line.strip() for line in top)
+    top = "; ".join(f"{command} (pid {pid}) {cpu:.0f}%" for cpu, pid, command in busy if cpu)
+    return f"load average {load}; other processes over {seconds:.0f} s: {top or 'none'}"
 
 
 def summary(name: str, rounds: list[Round]) -> float:
@@ -149,7 +167,9 @@ def main() -> int:
     cmd += ["--host", bms.HOST, "--port", "0", "--metrics-port", "0", "--http-port", "-1"]
     cmd += ["--restricted-api", restrict]
     spec = bms.ServerSpec("ours", cmd, bms.LISTEN_RE, bms.READY_RE)
-    print(f"before: {host_load()}")
+    sample = _ticks()
+    time.sleep(1.0)
+    print(f"before: {others(sample, 1.0, {os.getpid()})}")
     data = np.random.default_rng(0).random((1, ELEMENTS), dtype=np.float32)
     results: dict[str, list[Round]] = {MESSAGE: [], SHARED: []}
     with bms.start_server(spec, workdir / "server.log") as (pid, port, _):
@@ -163,6 +183,7 @@ def main() -> int:
             for name, calls in modes.items():
                 assert np.array_equal(calls[0](), data), f"{name}: wrong answer"
                 timed(calls, args.warmup, pid)
+            sample, started = _ticks(), time.monotonic()
             for index in range(args.rounds):
                 order = list(modes) if index % 2 == 0 else list(reversed(modes))
                 for name in order:
@@ -171,10 +192,11 @@ def main() -> int:
                     f"round {index + 1}: "
                     + ", ".join(f"{n} {results[n][-1].qps:.1f} QPS" for n in modes)
                 )
+            elapsed = time.monotonic() - started
+            print(f"during the rounds: {others(sample, elapsed, {os.getpid(), pid})}")
         finally:
             for client in clients:
                 client.close()
-    print(f"after: {host_load()}")
     print(f"4 MiB FP32 identity, {args.clients} client(s), {args.rounds} rounds x "
           f"{args.duration:g} s per mode")  # fmt: skip
     in_message = summary(MESSAGE, results[MESSAGE])

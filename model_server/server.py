@@ -1,4 +1,8 @@
-"""Assembles the model server: gRPC services, health, metrics, startup loading, polling, drain."""
+"""Assembles the model server: gRPC services, health, metrics, startup loading, polling, drain.
+
+Why it is one module of this length: it is the composition root, the one place that knows in
+which order the parts (each in its own package) start and stop.
+"""
 
 from __future__ import annotations
 
@@ -34,7 +38,6 @@ from model_server.observability.tracing import Tracing
 from model_server.protocol.admin_http import AdminServer, start_admin_server
 from model_server.protocol.rest import RestServer
 from model_server.protocol.service import InferenceService
-from model_server.protocol.shared_memory import SharedMemoryRegistry
 from model_server.protocol.shared_memory_tensors import SystemSharedMemory
 from model_server.scheduling.gate import ServingGate
 from model_server.security.access import RestrictedApiInterceptor, Restriction, restriction_table
@@ -130,7 +133,7 @@ class ModelServer:
         self.faults = FaultInjector(settings.enable_fault_injection)
         self.exporters: list[OtlpExporter] = []
         self.tls = self._server_tls(settings)
-        self.shared_memory: SystemSharedMemory | None = None
+        self.shared_memory = SystemSharedMemory.of(restriction_table(settings.restrictions))
 
     def _server_tls(self, settings: ServerSettings) -> ServerTls | None:
         """The checked certificate (raises pki.CertificateError, naming the file, when the
@@ -204,7 +207,7 @@ class ModelServer:
             self.on_repository_change,
             self.faults,
             model_control=s.model_control_mode,
-            shared_memory=self._shared_memory(restricted.get("shared-memory")),
+            shared_memory=self.shared_memory,
         )
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, self.grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
@@ -270,13 +273,6 @@ class ModelServer:
             )
             self.exporters.append(exporter)
             self._spawn(exporter.run())
-
-    def _shared_memory(self, restriction: Restriction | None) -> SystemSharedMemory:
-        """System shared memory, on only when its API group is restricted."""
-        self.shared_memory = SystemSharedMemory(restriction, SharedMemoryRegistry())
-        if restriction is not None:
-            log.info("system shared memory on, for callers with header %r", restriction.header)
-        return self.shared_memory
 
     async def _watch_certificates(self, tls: ServerTls) -> None:
         """Renewed files are taken into use within a second or two, handshakes or not (the
@@ -396,8 +392,7 @@ class ModelServer:
     async def stop(self, grace: float | None = None) -> None:
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace)
-        if self.shared_memory is not None:
-            self.shared_memory.registry.close()  # every region unmapped
+        self.shared_memory.registry.close()  # every region unmapped
         if self._rest is not None:
             await self._rest.stop()
             self._rest = None

@@ -13,6 +13,7 @@ into its region and leaves its entry in ``raw_output_contents`` empty (Triton's 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from model_server.core.errors import InferenceError, InvalidInput
 from model_server.core.validation import whole_number
 from model_server.protocol.shared_memory import Region, SharedMemoryRegistry
 from model_server.security.access import Restriction, check_metadata
+
+log = logging.getLogger(__name__)
 
 REGION = "shared_memory_region"
 BYTE_SIZE = "shared_memory_byte_size"
@@ -125,6 +128,14 @@ class SystemSharedMemory:
     def __init__(self, restriction: Restriction | None, registry: SharedMemoryRegistry) -> None:
         self.restriction = restriction
         self.registry = registry
+
+    @classmethod
+    def of(cls, restrictions: Mapping[str, Restriction]) -> SystemSharedMemory:
+        """The server's, from its ``--restricted-api`` table: on when the group is in it."""
+        restriction = restrictions.get(GROUP)
+        if restriction is not None:
+            log.info("system shared memory on, for callers with header %r", restriction.header)
+        return cls(restriction, SharedMemoryRegistry())
 
     @property
     def enabled(self) -> bool:
