@@ -22,9 +22,9 @@ weight matrices (~4.3 MB of the ~5.9 MB of weights) dominate the per-call cost w
 sample at a time, and a batched Gemm streams them once for the whole batch, so batching pays.
 
 The module also builds small helper models for tests (identity models per KServe datatype,
-a large model to exercise big model files) and writes every file atomically (temporary
-file in the same directory, then ``os.replace``) so a server polling the repository never
-sees half a file.
+Triton's ``simple`` add/sub model, a large model to exercise big model files) and writes
+every file atomically (temporary file in the same directory, then ``os.replace``) so a
+server polling the repository never sees half a file.
 """
 
 from __future__ import annotations
@@ -149,6 +149,23 @@ def build_identity_model(dtype: str, dims: list[int]) -> onnx.ModelProto:
         f"identity_{dtype.lower()}",
         [helper.make_tensor_value_info("x", elem, shape)],
         [helper.make_tensor_value_info("y", elem, shape)],
+    )
+    return _finish(graph)
+
+
+def build_add_sub_model(dtype: str = "INT32", width: int = 16) -> onnx.ModelProto:
+    """Triton's ``simple`` example model: INPUT0, INPUT1 ``[batch, width]`` ->
+    OUTPUT0 = INPUT0 + INPUT1, OUTPUT1 = INPUT0 - INPUT1 (what Triton's client examples call)."""
+    elem = KSERVE_TO_ONNX[dtype.upper()]
+    shape = _shape([-1, width])
+    graph = helper.make_graph(
+        [
+            helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
+            helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"]),
+        ],
+        f"add_sub_{dtype.lower()}",
+        [helper.make_tensor_value_info(n, elem, shape) for n in ("INPUT0", "INPUT1")],
+        [helper.make_tensor_value_info(n, elem, shape) for n in ("OUTPUT0", "OUTPUT1")],
     )
     return _finish(graph)
 

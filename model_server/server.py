@@ -1,4 +1,8 @@
-"""Assembles the model server: gRPC services, health, metrics, startup loading, polling, drain."""
+"""Assembles the model server: gRPC services, health, metrics, startup loading, polling, drain.
+
+Why it is one module of this length: it is the composition root, the one place that knows in
+which order the parts (each in its own package) start and stop.
+"""
 
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from model_server.observability.tracing import Tracing
 from model_server.protocol.admin_http import AdminServer, start_admin_server
 from model_server.protocol.rest import RestServer
 from model_server.protocol.service import InferenceService
+from model_server.protocol.shared_memory_tensors import SystemSharedMemory
 from model_server.scheduling.gate import ServingGate
 from model_server.security.access import RestrictedApiInterceptor, Restriction, restriction_table
 from model_server.security.peers import RELOAD_CHECK_S, MeshAccessInterceptor, ServerTls, TlsFiles
@@ -128,6 +133,7 @@ class ModelServer:
         self.faults = FaultInjector(settings.enable_fault_injection)
         self.exporters: list[OtlpExporter] = []
         self.tls = self._server_tls(settings)
+        self.shared_memory = SystemSharedMemory.of(restriction_table(settings.restrictions))
 
     def _server_tls(self, settings: ServerSettings) -> ServerTls | None:
         """The checked certificate (raises pki.CertificateError, naming the file, when the
@@ -201,6 +207,7 @@ class ModelServer:
             self.on_repository_change,
             self.faults,
             model_control=s.model_control_mode,
+            shared_memory=self.shared_memory,
         )
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, self.grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
@@ -385,6 +392,7 @@ class ModelServer:
     async def stop(self, grace: float | None = None) -> None:
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace)
+        self.shared_memory.registry.close()  # every region unmapped
         if self._rest is not None:
             await self._rest.stop()
             self._rest = None

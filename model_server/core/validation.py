@@ -271,13 +271,16 @@ def request_scheduling(
 def _whole_parameter(request: service_pb2.ModelInferRequest, name: str) -> int | None:
     if name not in request.parameters:
         return None
-    parameter = request.parameters[name]
+    return whole_number(request.parameters[name], f"parameters[{name!r}]")
+
+
+def whole_number(parameter: Any, field: str) -> int:
+    """An InferParameter's int64 or uint64 value, >= 0; InvalidInput naming ``field`` else."""
     kind = parameter.WhichOneof("parameter_choice")
     value = getattr(parameter, kind) if kind in ("int64_param", "uint64_param") else None
     if value is None or value < 0:
         shown = getattr(parameter, kind) if kind else None
         raise InvalidInput(
-            f"parameters[{name!r}]: expected an int64 or uint64 >= 0, got {kind or 'nothing'} "
-            f"{shown!r}"
+            f"{field}: expected an int64 or uint64 >= 0, got {kind or 'nothing'} {shown!r}"
         )
     return int(value)

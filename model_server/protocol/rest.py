@@ -36,6 +36,7 @@ from model_server.protocol.service import (
     SERVER_NAME,
     InferenceService,
 )
+from model_server.protocol.shared_memory_tensors import names_shared_memory
 from model_server.security.access import Restriction, check_metadata, rest_group
 from model_server.security.peers import ServerTls, decide, rest_peer_id
 
@@ -282,6 +283,11 @@ class RestServer:
             try:
                 length = header_length(request.headers.get(HEADER_LENGTH), len(body))
                 decoded = decode_infer(body, length, name, version)
+                if names_shared_memory(decoded.request):
+                    raise InvalidInput(
+                        "parameters 'shared_memory_region', 'shared_memory_byte_size' and "
+                        "'shared_memory_offset': system shared memory is served over gRPC only"
+                    )
             except InferenceError as exc:  # counted as the gRPC path counts its refusals
                 routed = request.headers.get(ROUTED_VERSION_HEADER, "")
                 self.service.record_rejected(name, version or routed, exc.code, metadata)

@@ -34,6 +34,13 @@ from model_server.lifecycle.repository import IndexEntry, ModelRepository
 from model_server.lifecycle.version import ModelState, ModelVersion
 from model_server.observability.metrics import ServerMetrics
 from model_server.observability.tracing import Tracing
+from model_server.protocol.shared_memory import SharedMemoryRegistry
+from model_server.protocol.shared_memory_rpc import SharedMemoryRpcs
+from model_server.protocol.shared_memory_tensors import (
+    Attachment,
+    SystemSharedMemory,
+    names_shared_memory,
+)
 from model_server.protocol.statistics import add_statistics
 from model_server.scheduling.gate import ServingGate
 from model_server.scheduling.schedulers import Ticket
@@ -59,7 +66,7 @@ FALLBACK_PARAMETER = "infermesh_fallback_from"
 UNKNOWN_MODEL_LABEL = "_unknown"  # never a client-chosen string: label sets stay bounded
 
 
-class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
+class InferenceService(SharedMemoryRpcs, service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(
         self,
         repository: ModelRepository,
@@ -70,6 +77,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         faults: FaultInjector | None = None,
         tracing: Tracing | None = None,
         model_control: str = "explicit",
+        shared_memory: SystemSharedMemory | None = None,
     ) -> None:
         self.repository = repository
         self.model_control = model_control  # Triton's --model-control-mode: none|explicit|poll
@@ -80,6 +88,9 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.faults = faults or FaultInjector(enabled=False)
         self.tracing = tracing or Tracing(None, "")
         self.tenant_labels = TenantLabels()
+        # Off unless given a restriction (protocol.shared_memory_tensors); RPCs in the mixin.
+        self.shared_memory = shared_memory or SystemSharedMemory(None, SharedMemoryRegistry())
+        self.device_label = repository.device.label
 
     # -- health and metadata ------------------------------------------------------------------
     async def ServerLive(self, request: object, context: grpc.aio.ServicerContext) -> object:
@@ -98,8 +109,12 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ServerMetadata(self, request: object, context: grpc.aio.ServicerContext) -> object:
         return service_pb2.ServerMetadataResponse(
-            name=SERVER_NAME, version=__version__, extensions=list(EXTENSIONS)
+            name=SERVER_NAME, version=__version__, extensions=list(self.extensions)
         )
+
+    @property
+    def extensions(self) -> tuple[str, ...]:
+        return EXTENSIONS + (("system_shared_memory",) if self.shared_memory.enabled else ())
 
     async def ModelMetadata(
         self, request: service_pb2.ModelMetadataRequest, context: grpc.aio.ServicerContext
@@ -329,11 +344,16 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             version, fallback_from = self._resolve(request, routed_version, metadata)
             version.begin_request()
+            attached: Attachment | None = None
             try:
                 scheduler = version.scheduler
                 if scheduler is None:
                     raise ModelUnavailable(f"{version.label} is {version.state.value}")
-                prepared = scheduler.prepare(request, self.max_request_bytes)
+                if names_shared_memory(request):  # tensors in registered regions
+                    attached = self._attach(request, metadata, scheduler.streams)
+                prepared = scheduler.prepare(
+                    request if attached is None else attached.request, self.max_request_bytes
+                )
                 priority, timeout_s = request_scheduling(request, metadata, time_remaining_s)
                 check_priority(identity, priority)
                 if span is not None:
@@ -345,11 +365,15 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                     await self.faults.before_execute(version.version)
                 ticket = Ticket(priority, timeout_s, started / 1e9)
                 async for response in scheduler.responses(prepared, ticket):
+                    if attached is not None:
+                        attached.write_outputs(response)
                     if fallback_from:
                         response.parameters[FALLBACK_PARAMETER].string_param = fallback_from
                     yield response
             finally:
                 version.end_request()
+                if attached is not None:
+                    attached.release()
         except InferenceError as exc:
             code = exc.code
             raise
@@ -366,6 +390,19 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             elapsed = time.monotonic_ns() - started
             self.gate.leave()
             self._record(version, code, elapsed, identity.label)
+
+    def _attach(
+        self,
+        request: service_pb2.ModelInferRequest,
+        metadata: Sequence[tuple[str, Any]],
+        streams: bool,
+    ) -> Attachment:
+        if streams:
+            raise InvalidInput(
+                f"model {request.model_name!r} generates text: shared memory regions are for "
+                "tensor models"
+            )
+        return self.shared_memory.attach(request, metadata)
 
     def _resolve(
         self,

@@ -1,0 +1,256 @@
+"""System shared memory regions, Triton's extension: a client names a POSIX shared-memory
+object (``tritonclient.utils.shared_memory``'s key, a file under /dev/shm), the server maps it
+and reads inputs from it or writes outputs into it instead of carrying them in messages.
+
+A region is a name, a key and a byte range of that object. Registering opens the object once
+(no symlink followed, a regular file only, the range checked against its size) and maps it;
+every use checks that the object still covers the range (a client that shrinks it under a
+mapping would make the server's next read fault), hands out a view (no copy) and counts the
+use, so that Unregister (or shutdown) unmaps a region as soon as nothing reads it any more.
+
+Keys are plain names: an optional leading '/' (as tritonclient writes them), then letters,
+digits, '.', '_' or '-', never '.' or '..': nothing outside ``directory`` can be named.
+Everything here runs on the event loop; opening and mapping are a few system calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import gc
+import logging
+import mmap
+import os
+import re
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from model_server.core.errors import InferenceError, InvalidInput
+
+log = logging.getLogger(__name__)
+
+SHM_DIRECTORY = Path("/dev/shm")
+MAX_REGIONS = 256  # each holds a descriptor and a mapping
+_KEY = re.compile(r"/?([A-Za-z0-9._-]{1,255})")
+_NAME_MAX = 255
+
+
+class RegionNotFound(InferenceError):
+    code = grpc.StatusCode.NOT_FOUND  # Triton's code for a region it does not know
+
+
+class RegionExists(InferenceError):
+    code = grpc.StatusCode.ALREADY_EXISTS  # Triton's code for a duplicate region name
+
+
+@dataclass(frozen=True)
+class RegionStatus:
+    """What SystemSharedMemoryStatus reports of a region."""
+
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+
+
+def key_file(key: str) -> str:
+    """The file name under /dev/shm that ``key`` stands for; InvalidInput for anything else."""
+    match = _KEY.fullmatch(key)
+    if match is None or match.group(1) in (".", ".."):
+        raise InvalidInput(
+            f"key {key!r}: expected a POSIX shared-memory name, an optional leading '/' then "
+            "1-255 letters, digits, '.', '_' or '-' (not '.' or '..'): a plain name under "
+            f"{SHM_DIRECTORY}"
+        )
+    return match.group(1)
+
+
+def check_region_name(name: str, field: str = "name") -> None:
+    if not name or len(name) > _NAME_MAX or not name.isprintable():
+        raise InvalidInput(
+            f"{field} {name[:64]!r}: expected a region name of 1-{_NAME_MAX} printable characters"
+        )
+
+
+class Region:
+    """One registered range of a shared-memory object, mapped."""
+
+    def __init__(self, status: RegionStatus, fd: int, mapping: mmap.mmap) -> None:
+        self.status = status
+        self._fd = fd
+        self._mapping = mapping
+        self.users = 0  # requests holding a view now
+        self.retired = False  # unregistered: unmapped once unused
+
+    def span(self, offset: int, byte_size: int, where: str) -> tuple[int, int]:
+        """[start, end) in the mapping of ``byte_size`` bytes at ``offset`` into the region."""
+        size = self.status.byte_size
+        if offset + byte_size > size:
+            raise InvalidInput(
+                f"{where}: shared_memory_offset {offset} + shared_memory_byte_size {byte_size} "
+                f"= {offset + byte_size} is beyond region {self.status.name!r} "
+                f"({size} bytes)"
+            )
+        self._check_backing()
+        start = self.status.offset + offset
+        return start, start + byte_size
+
+    def _check_backing(self) -> None:
+        end = self.status.offset + self.status.byte_size
+        size = os.fstat(self._fd).st_size
+        if size < end:
+            raise InferenceError(
+                f"region {self.status.name!r}: key {self.status.key!r} shrank to {size} bytes "
+                f"since it was registered (the region needs {end}); register it again",
+                grpc.StatusCode.FAILED_PRECONDITION,
+            )
+
+    def view(self, start: int, end: int) -> memoryview:
+        """A read-only view of [start, end): numpy reads it in place."""
+        return memoryview(self._mapping)[start:end].toreadonly()
+
+    def write(self, start: int, data: bytes) -> None:
+        self._mapping[start : start + len(data)] = data
+
+    def close(self) -> bool:
+        """Unmaps; False while a view of it is still alive (a tensor being read)."""
+        try:
+            self._mapping.close()
+        except BufferError:
+            return False
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        return True
+
+
+class SharedMemoryRegistry:
+    """The server's system shared-memory regions, by name."""
+
+    def __init__(self, directory: Path = SHM_DIRECTORY, max_regions: int = MAX_REGIONS) -> None:
+        self.directory = directory
+        self.max_regions = max_regions
+        self._regions: dict[str, Region] = {}
+        self._closing: list[Region] = []  # unregistered, a view still alive
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> RegionStatus:
+        check_region_name(name)
+        if name in self._regions:
+            raise RegionExists(f"shared memory region {name!r} is already registered")
+        if len(self._regions) >= self.max_regions:
+            raise InferenceError(
+                f"{self.max_regions} shared memory regions are registered, the most this server "
+                "holds; unregister some first",
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            )
+        file = key_file(key)
+        if byte_size <= 0 or offset < 0:
+            raise InvalidInput(
+                f"region {name!r}: expected byte_size > 0 and offset >= 0, got byte_size "
+                f"{byte_size}, offset {offset}"
+            )
+        fd = _open(self.directory / file, f"region {name!r}: key {key!r}")
+        try:
+            mapping = _map(fd, f"region {name!r}: key {key!r}", offset, byte_size)
+        except BaseException:
+            os.close(fd)
+            raise
+        status = RegionStatus(name, key, offset, byte_size)
+        self._regions[name] = Region(status, fd, mapping)
+        self._reap()
+        log.info("system shared memory %r registered: key %r, %d bytes at %d", name, key,
+                 byte_size, offset)  # fmt: skip
+        return status
+
+    def unregister(self, name: str) -> None:
+        """Unregisters ``name`` (every region when empty); an unknown name is no error, as in
+        Triton. A region in use is unmapped when its last request ends."""
+        names = [name] if name else list(self._regions)
+        for each in names:
+            region = self._regions.pop(each, None)
+            if region is None:
+                continue
+            region.retired = True
+            if region.users == 0 and not region.close():
+                self._closing.append(region)
+            log.info("system shared memory %r unregistered", each)
+        self._reap()
+
+    def status(self, name: str) -> list[RegionStatus]:
+        if not name:
+            return [r.status for _, r in sorted(self._regions.items())]
+        region = self._regions.get(name)
+        if region is None:
+            raise RegionNotFound(f"no system shared memory region {name!r} is registered")
+        return [region.status]
+
+    def get(self, name: str, where: str) -> Region:
+        region = self._regions.get(name)
+        if region is None:
+            known = sorted(self._regions)[:8]
+            raise RegionNotFound(
+                f"{where}: parameters['shared_memory_region'] names {name[:64]!r}, which is not "
+                f"registered (registered: {known or 'none'})"
+            )
+        return region
+
+    def hold(self, regions: list[Region]) -> Callable[[], None]:
+        """Holds ``regions`` for one request (none is unmapped before it ends); the call
+        returned releases them, once."""
+        for region in regions:
+            region.users += 1
+        pending = [regions]
+
+        def release() -> None:
+            for region in pending.pop() if pending else ():
+                region.users -= 1
+                if region.retired and region.users == 0 and not region.close():
+                    self._closing.append(region)
+
+        return release
+
+    def close(self) -> None:
+        """Unmaps every region (shutdown)."""
+        self.unregister("")
+        if self._closing:
+            gc.collect()  # a view held by a reference cycle
+            self._reap()
+        for region in self._closing:
+            log.warning("shared memory %r still has views at shutdown", region.status.name)
+
+    def _reap(self) -> None:
+        self._closing = [r for r in self._closing if not r.close()]
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+
+def _open(path: Path, where: str) -> int:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        why = {
+            errno.ENOENT: f"no such shared-memory object in {path.parent}",
+            errno.ELOOP: "a symbolic link, which is never followed",
+            errno.EACCES: "the server may not read and write it",
+        }.get(exc.errno or 0, exc.strerror or "cannot be opened")
+        raise InvalidInput(f"{where}: {why}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise InvalidInput(f"{where}: not a shared-memory object (not a regular file)")
+    return fd
+
+
+def _map(fd: int, where: str, offset: int, byte_size: int) -> mmap.mmap:
+    size = os.fstat(fd).st_size
+    if offset + byte_size > size:
+        raise InvalidInput(
+            f"{where}: offset {offset} + byte_size {byte_size} = {offset + byte_size} is beyond "
+            f"the object's {size} bytes"
+        )
+    # From the object's start: mmap's own offset must be page-aligned, a region's need not be.
+    return mmap.mmap(fd, offset + byte_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
