@@ -179,6 +179,8 @@ def write_topology(path: Path, args: argparse.Namespace, mode: str, listener: in
         model["routing"] = merged_routing(args.policy)
         if not args.hedging:
             model["hedging"] = {"enabled": False}
+        elif args.hedge_multiplier is not None:
+            model["hedging"] = {"multiplier": args.hedge_multiplier}
     else:  # the peers' balancers: no telemetry, so no hedging either
         model["hedging"] = {"enabled": False}
     data = {
@@ -711,6 +713,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1, help="each mode this many times, fresh")
     p.add_argument("--hedging", action=argparse.BooleanOptionalAction, default=True,
                    help="InferMesh's hedged requests (the product default: on)")  # fmt: skip
+    p.add_argument(
+        "--hedge-multiplier",
+        type=float,
+        default=None,
+        help="per-try timeout = this x the pool's P99 (default: the product's)",
+    )
     args = p.parse_args()
     args.policy = load_policy(args.routing_policy)
     return args
@@ -748,7 +756,8 @@ def main() -> int:
           f"{args.pin} (server 3 + hogs on CPU {args.degraded_cpu}, the rest on "
           f"{'any CPU' if args.others_cpu < 0 else f'CPU {args.others_cpu}'})")  # fmt: skip
     print(f"InferMesh routing section: {json.dumps(merged_routing(args.policy))}; hedging "
-          f"{'on (the product default)' if args.hedging else 'off'}")  # fmt: skip
+          f"{'on' if args.hedging else 'off'}, multiplier "
+          f"{args.hedge_multiplier or 'the product default'}")  # fmt: skip
     print_table(stats)
     print_medians(stats)
     if result:

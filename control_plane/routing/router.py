@@ -310,8 +310,7 @@ class Router:
         return {name: dict(m.weights) for name, m in self.pools.items()}
 
     def pool_hedges(self) -> dict[str, PerTry]:
-        """Per model, the per-try timeout telemetry set (models not hedged, or with no P99
-        yet, are absent)."""
+        """Per model, the per-try timeout telemetry set (hedged models with a P99 only)."""
         return {name: m.hedge for name, m in self.pools.items() if m.hedge is not None}
 
     def pool_health(self) -> dict[str, dict[EndpointAddress, EndpointHealth]]:
