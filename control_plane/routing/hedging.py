@@ -10,10 +10,14 @@ Scale"), with the delay taken from telemetry instead of fixed.
 
 The per-try timeout is ``multiplier`` x the pool's healthy P99: the median of the P99s its
 endpoints report, leaving out those routing ejected and those whose telemetry is stale, so one
-slow server does not raise the bar it is measured against. It is clamped between ``floor_ms``
-and the model's SLA P99, and moves only when the new value differs from the one in force by
-more than ``hysteresis`` (a share of it): each move is a route push to every Envoy. A pool with
-no P99 yet keeps the value in force (none at first: no per-try timeout, no hedging).
+slow server does not raise the bar it is measured against; and the highest of those medians
+over the last ``RECENT_S``, so it rises at once and falls only after a calm spell. A per-try
+timeout that followed every dip fell to the floor in a quiet second, below what a try takes
+through Envoy, and the hedges of healthy tries loaded the pool until its P99 rose 20-fold
+(bench_routing, round 3 of a run at 1.5x). It is clamped between ``floor_ms`` and the model's
+SLA P99, and moves only when the new value differs from the one in force by more than
+``hysteresis`` (a share of it): each move is a route push to every Envoy. A pool with no P99
+yet keeps the value in force (none at first: no per-try timeout, no hedging).
 
 The extra load is bounded by the model clusters' retry budget (``budget_percent`` of the
 requests in flight may be retries or hedges) and by the listener's ``max_retries``.
@@ -27,6 +31,8 @@ from dataclasses import dataclass
 
 from control_plane.model.mesh import HedgingPolicy
 from control_plane.scoring.types import EndpointSignals
+
+RECENT_S = 10.0  # the pool P99 a per-try timeout follows: the highest of this many seconds
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,7 @@ def per_try(
     ):
         return current
     timeout = round(timeout, 1)
-    found = f"{policy.multiplier:g} x pool P99 {p99_ms:.1f} ms"
+    found = f"{policy.multiplier:g} x pool P99 {p99_ms:.1f} ms (the highest of {RECENT_S:g} s)"
     if raw < policy.floor_ms:
         why = f"per-try {timeout:g} ms = the floor ({found} = {raw:.1f} ms is under it)"
     elif raw > sla_p99_ms:
@@ -77,3 +83,25 @@ def per_try(
     else:
         why = f"per-try {timeout:g} ms = {found}"
     return PerTry(timeout, round(p99_ms, 2), why)
+
+
+@dataclass(frozen=True)
+class HedgeState:
+    """What one pool's hedging keeps between recomputes."""
+
+    per_try: PerTry | None = None
+    recent: tuple[tuple[float, float], ...] = ()  # (when, the pool's healthy P99) of RECENT_S
+
+
+def follow(
+    policy: HedgingPolicy | None, sla_p99_ms: float, p99_ms: float | None, now: float,
+    state: HedgeState,
+) -> HedgeState:  # fmt: skip
+    """The next state for a pool whose healthy P99 is ``p99_ms`` now (None: not known)."""
+    if policy is None:
+        return HedgeState()
+    recent = tuple((t, v) for t, v in state.recent if now - t < RECENT_S)
+    if p99_ms is not None:
+        recent += ((now, p99_ms),)
+    highest = max((v for _, v in recent), default=None)
+    return HedgeState(per_try(policy, sla_p99_ms, highest, state.per_try), recent)

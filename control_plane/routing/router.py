@@ -20,7 +20,8 @@ from control_plane.config.topology import Topology
 from control_plane.discovery.placement import EndpointReport
 from control_plane.model.lanes import fleet_labels
 from control_plane.model.mesh import EndpointAddress, EndpointHealth
-from control_plane.routing.hedging import PerTry, per_try, pool_p99_ms
+from control_plane.routing.hedging import HedgeState, PerTry, follow, pool_p99_ms
+from control_plane.routing.signals import SignalsMade, pool_signals, ready_members
 from control_plane.scoring.at_rest import at_rest, signals_moved
 from control_plane.scoring.ejection import (
     EjectionCause,
@@ -52,96 +53,7 @@ class PoolMemory:
     # while neither moves, the pool is not recomputed.
     rest: tuple[list[EndpointSignals], PoolPolicy] | None = None
     computed_at: float | None = None  # the time of the last recompute
-    hedge: PerTry | None = None  # the per-try timeout in force (routing.hedging)
-
-
-def _value(signal: Any) -> float | None:
-    return None if signal is None else float(signal.value)
-
-
-Members = Mapping[str, list[EndpointAddress]]
-
-
-def ready_members(
-    reports: Mapping[EndpointAddress, EndpointReport],
-) -> dict[str, list[EndpointAddress]]:
-    """Per model, the reachable endpoints where it is READY, in address order: one pass over
-    the fleet per recompute, so each pool then reads only its own endpoints."""
-    members: dict[str, list[EndpointAddress]] = {}
-    for address in sorted(reports, key=lambda a: (a.host, a.port)):
-        report = reports[address]
-        if report.reachable:
-            for model in {m for m, _ in report.ready_models}:
-                members.setdefault(model, []).append(address)
-    return members
-
-
-# model -> endpoint -> (the telemetry, labels and server readiness its signals were made
-# from, the signals)
-SignalsMade = dict[str, dict[str, tuple[EndpointTelemetry | None, Labels, bool, EndpointSignals]]]
-
-
-def pool_signals(
-    model: str,
-    telemetry: Mapping[str, EndpointTelemetry],
-    reports: Mapping[EndpointAddress, EndpointReport],
-    members: Members | None = None,
-    labels: Mapping[str, Labels] | None = None,
-    made: tuple[SignalsMade, SignalsMade] | None = None,
-) -> list[EndpointSignals]:
-    """The endpoints where ``model`` is READY, with their signals (None where missing).
-    ``members``: ``ready_members(reports)``, computed once for every pool; ``labels``: each
-    endpoint's (``lanes.fleet_labels``; default: what telemetry reports); ``made``: (the last
-    recompute's signals, this one's): an endpoint whose telemetry is the same object as then
-    (``TelemetryStore.snapshot(now, ages=False)`` with no new data) keeps its signals."""
-    signals = []
-    last, this = (made[0].get(model, {}), made[1].setdefault(model, {})) if made else ({}, {})
-    for address in (members if members is not None else ready_members(reports)).get(model, []):
-        key = address.key
-        seen = telemetry.get(key)
-        known = labels.get(key, ()) if labels is not None else ()
-        report = reports.get(address)
-        ready = report is not None and report.server_ready
-        before = last.get(key)
-        if before is not None and before[0] is seen and before[1] == known and before[2] == ready:
-            this[key] = before
-            signals.append(before[3])
-            continue
-        signal = _signals(model, address, seen, known, labels is not None, ready)
-        this[key] = (seen, known, ready, signal)
-        signals.append(signal)
-    return signals
-
-
-def _signals(
-    model: str,
-    address: EndpointAddress,
-    seen: EndpointTelemetry | None,
-    known: Labels,
-    labelled: bool,
-    server_ready: bool = False,
-) -> EndpointSignals:
-    if seen is None:
-        return EndpointSignals(address.key, stale=True, labels=known)
-    per_model = next((m for m in seen.models if m.model == model), None)
-    return EndpointSignals(
-        endpoint=address.key,
-        stale=seen.stale,
-        # Draining is taken from telemetry only once the server's own health agrees (its
-        # ServerReady, asked by placement at once on the hint): a report alone, which anyone
-        # who reaches the OTLP port can send, cannot take servers out of their pools.
-        draining=bool(seen.draining and seen.draining.value) and not server_ready,
-        qps=_value(per_model.qps if per_model else seen.qps),
-        p99_ms=_value(per_model.p99_ms if per_model else seen.p99_ms),
-        error_rate=_value(seen.error_rate),
-        abandoned_rate=_value(seen.abandoned_rate),
-        memory_used_bytes=_value(seen.memory_used_bytes),
-        memory_total_bytes=_value(seen.memory_total_bytes),
-        kv_blocks_used=_value(seen.kv_blocks_used),
-        kv_blocks_total=_value(seen.kv_blocks_total),
-        queue_depth=_value(seen.queue_depth),
-        labels=known if labelled else seen.labels,
-    )
+    hedging: HedgeState = field(default_factory=HedgeState)  # routing.hedging
 
 
 def _probation(
@@ -232,8 +144,8 @@ class Router:
             memory = self.pools.setdefault(model.name, PoolMemory())
             policy = topology.policy(model.name)
             signals = pool_signals(model.name, telemetry, reports, members, labels, made)
-            if model.hedging is None and memory.hedge is not None:  # turned off (a reload)
-                memory.hedge, changed = None, True
+            if model.hedging is None and memory.hedging.per_try:  # turned off (a reload)
+                memory.hedging, changed = HedgeState(), True
             rest = memory.rest
             tolerance = policy.recompute_tolerance
             if rest and rest[1] == policy and not signals_moved(rest[0], signals, tolerance):
@@ -261,10 +173,11 @@ class Router:
                     new_ejections.append(ejection_cause(now_state.causes))
             memory.ejections = dict(ejection.states)
             p99 = pool_p99_ms(signals, ejection.health)  # hedging from the pool's healthy P99
-            hedge = per_try(model.hedging, model.sla_p99_ms, p99, memory.hedge)
-            if hedge != memory.hedge:
+            hedging = follow(model.hedging, model.sla_p99_ms, p99, now, memory.hedging)
+            if (hedge := hedging.per_try) != memory.hedging.per_try:
                 self.log(model.name, f"hedging: {hedge.why if hedge else 'off'}", wall)
-                memory.hedge, changed = hedge, True
+                changed = True
+            memory.hedging = hedging
             on_probation = _probation(memory, signals, ejection.states, policy, now)
             ramped = apply_slow_start(decision.weights, memory.joined_at, now, policy.slow_start_s)
             ramped.update({ep: 1 for ep in on_probation if ep in ramped})
@@ -311,13 +224,14 @@ class Router:
 
     def pool_hedges(self) -> dict[str, PerTry]:
         """Per model, the per-try timeout telemetry set (hedged models with a P99 only)."""
-        return {name: m.hedge for name, m in self.pools.items() if m.hedge is not None}
+        return {n: h for n, m in self.pools.items() if (h := m.hedging.per_try) is not None}
 
     def pool_health(self) -> dict[str, dict[EndpointAddress, EndpointHealth]]:
         return {name: dict(m.health) for name, m in self.pools.items()}
 
     def explain(self) -> dict[str, Any]:
-        return {name: _explain(m.explanation, m.hedge) for name, m in sorted(self.pools.items())}
+        pools = sorted(self.pools.items())
+        return {name: _explain(m.explanation, m.hedging.per_try) for name, m in pools}
 
 
 Explanation = tuple[

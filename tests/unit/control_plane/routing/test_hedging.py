@@ -20,7 +20,7 @@ from control_plane.model.mesh import (
     SlaClass,
     model_cluster,
 )
-from control_plane.routing.hedging import PerTry, per_try, pool_p99_ms
+from control_plane.routing.hedging import RECENT_S, HedgeState, PerTry, follow, per_try, pool_p99_ms
 from control_plane.scoring.types import EndpointSignals
 from control_plane.xds.resources import CLUSTER_TYPE, ROUTE_TYPE, build_resources
 
@@ -41,7 +41,7 @@ def test_the_pools_healthy_p99_leaves_out_the_ejected_and_the_stale() -> None:
 
 def test_the_per_try_timeout_is_the_multiple_and_says_so() -> None:
     found = per_try(POLICY, 50.0, 6.0, None)
-    assert found == PerTry(18.0, 6.0, "per-try 18 ms = 3 x pool P99 6.0 ms")
+    assert found == PerTry(18.0, 6.0, "per-try 18 ms = 3 x pool P99 6.0 ms (the highest of 10 s)")
     assert found.timeout_s == pytest.approx(0.018)
 
 
@@ -64,6 +64,23 @@ def test_no_p99_keeps_what_is_in_force_and_no_policy_hedges_nothing() -> None:
     assert per_try(POLICY, 100.0, None, current) is current
     assert per_try(POLICY, 100.0, None, None) is None
     assert per_try(None, 100.0, 6.0, current) is None
+
+
+def test_the_timeout_rises_at_once_and_falls_only_after_a_calm_spell() -> None:
+    """A quiet second must not drop it below what a try takes: the hedges of healthy tries
+    then load the pool (bench_routing saw its P99 rise 20-fold)."""
+    state = follow(POLICY, 100.0, 6.0, 0.0, HedgeState())
+    assert state.per_try is not None and state.per_try.per_try_ms == 18.0
+    state = follow(POLICY, 100.0, 2.0, 1.0, state)  # a dip: held at the recent high
+    assert state.per_try is not None and state.per_try.per_try_ms == 18.0
+    state = follow(POLICY, 100.0, 10.0, 2.0, state)  # a rise: at once
+    assert state.per_try is not None and state.per_try.per_try_ms == 30.0
+    for t in range(3, 12):
+        state = follow(POLICY, 100.0, 2.0, float(t), state)
+    assert state.per_try is not None and state.per_try.per_try_ms == 30.0  # within RECENT_S
+    state = follow(POLICY, 100.0, 2.0, 2.0 + RECENT_S + 0.5, state)
+    assert state.per_try is not None and state.per_try.per_try_ms == 6.0
+    assert follow(None, 100.0, 6.0, 20.0, state) == HedgeState()
 
 
 def routes_and_clusters(model: ModelRoute) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -114,8 +114,9 @@ def test_a_recompute_says_what_it_did_as_values() -> None:
 def test_the_per_try_timeout_follows_the_pools_healthy_p99_and_is_explained() -> None:
     router = Router()
     assert step(router, 0.0, 10.0) and router.pool_hedges()["m"].per_try_ms == 20.0
-    assert router.explain()["m"]["hedging"]["why"] == "per-try 20 ms = 2 x pool P99 10.0 ms"
+    why = "per-try 20 ms = 2 x pool P99 10.0 ms (the highest of 10 s)"
+    assert router.explain()["m"]["hedging"]["why"] == why
     step(router, 1.0, 400.0)  # C ejected: the bar stays where the healthy ones are
     assert router.pool_hedges()["m"].per_try_ms == 20.0
     decisions = [d["decision"] for d in router.decisions if d["decision"].startswith("hedging")]
-    assert decisions == ["hedging: per-try 20 ms = 2 x pool P99 10.0 ms"]  # logged once
+    assert decisions == [f"hedging: {why}"]  # logged once
