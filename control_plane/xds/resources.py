@@ -260,16 +260,21 @@ def split_weights(model: ModelRoute) -> list[tuple[str, int]]:
 
 
 def model_action(
-    state: MeshState, model: ModelRoute, cluster: str | None = None, sla: SlaClass | None = None
+    state: MeshState,
+    model: ModelRoute,
+    cluster: str | None = None,
+    sla: SlaClass | None = None,
+    hedge: bool = True,
 ) -> rc_pb2.RouteAction:
     """Timeout and retries of ``model`` (of its SLA class ``sla`` if given); to ``cluster`` if
-    given, else by its version split."""
+    given, else by its version split. ``hedge``: False for requests the pool's P99 does not
+    describe (large inputs take longer by design: a hedge would only run them twice)."""
     timeout = model.timeout_s if sla is None else sla.timeout_s
     per_try = timeout if sla is None or sla.per_try_timeout_s is None else sla.per_try_timeout_s
-    hedge = model.hedge_per_try_s if model.hedging is not None else None
-    hedged = hedge is not None and (sla is None or sla.per_try_timeout_s is None)
-    if hedge is not None and hedged:  # routing.hedging: from the pool's P99
-        per_try = min(hedge, timeout)
+    from_p99 = model.hedge_per_try_s if model.hedging is not None and hedge else None
+    hedged = from_p99 is not None and (sla is None or sla.per_try_timeout_s is None)
+    if from_p99 is not None and hedged:  # routing.hedging: from the pool's P99
+        per_try = min(from_p99, timeout)
     action = rc_pb2.RouteAction(
         timeout=duration(timeout),
         retry_policy=retry_policy(state, per_try, None if sla is None else sla.max_retries),
@@ -420,7 +425,7 @@ def lane_routes(state: MeshState, model: ModelRoute) -> list[rc_pb2.Route]:
                                  GRPC_INVALID_ARGUMENT, message))  # fmt: skip
     if model.large_inputs is not None:
         cluster = large_cluster(model.name)
-        action = model_action(state, model, cluster)
+        action = model_action(state, model, cluster, hedge=False)
         at_least = range_pb2.Int64Range(start=model.large_inputs.min_bytes, end=MAX_INT64)
         for header in (INPUT_BYTES_HEADER, "content-length"):
             match = model_match(model.name)

@@ -14,6 +14,7 @@ from control_plane.model.mesh import (
     EndpointAssignment,
     EndpointHealth,
     HedgingPolicy,
+    LargeInputs,
     ListenerOptions,
     MeshState,
     ModelRoute,
@@ -130,6 +131,18 @@ def test_an_sla_class_with_its_own_per_try_timeout_is_not_hedged() -> None:
     assert interactive.retry_policy.per_try_timeout.ToMilliseconds() == 100
     assert batch.hedge_policy.hedge_on_per_try_timeout
     assert batch.retry_policy.per_try_timeout.ToMilliseconds() == 18
+
+
+def test_large_inputs_are_not_hedged() -> None:
+    """They take longer by design: a per-try timeout from the pool's P99 would run each twice
+    (found by the large-input lane's end-to-end test)."""
+    large = LargeInputs(1024, (("device_class", ("a100",)),))
+    model = ModelRoute("classifier", 50, 2.0, large_inputs=large, hedge_per_try_s=0.018)
+    routes, _ = routes_and_clusters(model)
+    lanes = [r.route for n, r in routes.items() if ":large" in n and "stream" not in n]
+    assert lanes and not any(r.HasField("hedge_policy") for r in lanes)
+    assert all(r.retry_policy.per_try_timeout.ToMilliseconds() == 2000 for r in lanes)
+    assert routes[model_cluster("classifier")].route.hedge_policy.hedge_on_per_try_timeout
 
 
 def model_config(**fields: Any) -> dict[str, Any]:
