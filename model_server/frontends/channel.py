@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+from prometheus_client import Counter
 from tritonclient.grpc import service_pb2
 
 from model_server.core.errors import InferenceError
@@ -39,10 +40,12 @@ class EngineChannel:
         service: InferenceService,
         directory: Path,
         on_ready: Callable[[int, int], None],
+        requests: Counter,
     ) -> None:
         self.service = service
         self.directory = directory
         self.on_ready = on_ready
+        self.requests = requests  # by front end: is the kernel spreading the connections?
         self.connections: set[_Connection] = set()
         self._server: asyncio.AbstractServer | None = None
 
@@ -66,6 +69,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.pool: EnginePool | None = None
         self.index = -1
+        self.counted: Callable[[], None] = lambda: None
         self.tasks: dict[int, asyncio.Task[None]] = {}
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -87,6 +91,7 @@ class _Connection(asyncio.Protocol):
             if self.pool is None:
                 raise wire.WireError("INFER before HELLO")
             message = wire.parse_infer(body)
+            self.counted()
             task = asyncio.get_running_loop().create_task(self._infer(message, self.pool))
             self.tasks[request_id] = task
         elif kind is wire.Kind.CANCEL:
@@ -97,6 +102,7 @@ class _Connection(asyncio.Protocol):
             hello = wire.parse_hello(body)
             self.pool = EnginePool(self.channel.directory, hello.pool_file, hello.pool_bytes)
             self.index = hello.index
+            self.counted = self.channel.requests.labels(str(hello.index)).inc
         elif kind is wire.Kind.READY:
             self.channel.on_ready(self.index, request_id)  # a READY's id is the front end's pid
         else:

@@ -91,6 +91,10 @@ class FrontendEngine:
         )  # fmt: skip
         running = Gauge("frontends_running", "Front-end processes running", registry=registry)
         running.set_function(lambda: len(self.supervisor.running()))
+        self.requests = Counter(
+            "frontend_requests", "ModelInfer requests the engine took from each front end",
+            ["frontend"], registry=registry,
+        )  # fmt: skip
         self.channel: EngineChannel | None = None
         server.before_stop.append(self.stop_frontends)
 
@@ -113,7 +117,9 @@ class FrontendEngine:
         server = self.server
         await server.start()
         assert server.service is not None
-        self.channel = EngineChannel(server.service, self.private.path, self.supervisor.on_ready)
+        self.channel = EngineChannel(
+            server.service, self.private.path, self.supervisor.on_ready, self.requests
+        )
         await self.channel.start(self.private.infer_socket)
         await self.supervisor.start(START_TIMEOUT_S)
         s = self.public
