@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from grpc_health.v1 import health_pb2
 
 from model_server.frontends.engine import resident_bytes
 from tests.support import (
@@ -134,6 +135,21 @@ def test_sigterm_stops_every_process(repo: Path, tmp_path: Path) -> None:
     wait_for(lambda: not any(alive(pid) for pid in pids), 10, "every front end gone")
     assert not private.exists()
     assert "front ends stopped: 0=code 0, 1=code 0, 2=code 0" in server.log()
+
+
+def test_drain_is_the_engines_through_its_front_ends(repo: Path, tmp_path: Path) -> None:
+    server = start_server(repo, tmp_path, "--frontends", "2", "--drain-delay", "1.0")
+    pids = frontends(server)
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert server.health() == serving
+    with Traffic(server.url, clients=4, deadline_s=30, leave_when_draining=True) as traffic:
+        traffic.wait_ok(20)
+        server.signal(signal.SIGTERM)
+        wait_for(lambda: server.health() != serving, 5, "NOT_SERVING through a front end")
+        assert server.wait_exit(30) == 0
+    assert {code for code, _ in traffic.errors} <= {grpc.StatusCode.UNAVAILABLE}
+    assert not any(alive(pid) for pid in pids)
+    assert "drain 3/3" in server.log()
 
 
 def test_a_killed_engine_takes_its_front_ends(repo: Path, tmp_path: Path) -> None:
