@@ -13,6 +13,8 @@ from infermesh import pki
 from infermesh.labels import LABEL_TEXT_RULE, is_label_text
 from infermesh.logs import add_log_level, configure_logging
 from model_server.core.memory import DeviceUnavailable, parse_bytes
+from model_server.frontends.engine import FrontendEngine, FrontendSettings
+from model_server.frontends.pool import DEFAULT_POOL_BYTES
 from model_server.observability.telemetry import MIN_INTERVAL_S
 from model_server.protocol.service import MODEL_CONTROL_MODES
 from model_server.security.access import (
@@ -193,6 +195,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="Kubernetes: the certificate names this pod (cert-manager's csi-driver: "
         "spiffe://TD/model-server/pod/NAMESPACE/POD), not --advertise-address",
     )
+    p.add_argument(
+        "--frontends",
+        type=_positive_int,
+        default=1,
+        help="gRPC front-end processes sharing --port (SO_REUSEPORT) in front of one engine "
+        "process that holds the models; 1: one process, as before (docs/model-server.md)",
+    )
+    p.add_argument(
+        "--frontend-pool",
+        type=parse_bytes,
+        default=DEFAULT_POOL_BYTES,
+        help="shared memory each front end's tensors cross to the engine in (with --frontends)",
+    )
     add_log_level(p)
     return p
 
@@ -221,10 +236,23 @@ def _label(text: str) -> tuple[str, str]:
     return name, value
 
 
-async def serve(settings: ServerSettings) -> int:
-    """Runs a server until SIGTERM/SIGINT, then drains; returns the exit code."""
-    server = ModelServer(settings)
-    await server.start()
+async def serve(settings: ServerSettings, frontends: FrontendSettings | None = None) -> int:
+    """Runs a server until SIGTERM/SIGINT, then drains; returns the exit code. With
+    ``frontends``, this process is the engine and its front ends serve the public port."""
+    try:
+        engine = None if frontends is None else FrontendEngine(settings, frontends)
+    except OSError as exc:  # the port is taken, or no private directory can be made
+        log.error("cannot start: %s (%s:%d)", exc, settings.host, settings.port)
+        return 2
+    try:
+        return await _serve(engine.server if engine else ModelServer(settings), engine)
+    finally:
+        if engine is not None:
+            engine.close()
+
+
+async def _serve(server: ModelServer, engine: FrontendEngine | None) -> int:
+    await (engine.start() if engine else server.start())
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     signals_seen = 0
@@ -261,6 +289,12 @@ def _restriction(text: str) -> RestrictionSpec:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
 def _non_negative_int(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
@@ -281,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         tls = tls_files(args)
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
+    if args.frontends > 1 and tls is not None:
+        parser.error("--frontends above 1 does not serve TLS yet: run one process with --tls-*")
     configure_logging(args.log_level)
     settings = ServerSettings(
         host=args.host,
@@ -307,8 +343,16 @@ def main(argv: list[str] | None = None) -> int:
         tls=tls,
         tls_pod=args.tls_pod or "",
     )
+    frontends = None
+    if args.frontends > 1:
+        frontends = FrontendSettings(
+            args.frontends,
+            args.frontend_pool,
+            tuple(f"{','.join(sorted(r.groups))}:{r.header}=@{r.path}" for r in args.restrictions),
+            args.log_level,
+        )
     try:
-        return asyncio.run(serve(settings))
+        return asyncio.run(serve(settings, frontends))
     except pki.CertificateError as exc:  # names the file and the problem; never key material
         log.error("cannot start: %s", exc)
         return 2

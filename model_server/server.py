@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,6 +83,8 @@ class ServerSettings:
     labels: tuple[tuple[str, str], ...] = ()  # routing labels (--label); device_class is auto
     tls: TlsFiles | None = None  # mutual TLS on gRPC and REST (security.peers); None: off
     tls_pod: str = ""  # NAMESPACE/POD: on Kubernetes the certificate names the pod
+    # gRPC on this address instead of host:port ("unix:PATH": the engine of --frontends N)
+    listen_address: str | None = None
 
     def resolved_metrics_port(self) -> int:
         if self.metrics_port is not None:
@@ -134,6 +136,8 @@ class ModelServer:
         self.exporters: list[OtlpExporter] = []
         self.tls = self._server_tls(settings)
         self.shared_memory = SystemSharedMemory.of(restriction_table(settings.restrictions))
+        self.service: InferenceService | None = None  # set by start()
+        self.before_stop: list[Callable[[], Awaitable[None]]] = []  # e.g. the front ends' stop
 
     def _server_tls(self, settings: ServerSettings) -> ServerTls | None:
         """The checked certificate (raises pki.CertificateError, naming the file, when the
@@ -212,7 +216,8 @@ class ModelServer:
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, self.grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         await self.refresh_health()  # NOT_SERVING until the models are READY
-        address = f"{s.host}:{s.port}"
+        self.service = service
+        address = s.listen_address or f"{s.host}:{s.port}"
         self.port = (
             self.grpc_server.add_secure_port(address, self.tls.grpc_credentials())
             if self.tls is not None
@@ -246,10 +251,9 @@ class ModelServer:
             or "none",
         )
         log.info(
-            "model server listening: grpc=%s:%d metrics=%s http=%s advertise=%s device=%s "
-            "memory=%s (%s of %s)",
-            s.host,
-            self.port,
+            "%s: grpc=%s metrics=%s http=%s advertise=%s device=%s memory=%s (%s of %s)",
+            "engine listening" if s.listen_address else "model server listening",
+            s.listen_address or f"{s.host}:{self.port}",
             f"{s.host}:{self.metrics_port}" if self.metrics_port >= 0 else "off",
             f"{s.host}:{self.http_port}" if self.http_port >= 0 else "off",
             self.advertised,
@@ -390,6 +394,8 @@ class ModelServer:
         return exit_code
 
     async def stop(self, grace: float | None = None) -> None:
+        for hook in self.before_stop:
+            await hook()
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace)
         self.shared_memory.registry.close()  # every region unmapped

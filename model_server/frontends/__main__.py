@@ -1,0 +1,3 @@
+from model_server.frontends.frontend import main
+
+raise SystemExit(main())

@@ -1,0 +1,166 @@
+"""``--frontends N`` with real processes: stock tritonclient through two front ends answers
+as one process does; a front end killed under load costs its clients only clean UNAVAILABLE
+errors and comes back; the repository API and statistics work through the front ends (one
+view: the engine's); SIGTERM stops every process and a killed engine takes its front ends
+with it. Every process is found by its PID (the engine's children) and checked gone."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from grpc_health.v1 import health_pb2
+
+from model_server.frontends.engine import resident_bytes
+from tests.support import (
+    EXPLICIT,
+    ServerProcess,
+    Traffic,
+    alive,
+    children,
+    infer_classifier,
+    metric_value,
+    start_server,
+    successes,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+PRIVATE = re.compile(r"private directory (\S+)")
+IMAGES = np.random.default_rng(29).standard_normal((4, 3, 32, 32)).astype(np.float32)
+MAX_FRONTEND_RSS = 150 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def repo(demo_repo: Path) -> Path:
+    return demo_repo  # the classifier, versions 1 and 2; read only
+
+
+@pytest.fixture(scope="module")
+def two(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    server = start_server(repo, tmp_path_factory.mktemp("logs"), "--frontends", "2", *EXPLICIT)
+    yield server
+    server.stop()
+
+
+def frontends(server: ServerProcess) -> set[int]:
+    return children(server.proc.pid)
+
+
+def test_answers_equal_one_process_and_front_ends_hold_no_model(
+    two: ServerProcess, repo: Path, tmp_path: Path
+) -> None:
+    one = start_server(repo, tmp_path)
+    try:
+        for version in ("1", "2"):
+            want = infer_classifier(one.client(), IMAGES, version).as_numpy("probs")
+            got = infer_classifier(two.client(), IMAGES, version).as_numpy("probs")
+            np.testing.assert_array_equal(got, want)
+        assert two.client().get_model_metadata("classifier") == (
+            one.client().get_model_metadata("classifier")
+        )
+    finally:
+        one.stop()
+    pids = frontends(two)
+    assert len(pids) == 2
+    for pid in pids:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        assert "onnxruntime" not in maps, f"front end {pid} loaded ONNX Runtime"
+        assert resident_bytes(pid) < MAX_FRONTEND_RSS
+    with pytest.raises(grpcclient.InferenceServerException, match="not loaded"):
+        two.client().infer("nope", [grpcclient.InferInput("x", [1], "FP32")])
+
+
+def test_statistics_count_every_front_ends_requests(two: ServerProcess) -> None:
+    before = successes(two.client())
+    sent = 0
+    for _ in range(40):  # a client per connection: the kernel spreads them over the front ends
+        client = two.client()
+        infer_classifier(client, IMAGES[:1])
+        client.close()
+        sent += 1
+    assert successes(two.client()) - before == sent
+    text = two.metrics()
+    per_frontend = [metric_value(text, "frontend_requests_total", frontend=str(i)) for i in (0, 1)]
+    assert all(count > 0 for count in per_frontend), per_frontend  # both front ends served
+    assert metric_value(text, "frontends_running") == 2
+
+
+def test_repository_api_through_a_front_end(two: ServerProcess) -> None:
+    client = two.client()
+    client.unload_model("classifier")
+    wait_for(lambda: not client.is_model_ready("classifier"), 10, "classifier unloaded")
+    index = {m.name: m.state for m in client.get_model_repository_index().models}
+    assert index["classifier"] == "UNAVAILABLE"
+    client.load_model("classifier")
+    assert client.is_model_ready("classifier")
+    assert infer_classifier(client, IMAGES[:1]).as_numpy("probs").shape == (1, 10)
+
+
+def test_a_killed_front_end_fails_its_clients_cleanly_and_comes_back(two: ServerProcess) -> None:
+    victim = min(frontends(two))
+    with Traffic(two.url, clients=8, deadline_s=60) as traffic:
+        traffic.wait_ok(50)
+        two_before = traffic.ok
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: len(frontends(two) - {victim}) == 2, 20, "a new front end")
+        traffic.wait_ok(100, timeout=30)
+    assert traffic.ok > two_before
+    print(f"killed front end {victim}: {traffic.ok} OK, errors {traffic.errors[:3]} "
+          f"({len(traffic.errors)})")  # fmt: skip
+    codes = {code for code, _ in traffic.errors}
+    assert codes <= {grpc.StatusCode.UNAVAILABLE}, traffic.errors[:5]
+    assert not alive(victim)
+    assert metric_value(two.metrics(), "frontend_restarts_total") >= 1
+    assert two.is_ready()
+
+
+def test_sigterm_stops_every_process(repo: Path, tmp_path: Path) -> None:
+    server = start_server(repo, tmp_path, "--frontends", "3")
+    pids = frontends(server)
+    private = Path(PRIVATE.search(server.log())[1])  # type: ignore[index]
+    assert len(pids) == 3 and private.is_dir()
+    assert oct(private.stat().st_mode & 0o777) == "0o700"
+    assert not list(private.glob("pool-*"))  # each pool unlinked once the engine mapped it
+    server.signal(signal.SIGTERM)
+    assert server.wait_exit(30) == 0
+    wait_for(lambda: not any(alive(pid) for pid in pids), 10, "every front end gone")
+    assert not private.exists()
+    assert "front ends stopped: 0=code 0, 1=code 0, 2=code 0" in server.log()
+
+
+def test_drain_is_the_engines_through_its_front_ends(repo: Path, tmp_path: Path) -> None:
+    server = start_server(repo, tmp_path, "--frontends", "2", "--drain-delay", "1.0")
+    pids = frontends(server)
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert server.health() == serving
+    with Traffic(server.url, clients=4, deadline_s=30, leave_when_draining=True) as traffic:
+        traffic.wait_ok(20)
+        server.signal(signal.SIGTERM)
+        wait_for(lambda: server.health() != serving, 5, "NOT_SERVING through a front end")
+        assert server.wait_exit(30) == 0
+    assert {code for code, _ in traffic.errors} <= {grpc.StatusCode.UNAVAILABLE}
+    assert not any(alive(pid) for pid in pids)
+    assert "drain 3/3" in server.log()
+
+
+def test_a_killed_engine_takes_its_front_ends(repo: Path, tmp_path: Path) -> None:
+    server = start_server(repo, tmp_path, "--frontends", "2")
+    pids = frontends(server)
+    try:
+        server.signal(signal.SIGKILL)
+        server.wait_exit(10)
+        wait_for(lambda: not any(alive(pid) for pid in pids), 10, "front ends gone (pdeathsig)")
+    finally:
+        server.stop()
+        private = PRIVATE.search(server.log())
+        if private:  # a killed engine cannot remove it: the one leftover, documented
+            shutil.rmtree(private[1], ignore_errors=True)
