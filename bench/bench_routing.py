@@ -177,10 +177,9 @@ def write_topology(path: Path, args: argparse.Namespace, mode: str, listener: in
                              "capacity_qps": args.capacity_qps}  # fmt: skip
     if mode == "infermesh":
         model["routing"] = merged_routing(args.policy)
-        if not args.hedging:
-            model["hedging"] = {"enabled": False}
-        elif args.hedge_multiplier is not None:
-            model["hedging"] = {"multiplier": args.hedge_multiplier}
+        model["hedging"] = {"enabled": bool(args.hedging)}
+        if args.hedge_multiplier is not None:
+            model["hedging"]["multiplier"] = args.hedge_multiplier
     else:  # the peers' balancers: no telemetry, so no hedging either
         model["hedging"] = {"enabled": False}
     data = {
@@ -711,8 +710,12 @@ def parse_args() -> argparse.Namespace:
         help="degraded phases to run after healthy: all, or of latency,cpu,memory",
     )
     p.add_argument("--rounds", type=int, default=1, help="each mode this many times, fresh")
-    p.add_argument("--hedging", action=argparse.BooleanOptionalAction, default=True,
-                   help="InferMesh's hedged requests (the product default: on)")  # fmt: skip
+    p.add_argument(
+        "--hedging",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="InferMesh's hedged requests (on here; the product's default: off)",
+    )
     p.add_argument(
         "--hedge-multiplier",
         type=float,

@@ -91,7 +91,7 @@ def parse_models(
             ModelRoute(
                 name, sla, timeout, split, parse_rate_limit(c, m, path), _breaker(c, m, path),
                 c.value(m, path, "fallback", "name", None), sla_classes=classes,
-                large_inputs=large, hedging=_hedging(c, m, path, generative),
+                large_inputs=large, hedging=_hedging(c, m, path),
             )
         )  # fmt: skip
         per_class = _capacity(c, m, path)
@@ -107,26 +107,28 @@ def parse_models(
     return tuple(routes), tuple(capacity), tuple(policies), tuple(canaries)
 
 
-def _hedging(c: Checker, m: dict[str, Any], path: str, generative: bool) -> HedgingPolicy | None:
-    """``hedging:``, on by default for idempotent non-generative models. A generation's time
-    follows its output's length, not the server's health: a hedge would run it twice. A model
-    declared ``idempotent: false`` is never hedged (a hedge runs the request twice)."""
+def _hedging(c: Checker, m: dict[str, Any], path: str) -> HedgingPolicy | None:
+    """``hedging:``, off unless ``enabled: true``. Never for a model declared ``idempotent:
+    false`` (a hedge runs the request twice). A generative model's time follows its output's
+    length, not the server's health: hedging it runs long generations twice."""
     idempotent = c.value(m, path, "idempotent", "bool", True)
     given = c.mapping(m.get("hedging", {}), f"{path}.hedging") or {}
     where = f"{path}.hedging"
     c.keys(given, where, _HEDGING)
     default = HedgingPolicy()
-    enabled = c.value(given, where, "enabled", "bool", idempotent and not generative)
+    # Off unless asked for: on a host whose tries take longer through Envoy than the servers'
+    # P99 says (CPU contention, container networks), hedges of healthy tries add load that
+    # raises every server's latency; the container tier saw the pool go unhealthy so.
+    enabled = c.value(given, where, "enabled", "bool", False)
     if enabled and not idempotent:
         c.errors.append(f"{where}.enabled: a model declared idempotent: false cannot be hedged")
-    if not enabled:
-        return None
-    return HedgingPolicy(
+    policy = HedgingPolicy(  # checked even while off: a bad value is an error either way
         multiplier=c.value(given, where, "multiplier", "positive", default.multiplier),
         floor_ms=c.value(given, where, "floor_ms", "positive", default.floor_ms),
         budget_percent=c.value(given, where, "budget_percent", "percent", default.budget_percent),
         hysteresis=c.value(given, where, "hysteresis", "fraction", default.hysteresis),
     )
+    return policy if enabled else None
 
 
 def _capacity(c: Checker, m: dict[str, Any], path: str) -> tuple[tuple[str, float], ...]:

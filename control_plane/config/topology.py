@@ -93,11 +93,9 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
         circuit_breaker: {max_requests: 256, max_pending_requests: 64}   # optional, each >= 1
         fallback: classifier-small  # optional: another model (without a fallback of its own)
         generative: false           # true: default score weights favour KV cache and queue
-                                    # (and no hedging by default)
         idempotent: true            # false: never hedged (a hedge runs a request twice)
-        hedging:                    # optional: hedged unary requests (routing.hedging); on by
-                                    # default unless generative or idempotent: false
-          enabled: true             # false: the per-try timeout is the model's timeout
+        hedging:                    # optional: hedged unary requests (routing.hedging)
+          enabled: false            # true: hedge; off by default (docs/control-plane.md)
           multiplier: 2             # > 0: per-try timeout = multiplier x the pool's healthy P99
           floor_ms: 5               # > 0: never below it (and never above sla_p99_ms)
           budget_percent: 10        # 0..100: retries and hedges in flight, share of requests

@@ -206,8 +206,8 @@ class ModelRoute:
     fallback_active: bool = False  # the circuit is open: every request goes to the fallback
     sla_classes: tuple[SlaClass, ...] = ()  # x-sla-class values with their own route (lanes)
     large_inputs: LargeInputs | None = None  # a lane for requests with large declared inputs
-    # Hedging (None: off: generative or non-idempotent models, or turned off in the topology)
-    hedging: HedgingPolicy | None = HedgingPolicy()
+    # Hedging (None: off, the default; never for non-idempotent models)
+    hedging: HedgingPolicy | None = None
     hedge_per_try_s: float | None = None  # the per-try timeout telemetry set (None: not yet)
 
 

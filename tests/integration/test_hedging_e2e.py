@@ -35,7 +35,10 @@ def mesh(
     otlp, listener = free_port(), free_port()
     with contextlib.ExitStack() as stops:
         servers = start_reporting_servers(stops, demo_repo, workdir, otlp)
-        topology = write_topology(workdir / "t.yaml", listener, [s.url for s in servers])
+        hedging = {"enabled": True}
+        topology = write_topology(
+            workdir / "t.yaml", listener, [s.url for s in servers], hedging=hedging
+        )
         plane, envoy = start_plane_and_envoy(stops, workdir, topology, listener, 3, otlp)
         yield servers, plane, envoy, listener
 

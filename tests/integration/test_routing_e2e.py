@@ -36,11 +36,9 @@ def mesh(
         servers = start_reporting_servers(
             stops, demo_repo, workdir, otlp, "--memory-budget", "600MiB"
         )
-        # Telemetry-driven weights and ejections alone: with hedging, the slow server's tries
-        # lose their races and are cancelled (test_hedging_e2e.py has it on).
-        topology = write_topology(
-            workdir / "t.yaml", listener, [s.url for s in servers], hedging={"enabled": False}
-        )
+        # Telemetry-driven weights and ejections alone (hedging is off by default;
+        # test_hedging_e2e.py has it on)
+        topology = write_topology(workdir / "t.yaml", listener, [s.url for s in servers])
         plane, envoy = start_plane_and_envoy(stops, workdir, topology, listener, 3, otlp)
         yield servers, plane, envoy, listener
 

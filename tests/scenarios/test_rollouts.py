@@ -336,11 +336,10 @@ SHARE_BOUND = 0.15
 def test_a_slow_server_loses_its_share_and_p99_recovers_under_load(
     demo_repo: Path, tmp_path: Path
 ) -> None:
-    """+200 ms on every request of one server: hedging (a try past 2x the pool's P99 races a
-    second try on another server) keeps the clients from ever waiting for it, Envoy's
-    least-request balancing and the control plane's weights move its traffic, and the control
-    plane takes it out of rotation: its tries are slow (P99 over twice the SLA) or abandoned
-    (hedged to the others)."""
+    """+200 ms on every request of one server: Envoy's least-request balancing moves most of its
+    traffic at once, the control plane's telemetry (P99 over twice the SLA) takes it out of
+    rotation, and the clients' P99 comes back well under the injected latency. (With hedging
+    on, test_hedging_e2e.py, the clients would not feel it at all.)"""
     with ComposeMesh(tmp_path, demo_repo, server_flags=("--enable-fault-injection",)) as mesh:
         servers = sorted(mesh.server_ports)
         slow = servers[-1]
@@ -389,10 +388,9 @@ def test_a_slow_server_loses_its_share_and_p99_recovers_under_load(
     )
     assert share_before > 0.5 / len(servers), share_before  # it had its part before
     assert share_after < SHARE_BOUND, share_after
-    assert p99_fault < INJECTED_MS / 2, p99_fault  # hedged: never waited for, even at first
-    assert p99_after < INJECTED_MS / 2, (p99_after, p99_fault)
+    assert p99_fault > INJECTED_MS * 0.9, p99_fault  # the fault was felt ...
+    assert p99_after < INJECTED_MS / 2, (p99_after, p99_fault)  # ... and is no longer
     assert ejections, decisions
-    assert any("tries abandoned" in d or "p99" in d for d in ejections), ejections  # slow
     assert not traffic.errors, traffic.errors[:5]
 
 

@@ -93,8 +93,12 @@ def routes_and_clusters(model: ModelRoute) -> tuple[dict[str, Any], dict[str, An
     return {r.name: r for r in config.virtual_hosts[0].routes}, resources[CLUSTER_TYPE]
 
 
+ON = HedgingPolicy()
+
+
 def test_a_hedged_model_races_a_slow_try_on_another_host() -> None:
-    routes, clusters = routes_and_clusters(ModelRoute("classifier", 50, 2.0, hedge_per_try_s=0.018))
+    model = ModelRoute("classifier", 50, 2.0, hedging=ON, hedge_per_try_s=0.018)
+    routes, clusters = routes_and_clusters(model)
     unary = routes[model_cluster("classifier")].route
     assert unary.hedge_policy.hedge_on_per_try_timeout
     assert unary.retry_policy.per_try_timeout.ToMilliseconds() == 18
@@ -109,7 +113,7 @@ def test_a_hedged_model_races_a_slow_try_on_another_host() -> None:
 
 def test_without_a_p99_or_with_hedging_off_a_try_has_the_whole_timeout() -> None:
     for model in (
-        ModelRoute("classifier", 50, 2.0),  # no P99 yet
+        ModelRoute("classifier", 50, 2.0, hedging=ON),  # no P99 yet
         ModelRoute("classifier", 50, 2.0, hedging=None, hedge_per_try_s=0.018),
     ):
         routes, clusters = routes_and_clusters(model)
@@ -122,7 +126,7 @@ def test_without_a_p99_or_with_hedging_off_a_try_has_the_whole_timeout() -> None
 
 def test_an_sla_class_with_its_own_per_try_timeout_is_not_hedged() -> None:
     lanes = (SlaClass("interactive", 1.0, 1, 0.1), SlaClass("batch", 10.0))
-    model = ModelRoute("classifier", 50, 2.0, sla_classes=lanes, hedge_per_try_s=0.018)
+    model = ModelRoute("classifier", 50, 2.0, sla_classes=lanes, hedging=ON, hedge_per_try_s=0.018)
     routes, _ = routes_and_clusters(model)
     by_lane = {n: r.route for n, r in routes.items() if ":sla:" in n and "stream" not in n}
     interactive = next(r for n, r in by_lane.items() if "interactive" in n)
@@ -137,7 +141,7 @@ def test_large_inputs_are_not_hedged() -> None:
     """They take longer by design: a per-try timeout from the pool's P99 would run each twice
     (found by the large-input lane's end-to-end test)."""
     large = LargeInputs(1024, (("device_class", ("a100",)),))
-    model = ModelRoute("classifier", 50, 2.0, large_inputs=large, hedge_per_try_s=0.018)
+    model = ModelRoute("classifier", 50, 2.0, large_inputs=large, hedging=ON, hedge_per_try_s=0.018)
     routes, _ = routes_and_clusters(model)
     lanes = [r.route for n, r in routes.items() if ":large" in n and "stream" not in n]
     assert lanes and not any(r.HasField("hedge_policy") for r in lanes)
@@ -149,16 +153,16 @@ def model_config(**fields: Any) -> dict[str, Any]:
     return {"models": [{"name": "m", "sla_p99_ms": 50, "capacity_qps": 100, **fields}]}
 
 
-def test_hedging_is_on_by_default_and_off_for_generative_and_non_idempotent_models() -> None:
+def test_hedging_is_off_unless_asked_for() -> None:
     def hedging(**fields: Any) -> HedgingPolicy | None:
         return parse_topology(model_config(**fields)).models[0].hedging
 
-    assert hedging() == HedgingPolicy()
-    assert hedging(generative=True) is None
-    assert hedging(idempotent=False) is None
-    assert hedging(hedging={"enabled": False}) is None
-    assert hedging(generative=True, hedging={"enabled": True}) == HedgingPolicy()
-    tuned = hedging(hedging={"multiplier": 1.5, "floor_ms": 2, "budget_percent": 5})
+    on = {"enabled": True}
+    assert hedging() is None
+    assert hedging(hedging={"multiplier": 1.5}) is None  # tuned, but not turned on
+    assert hedging(hedging=on) == HedgingPolicy()
+    assert hedging(generative=True, hedging=on) == HedgingPolicy()
+    tuned = hedging(hedging={**on, "multiplier": 1.5, "floor_ms": 2, "budget_percent": 5})
     assert tuned == HedgingPolicy(multiplier=1.5, floor_ms=2, budget_percent=5)
 
 

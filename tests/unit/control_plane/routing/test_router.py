@@ -113,10 +113,18 @@ def test_a_recompute_says_what_it_did_as_values() -> None:
 
 def test_the_per_try_timeout_follows_the_pools_healthy_p99_and_is_explained() -> None:
     router = Router()
-    assert step(router, 0.0, 10.0) and router.pool_hedges()["m"].per_try_ms == 20.0
+    step(router, 0.0, 10.0)
+    assert router.pool_hedges() == {}  # off by default
+    router = Router()
+    hedged = {"models": [{"name": "m", "sla_p99_ms": SLA, "capacity_qps": 100,
+                          "hedging": {"enabled": True}}]}  # fmt: skip
+    topo = parse_topology(hedged)
+    telemetry = {a.key: seen(a, 10.0) for a in (A, B, C)}
+    router.recompute(topo, telemetry, REPORTS, 0.0)
+    assert router.pool_hedges()["m"].per_try_ms == 20.0
     why = "per-try 20 ms = 2 x pool P99 10.0 ms (the highest of 10 s)"
     assert router.explain()["m"]["hedging"]["why"] == why
-    step(router, 1.0, 400.0)  # C ejected: the bar stays where the healthy ones are
-    assert router.pool_hedges()["m"].per_try_ms == 20.0
+    router.recompute(topo, {**telemetry, C.key: seen(C, 400.0)}, REPORTS, 1.0)  # C: slow
+    assert router.pool_hedges()["m"].per_try_ms == 20.0  # the median of the healthy ones
     decisions = [d["decision"] for d in router.decisions if d["decision"].startswith("hedging")]
     assert decisions == [f"hedging: {why}"]  # logged once

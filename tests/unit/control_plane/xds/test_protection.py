@@ -109,7 +109,7 @@ def test_circuit_breakers_per_model() -> None:
     clusters: dict[str, Any] = build_resources(protected_state())[CLUSTER_TYPE]
     (limits,) = clusters[BIG].circuit_breakers.thresholds
     assert (limits.max_requests.value, limits.max_pending_requests.value) == (64, 8)
-    assert limits.retry_budget.budget_percent.value == 10  # hedged: its hedging budget
+    assert limits.retry_budget.budget_percent.value == 25
     (small,) = clusters[SMALL].circuit_breakers.thresholds
     assert small.max_requests.value >= 100_000
 

@@ -42,7 +42,6 @@ from control_plane.model.mesh import (
     MeshState,
     ModelRoute,
     RestOptions,
-    cluster_model,
     model_cluster,
 )
 from control_plane.xds import bootstrap
@@ -291,9 +290,7 @@ def test_cluster_settings(resources: Resources) -> None:
         assert outliers.base_ejection_time == duration(5)
         assert outliers.max_ejection_percent.value == 50
         (limits,) = cluster.circuit_breakers.thresholds
-        # the listener's 20 %, or a hedged model's hedging budget (10 %) where lower
-        hedged = cluster_model(cluster.name) is not None
-        assert limits.retry_budget.budget_percent.value == (10 if hedged else 20)
+        assert limits.retry_budget.budget_percent.value == 20
         assert limits.retry_budget.min_retry_concurrency.value == 10
         assert limits.max_requests.value >= 100_000 and limits.max_pending_requests.value >= 100_000
         options = http_protocol_options_pb2.HttpProtocolOptions()
