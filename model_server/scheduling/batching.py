@@ -6,8 +6,10 @@ event loop forms a batch whenever an execution slot (instance) is free: the olde
 highest priority first, then every compatible request (same inputs, same non-batch shapes and
 types) in priority then arrival order, up to ``max_batch_size`` rows. A batch smaller than that
 (and not a preferred size) waits for more until its oldest request has queued
-``max_queue_delay``. Inputs are joined with one ``np.concatenate`` per input, run in one ONNX
-Runtime call on a worker thread, and the outputs split back by rows.
+``max_queue_delay``, idle model or not, as Triton does; the model parameter
+``dynamic_batching_skip_delay_when_idle: "true"`` runs it at once when no batch is running.
+Inputs are joined with one ``np.concatenate`` per input, run in one ONNX Runtime call on a
+worker thread, and the outputs split back by rows.
 
 A request whose deadline (the sooner of its gRPC deadline, its "timeout" parameter and the
 queue policy's default timeout) passes while it is queued is answered DEADLINE_EXCEEDED and
@@ -167,14 +169,14 @@ class DynamicBatcher:
                 continue
             batch, rows, oldest = self._gather()
             remaining = self.policy.max_queue_delay_s - (self._clock() - oldest)
-            # Waiting for company only pays while another batch runs: on an idle model a lone
-            # request would just lose the delay (Triton waits; the benchmark's c1 paid 2x).
-            idle = self._free_slots == self._slots
+            # As Triton: a batch below max_batch_size and the preferred sizes waits for company
+            # until its oldest request has queued max_queue_delay. With skip_delay_when_idle it
+            # runs at once when no batch is running (waiting then only adds latency at low load).
             if (
                 rows < self.policy.max_batch_size
                 and remaining > 0
                 and not self._preferred(rows)
-                and not idle
+                and not (self.policy.skip_delay_when_idle and self._free_slots == self._slots)
             ):
                 await self._wait(remaining)  # for more requests, or the delay to run out
                 continue
