@@ -282,12 +282,15 @@ class DynamicBatcher:
             until = min(deadlines) - self._clock()
             limit_s = until if limit_s is None else min(limit_s, until)
         self._wait_until = math.inf if limit_s is None else self._clock() + limit_s
+        # A timer that sets the wake event, not wait_for: wait_for wraps the wait in a task of
+        # its own and raises TimeoutError, costs paid on every queue-delay wait.
+        loop = asyncio.get_running_loop()
+        timer = None if limit_s is None else loop.call_later(max(0.0, limit_s), self._wake.set)
         try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    self._wake.wait(), None if limit_s is None else max(0.0, limit_s)
-                )
+            await self._wake.wait()
         finally:
+            if timer is not None:
+                timer.cancel()
             self._wait_until = math.inf  # not waiting: an arrival with a deadline wakes it
 
     def _dequeue(self, batch: list[_Pending]) -> None:
