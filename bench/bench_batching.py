@@ -25,12 +25,19 @@ duration_ms with 1 ms resolution, response flags): goodput (OK within the SLA pe
 rejections (8 RESOURCE_EXHAUSTED, 4 DEADLINE_EXCEEDED, 14 UNAVAILABLE from an Envoy circuit
 breaker) with their P50/P99, the P99 of admitted OK requests and other errors.
 
+Part 3, ``--part idle`` (bench/batching_idle.py): the same batched config with and without
+the model parameter ``dynamic_batching_skip_delay_when_idle``, at c1 and moderate loads: P50,
+P99 and the executed batch sizes (Triton waits the queue delay on an idle model; the
+parameter runs a lone request at once).
+
 Plots: bench/plots/batching_qps.png and bench/plots/batching_overload.png.
 
     flock /tmp/infermesh-bench.lock .venv/bin/python bench/bench_batching.py
     flock /tmp/infermesh-bench.lock .venv/bin/python bench/bench_batching.py --part batching \\
         --config delay=500,instances=1 --rounds 2
     flock /tmp/infermesh-bench.lock .venv/bin/python bench/bench_batching.py --part overload
+    flock /tmp/infermesh-bench.lock .venv/bin/python bench/bench_batching.py --part idle \\
+        --idle-concurrency 1,4,16 --rounds 3 --duration 4 --warmup 1
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import batching_idle
 import bench_mesh as bmesh
 import bench_model_server as bms
 import matplotlib
@@ -693,7 +701,7 @@ def steal_share(before: tuple[int, int]) -> float:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--part", choices=("batching", "overload", "both"), default="both")
+    p.add_argument("--part", choices=("batching", "overload", "both", "idle"), default="both")
     p.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "infermesh-bench")
     p.add_argument("--concurrency", default="1,16,64,128", help="part 1: comma-separated levels")
     p.add_argument("--duration", type=float, default=6.0, help="part 1: seconds per timed run")
@@ -735,6 +743,9 @@ def parse_args() -> argparse.Namespace:
         help="part 2: the Envoy rate_limit scenario's requests_per_s as a share of C",
     )
     p.add_argument("--keep-logs", type=Path, help="part 2: copy each mesh's logs into this folder")
+    p.add_argument("--idle-config", default="delay=500,instances=1,preferred=8/16",
+                   help="part 3: the batched config both setups share")  # fmt: skip
+    p.add_argument("--idle-concurrency", default="1,4,16", help="part 3: comma-separated levels")
     p.add_argument("--plots", type=Path, default=PLOTS)
     p.add_argument("--json", type=Path, help="write machine-readable results here")
     return p.parse_args()
@@ -760,6 +771,16 @@ def main() -> int:
                 f"{out['batching']['cpu_steal']:.0%}",
                 flush=True,
             )
+        if args.part == "idle":
+            config = BatchConfig.parse(args.idle_config)
+
+            def repository(name: str, extra: str) -> Path:
+                repo = batched_repository(args.models, workdir / name, config)
+                with (repo / MODEL_NAME / "config.pbtxt").open("a") as pbtxt:
+                    pbtxt.write(extra)
+                return repo
+
+            out["idle"] = batching_idle.part_idle(args, exe, workdir, repository)
         if args.overload_config is None:
             args.overload_config = out.get("batching", {}).get("spec", OVERLOAD_DEFAULT)
         if args.part in ("overload", "both"):

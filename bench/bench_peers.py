@@ -87,6 +87,8 @@ SERVERS = [
     Server("infermesh-envoy", "InferMesh via Envoy, dynamic batching"),
     Server("infermesh-d500", "InferMesh, dynamic batching, 500 us delay", delay_us=500),
     Server("infermesh-unbatched", "InferMesh, no batching", delay_us=-1),
+    Server("infermesh-before", "InferMesh from --before-source, dynamic batching"),
+    Server("naive", "naive grpc.aio + ORT in a thread (bench/naive_server.py)"),
     Server("pytriton", "PyTriton, dynamic batcher", "pytriton"),
     Server("pytriton-d0", "PyTriton, dynamic batcher, 0 us delay", "pytriton", ("--delay-us", "0")),
     Server("kserve", "KServe, async predict in a thread (no batching)", "kserve"),
@@ -169,16 +171,25 @@ def write_repository(path: Path, batched: bool, delay_us: int, instances: int) -
     return path
 
 
-def model_server_spec(repo: Path, name: str) -> bms.ServerSpec:
+def model_server_spec(repo: Path, name: str, source: Path | None = None) -> bms.ServerSpec:
     cmd = [sys.executable, "-m", "model_server", "--model-repository", str(repo), "--host", HOST,
            "--port", "0", "--metrics-port", "0", "--models", MODEL_NAME]  # fmt: skip
-    return bms.ServerSpec(name, cmd, bms.LISTEN_RE, bms.READY_RE)
+    return bms.ServerSpec(name, cmd, bms.LISTEN_RE, bms.READY_RE, source=source)
 
 
 @contextmanager
-def start_infermesh(repo: Path, log: Path) -> Iterator[Target]:
-    with bms.start_server(model_server_spec(repo, "InferMesh"), log) as (pid, port, mport):
+def start_infermesh(repo: Path, log: Path, source: Path | None = None) -> Iterator[Target]:
+    spec = model_server_spec(repo, "InferMesh", source)
+    with bms.start_server(spec, log) as (pid, port, mport):
         yield Target(port, False, pid, f"http://{HOST}:{mport}/metrics")
+
+
+@contextmanager
+def start_naive(model: Path, log: Path) -> Iterator[Target]:
+    """bench/naive_server.py: ModelInfer only, no checks, metrics or batching (its CPU counted)."""
+    cmd = [sys.executable, str(HERE / "naive_server.py"), "--port", "0", "--model", str(model)]
+    with bms.start_server(bms.ServerSpec("naive", cmd, bms.NAIVE_RE), log) as (pid, port, _):
+        yield Target(port, False, pid, None)
 
 
 @contextmanager
@@ -277,10 +288,16 @@ def start(args: argparse.Namespace, server: Server, repos: dict[str, Path],
     log = logdir / f"{server.key}.log"
     if server.peer is not None:
         return start_peer(args, server, bms.latest_model(repos["unbatched"]), log)
+    if server.key == "naive":
+        return start_naive(bms.latest_model(repos["unbatched"]), log)
     delay = args.delay_us if server.delay_us is None else server.delay_us
     repo = repos[f"delay{delay}" if delay >= 0 else "unbatched"]
     if server.key == "infermesh-envoy":
         return start_envoy_mesh(repo, logdir)
+    if server.key == "infermesh-before":
+        if args.before_source is None:
+            sys.exit("infermesh-before needs --before-source DIR (a worktree of an earlier commit)")
+        return start_infermesh(repo, log, args.before_source.resolve())
     return start_infermesh(repo, log)
 
 
@@ -441,6 +458,28 @@ def verdicts(samples: list[Sample], levels: list[int], par: float) -> list[Verdi
     for peer in ("pytriton", "pytriton-d0"):
         out.append(compare(samples, "infermesh", peer, levels, lambda q, p: q >= par,
                            f"QPS at least on par (>= {par:g}x)"))  # fmt: skip
+    return out + issue29_verdicts(samples, levels)
+
+
+def issue29_verdicts(samples: list[Sample], levels: list[int]) -> list[Verdict]:
+    """Issue 29's targets against the naive server: c64 QPS >= c16 QPS; c1 p50 within 1.1x
+    of naive's; c64 QPS >= 1.5x naive's (medians; only the levels measured)."""
+    out = []
+    for key in ("infermesh", "infermesh-before"):
+        at = {c: medians(samples, key, c) for c in (1, 16, 64) if c in levels}
+        naive = {c: medians(samples, "naive", c) for c in (1, 64) if c in levels}
+        if any(m is None for m in at.values()):
+            continue
+        label = BY_KEY[key].label
+        if (c16 := at.get(16)) and (c64 := at.get(64)):
+            out.append(Verdict(f"{label}: c64 QPS >= c16 QPS", c64.qps >= c16.qps,
+                               f"c16 {c16.qps:,.0f}, c64 {c64.qps:,.0f}"))  # fmt: skip
+        if (ours := at.get(1)) and (theirs := naive.get(1)):
+            out.append(Verdict(f"{label}: c1 p50 <= 1.1x naive", ours.p50_ms <= 1.1 * theirs.p50_ms,
+                               f"p50 x{ours.p50_ms / theirs.p50_ms:.2f}"))  # fmt: skip
+        if (ours := at.get(64)) and (theirs := naive.get(64)):
+            out.append(Verdict(f"{label}: c64 QPS >= 1.5x naive", ours.qps >= 1.5 * theirs.qps,
+                               f"QPS x{ours.qps / theirs.qps:.2f}"))  # fmt: skip
     return out
 
 
@@ -450,7 +489,7 @@ def print_ratios(samples: list[Sample], levels: list[int], keys: list[str]) -> N
     print("| --- " * (2 + 2 * len(levels)) + "|")
     for ours in ("infermesh", "infermesh-envoy"):
         for peer in ("pytriton", "pytriton-d0", "kserve", "mlserver", "infermesh-unbatched",
-                     "infermesh-d500"):  # fmt: skip
+                     "infermesh-d500", "infermesh-before", "naive"):  # fmt: skip
             if ours not in keys or peer not in keys:
                 continue
             cells = []
@@ -559,6 +598,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="fresh processes per server")
     p.add_argument("--delay-us", type=int, default=0, help="InferMesh max_queue_delay")
     p.add_argument("--instances", type=int, default=1, help="InferMesh instance_group count")
+    p.add_argument(
+        "--before-source",
+        type=Path,
+        help="infermesh-before: the model server of this source tree (a worktree)",
+    )
     p.add_argument("--pytriton-delay-us", type=int, default=1000)
     p.add_argument("--mlserver-batch-ms", type=float, default=1.0)
     p.add_argument("--par", type=float, default=0.95, help="'on par' QPS ratio vs PyTriton")

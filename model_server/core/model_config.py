@@ -293,6 +293,13 @@ def _tensor_spec(
     )
 
 
+# config.pbtxt model parameter (Triton's ``parameters`` map, which stock Triton accepts and
+# its backends ignore when unknown): "true" runs a batch below the preferred sizes at once
+# when every instance is idle instead of waiting max_queue_delay_microseconds for company.
+SKIP_DELAY_WHEN_IDLE = "dynamic_batching_skip_delay_when_idle"
+_BOOLEANS = {"true": True, "false": False}
+
+
 @dataclass(frozen=True)
 class BatchingPolicy:
     """config.pbtxt's dynamic_batching, in seconds; 0 means "none" for sizes and timeouts."""
@@ -304,6 +311,9 @@ class BatchingPolicy:
     default_priority: int = 1
     max_queue_size: int = 0  # requests queued across every level; 0: unbounded
     default_timeout_s: float = 0.0  # a request queued longer is answered DEADLINE_EXCEEDED
+    # Triton waits max_queue_delay for a preferred size even on an idle model (False, the
+    # default); True runs at once when no batch is running (SKIP_DELAY_WHEN_IDLE).
+    skip_delay_when_idle: bool = False
 
 
 def batching_policy(config: model_config_pb2.ModelConfig) -> BatchingPolicy | None:
@@ -321,7 +331,15 @@ def batching_policy(config: model_config_pb2.ModelConfig) -> BatchingPolicy | No
         default_priority=int(d.default_priority_level) or levels,
         max_queue_size=int(queue.max_queue_size),
         default_timeout_s=queue.default_timeout_microseconds / 1e6,
+        skip_delay_when_idle=_skip_delay_when_idle(config) is True,
     )
+
+
+def _skip_delay_when_idle(config: model_config_pb2.ModelConfig) -> bool | None:
+    """The SKIP_DELAY_WHEN_IDLE parameter: False when absent, None when not a boolean."""
+    if SKIP_DELAY_WHEN_IDLE not in config.parameters:
+        return False
+    return _BOOLEANS.get(config.parameters[SKIP_DELAY_WHEN_IDLE].string_value.strip().lower())
 
 
 def batching_errors(config: model_config_pb2.ModelConfig) -> list[str]:
@@ -336,6 +354,11 @@ def batching_errors(config: model_config_pb2.ModelConfig) -> list[str]:
                 f"dynamic_batching.preferred_batch_size {size} must be in 1..max_batch_size "
                 f"({config.max_batch_size})"
             )
+    if _skip_delay_when_idle(config) is None:
+        value = config.parameters[SKIP_DELAY_WHEN_IDLE].string_value
+        errors.append(
+            f"parameters[{SKIP_DELAY_WHEN_IDLE!r}] must be 'true' or 'false', got {value!r}"
+        )
     if d.default_priority_level > d.priority_levels:
         errors.append(
             f"dynamic_batching.default_priority_level {d.default_priority_level} must be <= "

@@ -6,8 +6,10 @@ event loop forms a batch whenever an execution slot (instance) is free: the olde
 highest priority first, then every compatible request (same inputs, same non-batch shapes and
 types) in priority then arrival order, up to ``max_batch_size`` rows. A batch smaller than that
 (and not a preferred size) waits for more until its oldest request has queued
-``max_queue_delay``. Inputs are joined with one ``np.concatenate`` per input, run in one ONNX
-Runtime call on a worker thread, and the outputs split back by rows.
+``max_queue_delay``, idle model or not, as Triton does; the model parameter
+``dynamic_batching_skip_delay_when_idle: "true"`` runs it at once when no batch is running.
+Inputs are joined with one ``np.concatenate`` per input, run in one ONNX Runtime call on a
+worker thread, and the outputs split back by rows.
 
 A request whose deadline (the sooner of its gRPC deadline, its "timeout" parameter and the
 queue policy's default timeout) passes while it is queued is answered DEADLINE_EXCEEDED and
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -90,7 +93,8 @@ class DynamicBatcher:
         self._queues: list[deque[_Pending]] = [deque() for _ in range(policy.priority_levels)]
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._running: set[asyncio.Task[None]] = set()
+        self._running: set[asyncio.Future[list[np.ndarray]]] = set()  # batches on instances
+        self._wait_until = math.inf  # when the scheduler's current wait ends (inf: none)
         self.stats = BatchStats()
 
     @property
@@ -147,8 +151,10 @@ class DynamicBatcher:
         level = (priority or policy.default_priority) - 1
         future: asyncio.Future[list[np.ndarray]] = asyncio.get_running_loop().create_future()
         pending = _Pending(feeds, tuple(outputs), rows, level, deadline, now, future)
-        self._queues[level].append(pending)
-        self._wake.set()
+        if self._runs_at_once(rows, deadline, now):
+            self._start([pending], rows, now)  # what the scheduler would do, without its pass
+        else:
+            self._enqueue(pending)
         try:
             return await future
         except asyncio.CancelledError:
@@ -156,6 +162,34 @@ class DynamicBatcher:
             with contextlib.suppress(ValueError):
                 self._queues[level].remove(pending)
             raise
+
+    def _runs_at_once(self, rows: int, deadline: float | None, now: float) -> bool:
+        """Whether a request arriving now would leave in the scheduler's next pass: nothing is
+        queued, an instance is free and its batch of one may run (no delay to wait, a preferred
+        or full size, or an idle model with skip_delay_when_idle). At c1 this is every request:
+        starting it here saves the scheduler's pass (a task switch, an Event, a queue scan)."""
+        policy = self.policy
+        return (
+            self._free_slots > 0
+            and not self.queued
+            and (deadline is None or deadline > now)
+            and (
+                policy.max_queue_delay_s <= 0
+                or rows >= policy.max_batch_size
+                or self._preferred(rows)
+                or (policy.skip_delay_when_idle and self._free_slots == self._slots)
+            )
+        )
+
+    def _enqueue(self, pending: _Pending) -> None:
+        deadline = pending.deadline
+        self._queues[pending.priority].append(pending)
+        # The scheduler looks only when it could act: a slot is free, or this request's
+        # deadline comes before the end of its current wait. Waking it for every arrival while
+        # every instance is busy cost a scheduler pass (and a scan of the queue) per request,
+        # which grew with the queue: at c64 the event loop is the bottleneck.
+        if self._free_slots > 0 or (deadline is not None and deadline < self._wait_until):
+            self._wake.set()
 
     # -- the scheduler ------------------------------------------------------------------------
     async def _schedule(self) -> None:
@@ -167,25 +201,79 @@ class DynamicBatcher:
                 continue
             batch, rows, oldest = self._gather()
             remaining = self.policy.max_queue_delay_s - (self._clock() - oldest)
-            # Waiting for company only pays while another batch runs: on an idle model a lone
-            # request would just lose the delay (Triton waits; the benchmark's c1 paid 2x).
-            idle = self._free_slots == self._slots
+            # As Triton: a batch below max_batch_size and the preferred sizes waits for company
+            # until its oldest request has queued max_queue_delay. With skip_delay_when_idle it
+            # runs at once when no batch is running (waiting then only adds latency at low load).
             if (
                 rows < self.policy.max_batch_size
                 and remaining > 0
                 and not self._preferred(rows)
-                and not idle
+                and not (self.policy.skip_delay_when_idle and self._free_slots == self._slots)
             ):
                 await self._wait(remaining)  # for more requests, or the delay to run out
                 continue
-            now = self._clock()
-            for pending in batch:
-                self._queues[pending.priority].remove(pending)
-                self._on_dequeue(now - pending.queued_at)
-            self._free_slots -= 1
-            task = asyncio.get_running_loop().create_task(self._run(batch, rows))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            self._dequeue(batch)
+            self._start(batch, rows, self._clock())
+
+    def _start(self, batch: list[_Pending], rows: int, now: float) -> None:
+        """Takes an instance and runs ``batch`` (already out of the queues) on it. No task: the
+        worker's future calls ``_finish``, one loop step fewer per batch than awaiting it."""
+        for pending in batch:
+            self._on_dequeue(now - pending.queued_at)
+        self._free_slots -= 1
+        outputs = sorted({name for p in batch for name in p.outputs})
+        try:
+            feeds = (
+                batch[0].feeds
+                if len(batch) == 1
+                else {
+                    name: np.concatenate([p.feeds[name] for p in batch]) for name in batch[0].feeds
+                }
+            )
+            running = self._execute(lambda: self._run_batch(feeds, outputs, rows))
+        except Exception as exc:  # the inputs did not join: the whole batch shares the failure
+            self._finish(batch, outputs, rows, exc)
+            return
+        self._running.add(running)
+        running.add_done_callback(lambda done: self._finished(batch, outputs, rows, done))
+
+    def _finished(
+        self,
+        batch: list[_Pending],
+        outputs: list[str],
+        rows: int,
+        done: asyncio.Future[list[np.ndarray]],
+    ) -> None:
+        self._running.discard(done)
+        if done.cancelled():
+            self._finish(batch, outputs, rows, asyncio.CancelledError())
+        else:
+            self._finish(batch, outputs, rows, done.exception() or done.result())
+
+    def _finish(
+        self,
+        batch: list[_Pending],
+        outputs: list[str],
+        rows: int,
+        results: list[np.ndarray] | BaseException,
+    ) -> None:
+        """Frees the instance and answers every request of the batch (a failure is shared)."""
+        self._free_slots += 1
+        if self.queued:  # with nothing queued the next arrival finds the free instance itself
+            self._wake.set()
+        if isinstance(results, BaseException):
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_exception(results)
+            return
+        self.stats.batches += 1
+        self.stats.rows += rows
+        by_name = dict(zip(outputs, results, strict=True))
+        start = 0
+        for p in batch:
+            if not p.future.done():
+                p.future.set_result([by_name[n][start : start + p.rows] for n in p.outputs])
+            start += p.rows
 
     async def _wait(self, limit_s: float | None) -> None:
         """Until something is queued or a slot frees (or ``limit_s``, or the next deadline)."""
@@ -193,10 +281,30 @@ class DynamicBatcher:
         if deadlines:
             until = min(deadlines) - self._clock()
             limit_s = until if limit_s is None else min(limit_s, until)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(
-                self._wake.wait(), None if limit_s is None else max(0.0, limit_s)
-            )
+        self._wait_until = math.inf if limit_s is None else self._clock() + limit_s
+        # A timer that sets the wake event, not wait_for: wait_for wraps the wait in a task of
+        # its own and raises TimeoutError, costs paid on every queue-delay wait.
+        loop = asyncio.get_running_loop()
+        timer = None if limit_s is None else loop.call_later(max(0.0, limit_s), self._wake.set)
+        try:
+            await self._wake.wait()
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self._wait_until = math.inf  # not waiting: an arrival with a deadline wakes it
+
+    def _dequeue(self, batch: list[_Pending]) -> None:
+        """Takes ``batch`` out of the queues: usually the heads, popped; else one pass."""
+        for level, queue in enumerate(self._queues):
+            taken = [p for p in batch if p.priority == level]
+            if not taken:
+                continue
+            if all(queue[i] is p for i, p in enumerate(taken)):
+                for _ in taken:
+                    queue.popleft()
+            else:
+                chosen = set(taken)
+                self._queues[level] = deque(p for p in queue if p not in chosen)
 
     def _preferred(self, rows: int) -> bool:
         return rows in self.policy.preferred_batch_sizes
@@ -230,35 +338,3 @@ class DynamicBatcher:
             if rows >= limit:
                 break
         return batch, rows, min(p.queued_at for p in batch)
-
-    async def _run(self, batch: list[_Pending], rows: int) -> None:
-        outputs = sorted({name for p in batch for name in p.outputs})
-        try:
-            feeds = (
-                batch[0].feeds
-                if len(batch) == 1
-                else {
-                    name: np.concatenate([p.feeds[name] for p in batch]) for name in batch[0].feeds
-                }
-            )
-            results = await self._execute(lambda: self._run_batch(feeds, outputs, rows))
-        except BaseException as exc:  # the whole batch shares the failure
-            for p in batch:
-                if not p.future.done():
-                    p.future.set_exception(
-                        exc if isinstance(exc, Exception) else asyncio.CancelledError()
-                    )
-            if not isinstance(exc, Exception):
-                raise
-            return
-        finally:
-            self._free_slots += 1
-            self._wake.set()
-        self.stats.batches += 1
-        self.stats.rows += rows
-        by_name = dict(zip(outputs, results, strict=True))
-        start = 0
-        for p in batch:
-            if not p.future.done():
-                p.future.set_result([by_name[n][start : start + p.rows] for n in p.outputs])
-            start += p.rows

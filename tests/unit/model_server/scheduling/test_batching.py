@@ -16,7 +16,12 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2, service_pb2
 
 from model_server.core.errors import InvalidInput
-from model_server.core.model_config import BatchingPolicy, batching_errors, batching_policy
+from model_server.core.model_config import (
+    SKIP_DELAY_WHEN_IDLE,
+    BatchingPolicy,
+    batching_errors,
+    batching_policy,
+)
 from model_server.core.validation import request_scheduling
 from model_server.scheduling.batching import DeadlineExceeded, DynamicBatcher, QueueFull
 
@@ -48,15 +53,26 @@ class Model:
         return [computed[name]() for name in outputs]
 
 
+class Clock:
+    """A monotonic clock that moves only when told: queue delays without real waiting."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def batcher(
-    model: Model, slots: int = 1, **policy: Any
+    model: Model, slots: int = 1, clock: Clock | None = None, **policy: Any
 ) -> tuple[DynamicBatcher, ThreadPoolExecutor]:
     pool = ThreadPoolExecutor(max_workers=slots)
     loop = asyncio.get_running_loop()
     settings = {"max_batch_size": 8, **policy}
     b = DynamicBatcher(
-        BatchingPolicy(**settings), model.run, slots, lambda job: loop.run_in_executor(pool, job)
-    )
+        BatchingPolicy(**settings), model.run, slots, lambda job: loop.run_in_executor(pool, job),
+        clock=clock or time.monotonic,
+    )  # fmt: skip
     b.start()
     return b, pool
 
@@ -197,23 +213,54 @@ async def test_a_full_queue_rejects_at_once() -> None:
     pool.shutdown()
 
 
-async def test_queue_delay_waits_for_company_unless_idle_or_preferred() -> None:
-    model = Model()
-    b, pool = batcher(model, slots=2, max_queue_delay_s=0.2, preferred_batch_sizes=(2,))
-    loop = asyncio.get_running_loop()
-    started = loop.time()
+async def settle() -> None:
+    """Gives the scheduler task every chance to act on what it was told (no clock moves)."""
+    for _ in range(20):
+        await asyncio.sleep(0.001)
+
+
+async def test_queue_delay_is_honoured_on_an_idle_model_as_triton_does() -> None:
+    model, clock = Model(), Clock()
+    b, pool = batcher(model, clock=clock, max_queue_delay_s=10.0, preferred_batch_sizes=(4,))
+    first = asyncio.create_task(b.submit(sample(1), ["s"], 1))
+    second = asyncio.create_task(b.submit(sample(2), ["s"], 1))
+    await settle()
+    assert model.entered == 0 and b.queued == 2  # idle, yet waiting for a preferred size
+    clock.now = 10.0  # the oldest has waited the whole delay
+    third = asyncio.create_task(b.submit(sample(3), ["s"], 1))  # wakes the scheduler
+    await asyncio.gather(first, second, third)
+    assert model.calls == [3]  # one batch: the delay bought company
+    await b.stop()
+    pool.shutdown()
+
+
+async def test_a_preferred_size_runs_at_once_without_the_delay() -> None:
+    model, clock = Model(), Clock()
+    b, pool = batcher(model, clock=clock, max_queue_delay_s=10.0, preferred_batch_sizes=(2,))
+    await b.submit(sample(1, rows=2), ["s"], 2)  # the clock never moves: no delay was waited
+    assert model.calls == [2]
+    await b.stop()
+    pool.shutdown()
+
+
+async def test_skip_delay_when_idle_runs_a_lone_request_at_once_but_waits_when_busy() -> None:
+    model, clock = Model(), Clock()
+    b, pool = batcher(
+        model, slots=2, clock=clock, max_queue_delay_s=10.0, preferred_batch_sizes=(4,),
+        skip_delay_when_idle=True,
+    )  # fmt: skip
     await b.submit(sample(1), ["s"], 1)  # nothing running: waiting would only add latency
-    assert loop.time() - started < 0.15
+    assert model.calls == [1]
     blocker = await occupy(b, model)  # one instance busy: now company is worth waiting for
-    started = loop.time()
-    await b.submit(sample(1), ["s"], 1)
-    assert loop.time() - started >= 0.19
-    started = loop.time()
-    await b.submit(sample(1, rows=2), ["s"], 2)  # a preferred size: at once
-    assert loop.time() - started < 0.15
+    waiting = asyncio.create_task(b.submit(sample(2), ["s"], 1))
+    await settle()
+    assert b.queued == 1 and model.entered == 2  # a slot is free, but the delay is honoured
+    clock.now = 10.0
+    late = asyncio.create_task(b.submit(sample(3), ["s"], 1))
+    await asyncio.gather(waiting, late)
     model.gate.set()
     await blocker
-    assert model.calls == [1, 1, 2, 1]  # in the order they finished
+    assert model.calls == [1, 2, 1]  # alone; the pair after the delay; then the blocker
     await b.stop()
     pool.shutdown()
 
@@ -283,6 +330,18 @@ def test_policy_from_config_pbtxt() -> None:
     assert batching_policy(config("max_batch_size: 0 dynamic_batching {}")) is None
     default = batching_policy(config("max_batch_size: 4 dynamic_batching {}"))
     assert default == BatchingPolicy(max_batch_size=4)
+    assert not default.skip_delay_when_idle  # Triton's behaviour unless asked otherwise
+
+
+@pytest.mark.parametrize(("value", "skip"), [("true", True), (" TRUE ", True), ("false", False)])
+def test_skip_delay_when_idle_is_a_model_parameter(value: str, skip: bool) -> None:
+    text = (
+        "max_batch_size: 4 dynamic_batching { max_queue_delay_microseconds: 500 } "
+        f'parameters {{ key: "{SKIP_DELAY_WHEN_IDLE}" value {{ string_value: "{value}" }} }}'
+    )
+    assert batching_errors(config(text)) == []
+    policy = batching_policy(config(text))
+    assert policy is not None and policy.skip_delay_when_idle is skip
 
 
 @pytest.mark.parametrize(
@@ -299,6 +358,11 @@ def test_policy_from_config_pbtxt() -> None:
         (
             "max_batch_size: 4 dynamic_batching { priority_levels: 2 default_priority_level: 3 }",
             "default_priority_level 3 must be <= priority_levels (2)",
+        ),
+        (
+            "max_batch_size: 4 dynamic_batching {} parameters { "
+            'key: "dynamic_batching_skip_delay_when_idle" value { string_value: "yes" } }',
+            "must be 'true' or 'false', got 'yes'",
         ),
     ],
 )
