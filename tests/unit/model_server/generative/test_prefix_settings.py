@@ -47,8 +47,9 @@ def fill(cache: KvCache, name: str, tokens: list[int]) -> None:
 def test_hits_lookups_and_evictions_reach_the_control_plane() -> None:
     metrics = ServerMetrics(CollectorRegistry())
     cache = KvCache(SHAPE, observe=generation_observer(metrics, "lm"))
-    fill(cache, "a", [1] * 9)  # 9 looked up, none cached; 2 full blocks keyed
     store = TelemetryStore(window_s=10)
+    store.ingest(build_request(metrics.registry, "10.0.0.1:1"), received_at=99.0)  # all 0
+    fill(cache, "a", [1] * 9)  # 9 looked up, none cached; 2 full blocks keyed
     store.ingest(build_request(metrics.registry, "10.0.0.1:1"), received_at=100.0)
     cache.release("a")
     fill(cache, "b", [1] * 8 + [2])  # 9 looked up, 8 from the cache
@@ -64,8 +65,7 @@ def test_hits_lookups_and_evictions_reach_the_control_plane() -> None:
     assert value("prefix_cache_prefill_saved_ratio") is None  # set by publish_engine only
     assert cache.stats.evictions == value("prefix_cache_evictions_total") == 1
     seen = store.snapshot(101.0)["10.0.0.1:1"].prefix_cache_hit_rate
-    # Over the window: a series first seen starts from zero, so both reports count.
-    assert seen is not None and seen.value == pytest.approx(8 / 27)
+    assert seen is not None and seen.value == pytest.approx(8 / 27)  # over the window
     document = telemetry_document(store.snapshot(101.0), 10, 3)
     assert document["endpoints"]["10.0.0.1:1"]["prefix_cache_hit_rate"]["value"] == seen.value
 
