@@ -1,13 +1,14 @@
 """Benchmark prefix caching on a shared-prefix workload: the demo LM with the cache on and off.
 
 Servers serve the same demo decoder (``model_server.demo_lm``), differing only in config
-parameters: ``on`` (prefix caching, the default), ``off`` (``prefix_caching: false``) and
-``on-alone`` (prefix caching, but each new sequence prefilled in a run of its own:
-``max_prefill_sequences: 1``). The workload is a chat service's: ``--system-prompts`` system
-prompts of ``--prefix-bytes`` bytes (400: 401 tokens with BOS), each request one of them
-(chosen at random) followed by a short unique question, ``--max-tokens`` tokens, greedy.
-``--streams`` client tasks (grpc.aio, one channel) send requests back to back for
-``--duration`` seconds after a discarded warm-up; every server starts fresh for every run.
+parameters: ``on`` (prefix caching, the default), ``off`` (``prefix_caching: false``),
+``on-batched`` and ``off-batched`` (the same, with up to 8 new sequences prefilled in one
+run: ``max_prefill_sequences: 8``; ``--modes`` picks them). The workload is a chat
+service's: ``--system-prompts`` system prompts of ``--prefix-bytes`` bytes (400: 401 tokens
+with BOS), each request one of them (chosen at random) followed by a short unique question,
+``--max-tokens`` tokens, greedy. ``--streams`` client tasks (grpc.aio, one channel) send
+requests back to back for ``--duration`` seconds after a discarded warm-up; every server
+starts fresh for every run.
 
 Per run: TTFT P50/P90 (send to first token), generated tokens/s over the window, completed
 sequences, and the server's prefix-cache hit rate over the window (``prefix_cache_hit_tokens``
@@ -45,7 +46,8 @@ MODEL = "demo_lm"
 MODES = {
     "on": {"prefix_caching": "true"},
     "off": {"prefix_caching": "false"},
-    "on-alone": {"prefix_caching": "true", "max_prefill_sequences": "1"},
+    "on-batched": {"prefix_caching": "true", "max_prefill_sequences": "8"},
+    "off-batched": {"prefix_caching": "false", "max_prefill_sequences": "8"},
 }
 WORDS = ("the", "of", "and", "model", "server", "cache", "token", "block", "prefix", "system",
          "user", "answer", "question")  # fmt: skip
@@ -230,7 +232,7 @@ def report(rows: list[Row], args: argparse.Namespace) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--modes", default="on,off,on-alone", help=f"of {','.join(MODES)}")
+    p.add_argument("--modes", default=",".join(MODES), help=f"of {','.join(MODES)}")
     p.add_argument("--streams", type=int, default=16, help="concurrent client streams")
     p.add_argument("--system-prompts", type=int, default=8)
     p.add_argument("--prefix-bytes", type=int, default=400)

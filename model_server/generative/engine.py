@@ -7,10 +7,10 @@ one flagged ``final``. One scheduler task on the event loop runs the model on a 
   When it does not, the sequence waits (``when_full="wait"``) or is refused at once with
   RESOURCE_EXHAUSTED (``"reject"``). A running sequence's blocks are never taken.
 - **Prefill**: a new sequence shares the cached blocks of its prompt's longest cached prefix
-  (``KvCache.admit``, prefix caching) and computes only the rest: the new sequences of a step
-  prefill together, several to a run (``prefill.py``: grouped by length, left-padded past and
-  new tokens), their keys/values go into their blocks and each first token is sampled from
-  its row's last position.
+  (``KvCache.admit``, prefix caching) and computes only the rest, alone or with up to
+  ``max_prefill_rows`` other new sequences in one run (``prefill.py``: grouped by length,
+  left-padded past and new tokens); their keys/values go into their blocks and each first
+  token is sampled from its row's last position.
 - **Decode**: every running sequence advances one token per step, together: the last token of
   each, their cached keys/values gathered left-padded, an attention mask that hides the padding,
   and position ids that continue each sequence. New sequences are prefilled between steps.
@@ -117,7 +117,7 @@ class GenerationEngine:
         max_positions: int,
         max_running: int = 32,
         when_full: str = "wait",
-        max_prefill_rows: int = 8,
+        max_prefill_rows: int = 1,
         clock: Callable[[], float] = time.monotonic,
         observe: Callable[[str, float], None] = lambda what, value: None,
     ) -> None:

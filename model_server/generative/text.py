@@ -44,7 +44,9 @@ ENGINE_PARAMETERS = {
     "kv_block_tokens": 16,
     "max_running_sequences": 32,
     "max_positions": 512,  # the model's context length
-    "max_prefill_sequences": 8,  # new sequences prefilled in one run (1: one at a time)
+    # new sequences prefilled in one run: 1 (one at a time) had the lower TTFT on a CPU
+    # (bench_prefix_cache.py); more pays where one run of several rows costs about one row's
+    "max_prefill_sequences": 1,
 }
 WHEN_FULL = ("wait", "reject")  # parameter kv_when_full: new sequences wait, or are refused
 SWITCH = {"true": True, "on": True, "1": True, "false": False, "off": False, "0": False}

@@ -34,7 +34,7 @@ def test_prefix_caching_is_on_unless_the_config_turns_it_off() -> None:
     assert prefix_caching(config(prefix_caching="true")) is True
     with pytest.raises(ValueError, match=r"parameters\['prefix_caching'\]: expected true or"):
         engine_settings(config(prefix_caching="sometimes"))  # fails the load, named
-    assert engine_settings(config(max_prefill_sequences="1"))[0]["max_prefill_sequences"] == 1
+    assert engine_settings(config(max_prefill_sequences="8"))[0]["max_prefill_sequences"] == 8
 
 
 def fill(cache: KvCache, name: str, tokens: list[int]) -> None:
