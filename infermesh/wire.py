@@ -42,6 +42,8 @@ MEMORY_USED = "accelerator_memory_used_bytes"
 MEMORY_TOTAL = "accelerator_memory_total_bytes"
 KV_BLOCKS_USED = "kv_cache_blocks_used"
 KV_BLOCKS_TOTAL = "kv_cache_blocks_total"
+PREFIX_HIT_TOKENS = "prefix_cache_hit_tokens"  # prompt tokens the prefix cache held
+PREFIX_LOOKUP_TOKENS = "prefix_cache_lookup_tokens"  # prompt tokens looked up
 MODEL_STATE = "model_state"
 SERVER_DRAINING = "server_draining"
 SERVER_LABEL = "server_label"  # routing labels a server reports (name, value)
@@ -56,6 +58,8 @@ TELEMETRY_KINDS = {
     MEMORY_TOTAL: "gauge",
     KV_BLOCKS_USED: "gauge",
     KV_BLOCKS_TOTAL: "gauge",
+    PREFIX_HIT_TOKENS: "counter",
+    PREFIX_LOOKUP_TOKENS: "counter",
     MODEL_STATE: "gauge",
     SERVER_DRAINING: "gauge",
     SERVER_LABEL: "gauge",

@@ -43,6 +43,7 @@ _SIGNALS = (
     "memory_total_bytes",
     "kv_blocks_used",
     "kv_blocks_total",
+    "prefix_cache_hit_rate",
 )
 _EXACT = ("endpoint", "stale", "memory_source", "series", "dropped_series", "labels")
 

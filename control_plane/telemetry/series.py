@@ -68,7 +68,7 @@ class Layout:
     (at fleet scale a telemetry shard windows 10,000 reports a second)."""
 
     __slots__ = ("by_model", "draining", "durations", "gauges", "labels", "live", "memory_source",
-                 "models", "oldest", "quiet", "requests", "shape", "single")  # fmt: skip
+                 "models", "oldest", "prefix", "quiet", "requests", "shape", "single")  # fmt: skip
 
     def __init__(self, series: Mapping[tuple[str, Any], Series], shape: int, cutoff: float) -> None:
         """The layout of an endpoint's ``series`` (``shape``: how many it has made so far) for
@@ -98,6 +98,10 @@ class Layout:
             for field, name in _GAUGES
         )
         self.draining = live.get("server_draining", [])
+        self.prefix = (
+            live.get(wire.PREFIX_HIT_TOKENS, []),
+            live.get(wire.PREFIX_LOOKUP_TOKENS, []),
+        )
         self.labels = live.get("server_label", [])
         self.oldest = self._oldest()
 
@@ -221,6 +225,23 @@ def abandoned_rate(series: Labeled, now: float, window_s: float) -> Signal | Non
     if newest == -math.inf:
         return None
     return Signal(cancelled / total if total > 0 else 0.0, now - newest)
+
+
+def share(part: Labeled, whole: Labeled, now: float, window_s: float) -> Signal | None:
+    """How much ``part`` grew over the window as a share of how much ``whole`` did (prefix-cache
+    hit tokens over looked-up tokens); None when ``whole`` did not grow."""
+    grown, newest = 0.0, -math.inf
+    for _, s in whole:
+        delta, span, t = s.delta(window_s)
+        if span > 0:
+            grown, newest = grown + delta[0], max(newest, t)
+    if grown <= 0:
+        return None
+    hits = 0.0
+    for _, s in part:
+        delta, span, _ = s.delta(window_s)
+        hits += delta[0] if span > 0 else 0.0
+    return Signal(min(1.0, hits / grown), now - newest)
 
 
 def _count(series: Labeled, window_s: float) -> float:

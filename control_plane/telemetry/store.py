@@ -56,6 +56,7 @@ from control_plane.telemetry.series import (
     percentiles_ms,
     rate,
     server_labels,
+    share,
     version_telemetry,
     went_back,
 )
@@ -398,6 +399,7 @@ class TelemetryStore:
             qps=qps,
             error_rate=error_rate(layout.requests, now, window),
             abandoned_rate=abandoned_rate(layout.requests, now, window),
+            prefix_cache_hit_rate=share(*layout.prefix, now, window) if layout.prefix[1] else None,
             memory_source=layout.memory_source,
             draining=None if draining is None else Flag(draining.value > 0, draining.age_s),
             models=models,

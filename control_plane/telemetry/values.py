@@ -60,6 +60,7 @@ class EndpointTelemetry:
     memory_source: str | None = None  # "nvml" when any device reports it, else "process"
     kv_blocks_used: Signal | None = None
     kv_blocks_total: Signal | None = None
+    prefix_cache_hit_rate: Signal | None = None  # prompt tokens the prefix cache held, a share
     draining: Flag | None = None
     models: tuple[ModelTelemetry, ...] = ()
     series: int = 0
@@ -123,6 +124,7 @@ def aged(t: EndpointTelemetry, dt: float, stale_after_intervals: float) -> Endpo
         memory_total_bytes=older(t.memory_total_bytes),
         kv_blocks_used=older(t.kv_blocks_used),
         kv_blocks_total=older(t.kv_blocks_total),
+        prefix_cache_hit_rate=older(t.prefix_cache_hit_rate),
         draining=None if t.draining is None else Flag(t.draining.value, t.draining.age_s + dt),
         models=tuple(ModelTelemetry(m.model, older(m.p99_ms), older(m.qps)) for m in t.models),
     )

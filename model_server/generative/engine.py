@@ -6,8 +6,11 @@ one flagged ``final``. One scheduler task on the event loop runs the model on a 
 - **Admission**: a waiting sequence joins when its prompt plus one token fits in the KV cache.
   When it does not, the sequence waits (``when_full="wait"``) or is refused at once with
   RESOURCE_EXHAUSTED (``"reject"``). A running sequence's blocks are never taken.
-- **Prefill**: each new sequence's prompt runs alone (past length 0) and its keys/values go
-  into its blocks; its first token is sampled from the last position.
+- **Prefill**: a new sequence shares the cached blocks of its prompt's longest cached prefix
+  (``KvCache.admit``, prefix caching) and computes only the rest, alone or with up to
+  ``max_prefill_rows`` other new sequences in one run (``prefill.py``: grouped by length,
+  left-padded past and new tokens); their keys/values go into their blocks and each first
+  token is sampled from its row's last position.
 - **Decode**: every running sequence advances one token per step, together: the last token of
   each, their cached keys/values gathered left-padded, an attention mask that hides the padding,
   and position ids that continue each sequence. New sequences are prefilled between steps.
@@ -34,6 +37,7 @@ import numpy as np
 
 from model_server.core.errors import InferenceError, InvalidInput
 from model_server.generative.kv_cache import KvCache, KvCacheFull
+from model_server.generative.prefill import prefill_groups, prefill_inputs
 
 Feeds = dict[str, np.ndarray]
 Decoder = Callable[[Feeds], Mapping[str, np.ndarray]]
@@ -113,6 +117,7 @@ class GenerationEngine:
         max_positions: int,
         max_running: int = 32,
         when_full: str = "wait",
+        max_prefill_rows: int = 1,
         clock: Callable[[], float] = time.monotonic,
         observe: Callable[[str, float], None] = lambda what, value: None,
     ) -> None:
@@ -123,6 +128,7 @@ class GenerationEngine:
         self.max_positions = max_positions
         self.max_running = max_running
         self.when_full = when_full
+        self.max_prefill_rows = max_prefill_rows  # new sequences per prefill run (1: alone)
         self._clock = clock
         self._observe = observe  # ("ttft"|"tpot", seconds) and ("token", 1) as they happen
         self.waiting: deque[_Sequence] = deque()
@@ -188,22 +194,37 @@ class GenerationEngine:
     # -- the scheduler ----------------------------------------------------------------------
     async def _schedule(self) -> None:
         while True:
-            self._drop_gone()
-            self._wake.clear()
-            admitted = self._admit()
-            for sequence in admitted:
-                await self._prefill(sequence)
-            if self.running:
-                await self._decode()
-            elif not admitted:
-                await self._wake.wait()
+            admitted: list[_Sequence] = []
+            try:
+                self._drop_gone()
+                self._wake.clear()
+                admitted = self._admit()
+                computed = [len(s.tokens) - self.cache.length(s.name) for s in admitted]
+                for group in prefill_groups(computed, self.max_prefill_rows):
+                    await self._prefill([admitted[i] for i in group])
+                if self.running:
+                    await self._decode()
+                elif not admitted:
+                    await self._wake.wait()
+            except Exception as exc:  # a bug, not the model's error: its sequences fail
+                self._fail([*admitted, *self.running], exc)  # (the waiting ones go on)
+
+    def _fail(self, sequences: list[_Sequence], exc: Exception) -> None:
+        error = InferenceError(f"the generation engine failed: {exc!r}")
+        for sequence in dict.fromkeys(sequences):
+            if sequence in self.running:
+                self.running.remove(sequence)
+            self.cache.release(sequence.name)
+            if not sequence.done:
+                self._finish(sequence, error)
 
     def _admit(self) -> list[_Sequence]:
         admitted: list[_Sequence] = []
         while self.waiting and len(self.running) + len(admitted) < self.max_running:
             sequence = self.waiting[0]
-            try:
-                self.cache.reserve(sequence.name, len(sequence.tokens) + 1)
+            tokens = sequence.tokens
+            try:  # what the cache holds of its prefix is shared, not computed again
+                self.cache.admit(sequence.name, tokens, len(tokens) + 1)
             except KvCacheFull:
                 break  # it waits (FIFO) until running sequences give blocks back
             self.waiting.popleft()
@@ -216,27 +237,32 @@ class GenerationEngine:
             self.cache.release(sequence.name)
         self.waiting = deque(s for s in self.waiting if not s.gone)
 
-    async def _prefill(self, sequence: _Sequence) -> None:
-        prompt = np.array([sequence.tokens], dtype=np.int64)  # more than the prompt if resumed
-        n = prompt.shape[1]
-        feeds = self._feeds(
-            prompt,
-            np.ones((1, n), np.int64),
-            np.arange(n, dtype=np.int64)[None, :],
-            *self._empty_past(1),
-        )
+    async def _prefill(self, group: list[_Sequence]) -> None:
+        """One run for ``group``'s uncached tokens (more than the prompt if resumed)."""
+        names = [s.name for s in group]
+        cached = [self.cache.length(name) for name in names]
+        rows = [s.tokens[done:] for s, done in zip(group, cached, strict=True)]
+        keys, values, past = self.cache.gather(names)
+        ids, mask, positions = prefill_inputs(rows, cached, past)
+        feeds = self._feeds(ids, mask, positions, keys, values)
         try:
             outputs = await self._offload(lambda: self._decoder(feeds))
         except Exception as exc:
-            self.cache.release(sequence.name)
-            self._finish(sequence, InferenceError(f"prefill failed: {exc}"))
+            for sequence in group:
+                self.cache.release(sequence.name)
+                self._finish(sequence, InferenceError(f"prefill failed: {exc}"))
             return
         layers = self.cache.shape.layers
-        keys = [outputs[f"present.{i}.key"][0] for i in range(layers)]
-        values = [outputs[f"present.{i}.value"][0] for i in range(layers)]
-        self.cache.append(sequence.name, keys, values)
-        self.running.append(sequence)
-        self._emit(sequence, outputs["logits"][0, -1])
+        for row, (sequence, tokens) in enumerate(zip(group, rows, strict=True)):
+            new = slice(ids.shape[1] + past - len(tokens), None)  # its last columns
+            self.cache.append(
+                sequence.name,
+                [outputs[f"present.{i}.key"][row, :, new] for i in range(layers)],
+                [outputs[f"present.{i}.value"][row, :, new] for i in range(layers)],
+                tokens,
+            )
+            self.running.append(sequence)
+            self._emit(sequence, outputs["logits"][row, -1])
 
     async def _decode(self) -> None:
         batch = [s for s in self.running if not s.gone]
@@ -272,7 +298,7 @@ class GenerationEngine:
                 continue
             new_keys = [outputs[f"present.{i}.key"][row, :, -1:] for i in range(layers)]
             new_values = [outputs[f"present.{i}.value"][row, :, -1:] for i in range(layers)]
-            self.cache.append(sequence.name, new_keys, new_values)
+            self.cache.append(sequence.name, new_keys, new_values, sequence.generated[-1:])
             self._emit(sequence, outputs["logits"][row, -1])
 
     def _preempt(self, sequence: _Sequence) -> None:
@@ -300,14 +326,6 @@ class GenerationEngine:
             feeds[f"past_key_values.{i}.key"] = k
             feeds[f"past_key_values.{i}.value"] = v
         return feeds
-
-    def _empty_past(self, batch: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        shape = (batch, self.cache.shape.heads, 0, self.cache.shape.head_dim)
-        layers = self.cache.shape.layers
-        return (
-            [np.zeros(shape, np.float32) for _ in range(layers)],
-            [np.zeros(shape, np.float32) for _ in range(layers)],
-        )
 
     # -- tokens -----------------------------------------------------------------------------
     def _emit(self, sequence: _Sequence, logits: np.ndarray) -> None:

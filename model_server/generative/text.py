@@ -44,8 +44,12 @@ ENGINE_PARAMETERS = {
     "kv_block_tokens": 16,
     "max_running_sequences": 32,
     "max_positions": 512,  # the model's context length
+    # new sequences prefilled in one run: 1 (one at a time) had the lower TTFT on a CPU
+    # (bench_prefix_cache.py); more pays where one run of several rows costs about one row's
+    "max_prefill_sequences": 1,
 }
 WHEN_FULL = ("wait", "reject")  # parameter kv_when_full: new sequences wait, or are refused
+SWITCH = {"true": True, "on": True, "1": True, "false": False, "off": False, "0": False}
 _PAST = re.compile(r"past_key_values\.(\d+)\.(key|value)")
 
 
@@ -219,7 +223,18 @@ def engine_settings(config: model_config_pb2.ModelConfig) -> tuple[dict[str, int
         when_full = config.parameters["kv_when_full"].string_value.strip()
         if when_full not in WHEN_FULL:
             raise ValueError(f"parameters['kv_when_full']: expected one of {WHEN_FULL}")
+    prefix_caching(config)  # a bad value fails the load, named
     return settings, when_full
+
+
+def prefix_caching(config: model_config_pb2.ModelConfig) -> bool:
+    """The ``prefix_caching`` parameter: true (the default) or false; ValueError otherwise."""
+    if "prefix_caching" not in config.parameters:
+        return True
+    text = config.parameters["prefix_caching"].string_value.strip().lower()
+    if text not in SWITCH:
+        raise ValueError(f"parameters['prefix_caching']: expected true or false, got {text!r}")
+    return SWITCH[text]
 
 
 def build_engine(
@@ -239,25 +254,34 @@ def build_engine(
         return dict(zip(names, run(names, feeds), strict=True))
 
     _, eos = special_ids(config)
+    cache = KvCache(shape, prefix_caching(config), observe)
     return GenerationEngine(
-        decode, KvCache(shape), offload, eos, settings["max_positions"],
+        decode, cache, offload, eos, settings["max_positions"],
         max_running=settings["max_running_sequences"], when_full=when_full, observe=observe,
+        max_prefill_rows=settings["max_prefill_sequences"],
     )  # fmt: skip
 
 
 def generation_observer(metrics: ServerMetrics, model: str) -> Callable[[str, float], None]:
-    """The engine's ``observe`` hook: tokens, time to first token, time per output token."""
+    """The engine's and its cache's ``observe`` hook: tokens, time to first token, time per
+    output token, prefix-cache lookups, hits and evictions."""
     tokens = metrics.generated_tokens.labels(model)
     ttft = metrics.time_to_first_token.labels(model)
     tpot = metrics.time_per_output_token.labels(model)
+    counters = {
+        "token": tokens,
+        "prefix_lookup": metrics.prefix_lookup_tokens.labels(model),
+        "prefix_hit": metrics.prefix_hit_tokens.labels(model),
+        "prefix_eviction": metrics.prefix_evictions.labels(model),
+    }
 
     def observe(what: str, value: float) -> None:
-        if what == "token":
-            tokens.inc(value)
-        elif what == "ttft":
+        if what == "ttft":
             ttft.observe(value)
         elif what == "tpot":
             tpot.observe(value)
+        elif what in counters:
+            counters[what].inc(value)
 
     return observe
 
@@ -267,6 +291,8 @@ def publish_engine(metrics: ServerMetrics, model: str, engine: GenerationEngine 
     if engine is None:
         gauges = [metrics.kv_blocks_used.labels(model), metrics.kv_blocks_total.labels(model)]
         gauges += [metrics.sequences.labels(model, s) for s in ("running", "waiting")]
+        gauges += [metrics.prefix_cached_blocks.labels(model)]
+        gauges += [metrics.prefix_prefill_saved.labels(model)]
         for gauge in gauges:
             gauge.set_function(lambda: 0)
         return
@@ -275,3 +301,5 @@ def publish_engine(metrics: ServerMetrics, model: str, engine: GenerationEngine 
     metrics.kv_blocks_total.labels(model).set_function(lambda: total)
     metrics.sequences.labels(model, "running").set_function(lambda: len(engine.running))
     metrics.sequences.labels(model, "waiting").set_function(lambda: len(engine.waiting))
+    metrics.prefix_cached_blocks.labels(model).set_function(lambda: cache.cached_blocks)
+    metrics.prefix_prefill_saved.labels(model).set_function(lambda: cache.stats.saved)

@@ -155,6 +155,29 @@ class ServerMetrics:
             ["model"],
             registry=r,
         )
+        self.prefix_hit_tokens = Counter(
+            wire.PREFIX_HIT_TOKENS,
+            "Prompt tokens whose keys/values came from the prefix cache (not computed)",
+            ["model"], registry=r,
+        )  # fmt: skip
+        self.prefix_lookup_tokens = Counter(
+            wire.PREFIX_LOOKUP_TOKENS,
+            "Prompt tokens looked up in the prefix cache (every admitted sequence's)",
+            ["model"], registry=r,
+        )  # fmt: skip
+        self.prefix_evictions = Counter(
+            "prefix_cache_evictions", "Cached KV blocks whose memory a new allocation took back",
+            ["model"], registry=r,
+        )  # fmt: skip
+        self.prefix_cached_blocks = Gauge(
+            "prefix_cache_blocks", "KV blocks kept for their prefix that no sequence holds",
+            ["model"], registry=r,
+        )  # fmt: skip
+        self.prefix_prefill_saved = Gauge(
+            "prefix_cache_prefill_saved_ratio",
+            "Share of prompt tokens since the model loaded whose prefill the cache saved",
+            ["model"], registry=r,
+        )  # fmt: skip
         self.certificate_reload_failures = Counter(
             "certificate_reload_failures",
             "renewed certificate files that failed their checks (the last good one stays in use)",

@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
-from model_server.core.errors import InvalidInput
+from model_server.core.errors import InferenceError, InvalidInput
 from model_server.generative.engine import (
     GenerationEngine,
     GenerationRequest,
@@ -169,3 +169,21 @@ def test_sampling_greedy_temperature_and_top_k() -> None:
         sample(logits, GenerationRequest((1,), temperature=2.0), np.random.default_rng(3))
         for _ in range(5)
     ]
+
+
+async def test_a_failed_scheduler_fails_its_sequences_instead_of_leaving_them_waiting() -> None:
+    pool = ThreadPoolExecutor(max_workers=1)
+    loop = asyncio.get_running_loop()
+    cache = KvCache(KvShape(layers=1, heads=1, head_dim=2, block_tokens=4, total_blocks=8))
+
+    def no_cache_outputs(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"logits": fake_decoder(feeds)["logits"]}  # a decoder without present.*
+
+    e = GenerationEngine(
+        no_cache_outputs, cache, lambda job: loop.run_in_executor(pool, job), EOS, 256
+    )
+    e.start()
+    with pytest.raises(InferenceError, match="the generation engine failed"):
+        await collect(e, GenerationRequest((1, 2), max_tokens=3))
+    assert e.cache.used_blocks == 0
+    await e.stop()
