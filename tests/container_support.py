@@ -225,6 +225,10 @@ class PrivateMesh:
             planes += [f"{plane}: {line}" for line in lines if address in line]
         return "\n".join(["Envoy:", *envoy, "control planes:", *planes[-30:]])
 
+    def envoy_host_healthy(self, address: str, cluster: str = "model:classifier") -> bool:
+        """Envoy's /clusters shows ``address`` healthy in ``cluster``."""
+        return f"{cluster}::{address}::health_flags::healthy" in self.envoy_clusters().splitlines()
+
     def envoy_healthy(self, cluster: str = "model:classifier") -> int:
         """Hosts of ``cluster`` that Envoy's /clusters shows healthy."""
         lines = self.envoy_clusters().splitlines()
