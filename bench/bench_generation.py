@@ -60,14 +60,19 @@ def repository(root: Path, running: int) -> Path:
     return target
 
 
-def request(index: int, max_tokens: int) -> service_pb2.ModelInferRequest:
+def prompt_request(prompt: bytes, max_tokens: int) -> service_pb2.ModelInferRequest:
+    """A demo LM request: one BYTES prompt (length-prefixed, as Triton's raw form) and
+    ``max_tokens``."""
     message = service_pb2.ModelInferRequest(model_name=MODEL)
     tensor = message.inputs.add(name="text_input", datatype="BYTES")
     tensor.shape.append(1)
-    prompt = f"Story {index}: ".encode()
     message.raw_input_contents.append(len(prompt).to_bytes(4, "little") + prompt)
     message.parameters["max_tokens"].int64_param = max_tokens
     return message
+
+
+def request(index: int, max_tokens: int) -> service_pb2.ModelInferRequest:
+    return prompt_request(f"Story {index}: ".encode(), max_tokens)
 
 
 async def client(

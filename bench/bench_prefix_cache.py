@@ -38,7 +38,8 @@ from pathlib import Path
 import bench_model_server as bms
 import grpc
 import numpy as np
-from tritonclient.grpc import service_pb2, service_pb2_grpc
+from bench_generation import prompt_request
+from tritonclient.grpc import service_pb2_grpc
 
 from model_server.demo_lm import build_demo_lm
 
@@ -82,15 +83,6 @@ def system_prompts(count: int, size: int) -> list[bytes]:
     return prompts
 
 
-def request(prompt: bytes, max_tokens: int) -> service_pb2.ModelInferRequest:
-    message = service_pb2.ModelInferRequest(model_name=MODEL)
-    tensor = message.inputs.add(name="text_input", datatype="BYTES")
-    tensor.shape.append(1)
-    message.raw_input_contents.append(len(prompt).to_bytes(4, "little") + prompt)
-    message.parameters["max_tokens"].int64_param = max_tokens
-    return message
-
-
 async def client(
     stub: service_pb2_grpc.GRPCInferenceServiceStub,
     seed: int,
@@ -107,7 +99,9 @@ async def client(
         prompt = rng.choice(prefixes) + f" User {seed}.{index}: why?".encode()
         sent = time.monotonic()
         first: float | None = None
-        async for response in stub.ModelStreamInfer(iter([request(prompt, args.max_tokens)])):
+        async for response in stub.ModelStreamInfer(
+            iter([prompt_request(prompt, args.max_tokens)])
+        ):
             now = time.monotonic()
             if response.error_message:
                 sys.exit(f"generation failed: {response.error_message}")

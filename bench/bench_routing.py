@@ -455,23 +455,24 @@ def share_series(run: ModeRun, port: int, window: float = 1.0) -> tuple[np.ndarr
     return ts, share
 
 
-def phase_share(run: ModeRun, port: int, start: float, end: float) -> float:
+def phase_counts(run: ModeRun, start: float, end: float) -> dict[int, float]:
+    """Per server, the requests Envoy sent it between the polls bounding [start, end)."""
     ts = np.array([p.t for p in run.polls])
-    per = counts(run)
     a = max(0, int(np.searchsorted(ts, start, side="right")) - 1)
     b = max(0, int(np.searchsorted(ts, end, side="right")) - 1)
-    total = sum(c[b] - c[a] for c in per.values())
-    return float((per[port][b] - per[port][a]) / total) if total > 0 else math.nan
+    return {port: float(c[b] - c[a]) for port, c in counts(run).items()}
+
+
+def phase_share(run: ModeRun, port: int, start: float, end: float) -> float:
+    per = phase_counts(run, start, end)
+    total = sum(per.values())
+    return per[port] / total if total > 0 else math.nan
 
 
 def extra_load(run: ModeRun, start: float, end: float, requests: int) -> float:
     """Envoy's upstream requests in [start, end) over the client's ``requests``, minus 1."""
-    ts = np.array([p.t for p in run.polls])
-    per = counts(run)
-    a = max(0, int(np.searchsorted(ts, start, side="right")) - 1)
-    b = max(0, int(np.searchsorted(ts, end, side="right")) - 1)
-    upstream = sum(c[b] - c[a] for c in per.values())
-    return float(upstream / requests - 1) if requests else math.nan
+    upstream = sum(phase_counts(run, start, end).values())
+    return upstream / requests - 1 if requests else math.nan
 
 
 def reaction(run: ModeRun, start: float, end: float) -> tuple[float, float]:
