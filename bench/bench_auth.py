@@ -82,6 +82,25 @@ def denied(envoy: bm.Admin) -> int:
     return sum(int(line.rpartition(":")[2]) for line in stats.splitlines() if ":" in line)
 
 
+def measure_setup(
+    args: argparse.Namespace, exe: Any, mesh: bm.Mesh, workdir: Path, c: int, setup: str,
+    applied: Any, authorization: str, refusals: Any, refused: str,
+) -> Any:  # fmt: skip
+    """One level of one setup, once Envoy has its listener (``applied``) and a healthy
+    endpoint; stops the benchmark if Envoy's ``refusals`` counter moved meanwhile (``refused``
+    says what that means). Shared with bench_token_limits."""
+    envoy = bm.Admin(mesh.envoy_admin)
+    bm.wait_for(applied, 30, f"Envoy's listener for {setup}")
+    bm.wait_for(lambda: "::health_flags::healthy" in envoy.call("/clusters"), 30,
+                "a healthy endpoint")  # fmt: skip
+    before = refusals(envoy)
+    header = (f"authorization: {authorization}",)
+    run = be.run_once(args, exe, mesh, be.GRPC, c, workdir, {}, header, setup)
+    if refusals(envoy) != before:
+        raise SystemExit(f"{setup}: {refused}")
+    return run
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description="listener.auth off vs API keys vs JWTs")
     be.add_run_arguments(p, rounds=3)
@@ -109,14 +128,10 @@ def main() -> int:
             def applied(s: str = setup) -> bool:
                 return listener_has(envoy, s)
 
-            bm.wait_for(applied, 30, f"Envoy's listener for {setup}")
-            bm.wait_for(lambda: "::health_flags::healthy" in envoy.call("/clusters"), 30,
-                        "a healthy endpoint")  # fmt: skip
-            before = denied(envoy)
-            header = (f"authorization: {auth[setup][1]}",)
-            run = be.run_once(args, exe, mesh, be.GRPC, c, workdir, {}, header, setup)
-            if denied(envoy) != before:
-                raise SystemExit(f"{setup}: Envoy refused requests of the benchmark")
+            run = measure_setup(
+                args, exe, mesh, workdir, c, setup, applied, auth[setup][1], denied,
+                "Envoy refused requests of the benchmark",
+            )  # fmt: skip
             samples.append(run)
             print(f"round {rnd + 1} c{c} {setup}: {bms.fmt_row(run.level)}", flush=True)
     print(

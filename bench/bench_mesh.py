@@ -182,6 +182,7 @@ def run_envoy(config: Path, workdir: Path) -> Iterator[tuple[int, int]]:
     """Yield (pid, admin port) of Envoy on ``config`` with one worker and ENVOY_DEFAULT_ARGS;
     SIGTERM, then SIGKILL, at exit."""
     address, log_path = workdir / "envoy-admin.txt", workdir / "envoy.log"
+    address.unlink(missing_ok=True)  # a previous run's: its port would be read as this one's
     cmd = [envoy_exe(), "-c", str(config), "--use-dynamic-base-id", "--concurrency", "1",
            "-l", "warning", "--admin-address-path", str(address), *ENVOY_DEFAULT_ARGS]  # fmt: skip
     with open(log_path, "wb") as log:

@@ -80,6 +80,7 @@ class Server:
     peer: str | None = None  # a bench/peers/ script in that virtualenv; None: InferMesh
     peer_args: tuple[str, ...] = ()  # extra flags for the peer script
     delay_us: int | None = None  # InferMesh dynamic_batching delay; None: --delay-us; -1: off
+    frontends: int = 1  # InferMesh --frontends
 
 
 SERVERS = [
@@ -88,6 +89,8 @@ SERVERS = [
     Server("infermesh-d500", "InferMesh, dynamic batching, 500 us delay", delay_us=500),
     Server("infermesh-unbatched", "InferMesh, no batching", delay_us=-1),
     Server("infermesh-before", "InferMesh from --before-source, dynamic batching"),
+    Server("infermesh-f2", "InferMesh, dynamic batching, --frontends 2", frontends=2),
+    Server("infermesh-f4", "InferMesh, dynamic batching, --frontends 4", frontends=4),
     Server("naive", "naive grpc.aio + ORT in a thread (bench/naive_server.py)"),
     Server("pytriton", "PyTriton, dynamic batcher", "pytriton"),
     Server("pytriton-d0", "PyTriton, dynamic batcher, 0 us delay", "pytriton", ("--delay-us", "0")),
@@ -171,15 +174,19 @@ def write_repository(path: Path, batched: bool, delay_us: int, instances: int) -
     return path
 
 
-def model_server_spec(repo: Path, name: str, source: Path | None = None) -> bms.ServerSpec:
+def model_server_spec(repo: Path, name: str, source: Path | None = None,
+                      frontends: int = 1) -> bms.ServerSpec:  # fmt: skip
     cmd = [sys.executable, "-m", "model_server", "--model-repository", str(repo), "--host", HOST,
            "--port", "0", "--metrics-port", "0", "--models", MODEL_NAME]  # fmt: skip
+    if frontends > 1:
+        cmd += ["--frontends", str(frontends)]
     return bms.ServerSpec(name, cmd, bms.LISTEN_RE, bms.READY_RE, source=source)
 
 
 @contextmanager
-def start_infermesh(repo: Path, log: Path, source: Path | None = None) -> Iterator[Target]:
-    spec = model_server_spec(repo, "InferMesh", source)
+def start_infermesh(repo: Path, log: Path, source: Path | None = None,
+                    frontends: int = 1) -> Iterator[Target]:  # fmt: skip
+    spec = model_server_spec(repo, "InferMesh", source, frontends)
     with bms.start_server(spec, log) as (pid, port, mport):
         yield Target(port, False, pid, f"http://{HOST}:{mport}/metrics")
 
@@ -298,7 +305,7 @@ def start(args: argparse.Namespace, server: Server, repos: dict[str, Path],
         if args.before_source is None:
             sys.exit("infermesh-before needs --before-source DIR (a worktree of an earlier commit)")
         return start_infermesh(repo, log, args.before_source.resolve())
-    return start_infermesh(repo, log)
+    return start_infermesh(repo, log, frontends=server.frontends)
 
 
 # ---------------------------------------------------------------------------------------

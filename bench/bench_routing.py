@@ -180,8 +180,8 @@ def write_topology(path: Path, args: argparse.Namespace, mode: str, listener: in
         model["hedging"] = {"enabled": bool(args.hedging)}
         if args.hedge_multiplier is not None:
             model["hedging"]["multiplier"] = args.hedge_multiplier
-    else:  # the peers' balancers: no telemetry, so no hedging either
-        model["hedging"] = {"enabled": False}
+    else:  # the peers' balancers: no telemetry, so no hedging either (not even a stalled try)
+        model["hedging"] = {"enabled": False, "stalled_try": 0}
     data = {
         "listener": {"auth": {"mode": "off"}, "host": HOST, "port": listener,
                      "health_check_interval_s": 0.5,

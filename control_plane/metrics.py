@@ -33,6 +33,21 @@ class ControlPlaneMetrics:
             buckets=FAST_BUCKETS_S,
             registry=r,
         )
+        # Labels bounded: named tenants and "other"; the topology's models (control_plane.xds
+        # .token_limiter); event reserved | refunded | used.
+        self.tenant_tokens = Counter(
+            "tenant_tokens",
+            "Tokens of tenants' requests per model: reserved at admission, refunded at the end, "
+            "used as the model server reported",
+            ["tenant", "model", "event"],
+            registry=r,
+        )
+        self.tenant_token_refusals = Counter(
+            "tenant_token_refusals",
+            "Requests refused by a tenant's token limit on a model",
+            ["tenant", "model"],
+            registry=r,
+        )
         self.snapshots = Counter("xds_snapshots", "Snapshots set (a changed mesh)", registry=r)
         self.rebuild_requests = Counter(
             "xds_rebuild_requests",

@@ -16,6 +16,18 @@ MODEL_HEADER = "x-model-name"  # routes without decoding the body
 VERSION_HEADER = "x-model-version"  # a pinned version (tenants with may_pick_version)
 PRIORITY_HEADER = "x-priority"  # 0 (highest) .. (tenants with may_set_priority)
 
+# --- the OpenAI-compatible API: the model servers' REST port, and Envoy's listener -----------
+# POST bodies of the generation paths name their model in the JSON field "model" (Envoy's Lua
+# reads it into MODEL_HEADER: control_plane.xds.lua_openai); GET /v1/models lists models.
+OPENAI_ROOT = "/v1"
+OPENAI_COMPLETIONS_PATH = "/v1/completions"
+OPENAI_CHAT_PATH = "/v1/chat/completions"
+OPENAI_MODELS_PATH = "/v1/models"
+OPENAI_GENERATION_PATHS = (OPENAI_COMPLETIONS_PATH, OPENAI_CHAT_PATH)
+# Set by the edge on GET /v1/models for a tenant limited to some models: those models, comma
+# separated (empty: none). It only narrows the server's list, so a sender cannot widen anything.
+VISIBLE_MODELS_HEADER = "x-infermesh-visible-models"
+
 # --- headers the edge sets for the model servers ---------------------------------------------
 # A client's own copies are removed at the edge (every header with this prefix): only Envoy,
 # after authenticating the caller, can set them.
@@ -28,6 +40,10 @@ PRIORITY_PERMISSION_HEADER = "x-infermesh-priority"  # "allowed" | "denied"
 VERSION_PERMISSION_HEADER = "x-infermesh-version"  # "allowed" | "denied"
 RATE_LIMITED_HEADER = "x-infermesh-rate-limited"  # on a local rate limiter's refusal
 FALLBACK_HEADER = "x-infermesh-fallback"  # the request reached a fallback model's cluster
+AFFINITY_HEADER = "x-infermesh-affinity"  # the edge's key for an affinity model's hashing
+# A model server's answer (header, or gRPC trailer): the prompt plus completion tokens a text
+# generation used, which Envoy settles the tenant's token reservation with.
+TOKENS_USED_HEADER = "x-infermesh-tokens-used"
 
 # --- model servers' restricted API ------------------------------------------------------------
 OPERATOR_HEADER = "infermesh-operator-key"  # the --restricted-api credential of compose and k8s

@@ -46,6 +46,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from model_server.demo_models import IR_VERSION, OPSET, _write_atomic, write_model
+from model_server.generative.chat import GENERATION_PROMPT_PARAMETER, TEMPLATE_PARAMETER
 from model_server.generative.lm_reference import (
     DEFAULT_CONFIG,
     LN_EPSILON,
@@ -56,6 +57,8 @@ from model_server.generative.lm_reference import (
 )
 
 MODEL_NAME = "demo_lm"
+DEMO_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
+DEMO_GENERATION_PROMPT = "<|assistant|>\n"
 VERSION = 1
 BATCH, SEQ, PAST = "batch_size", "sequence_length", "past_sequence_length"
 TOTAL = "past_sequence_length + sequence_length"
@@ -223,19 +226,35 @@ def config_pbtxt(config: LmConfig = DEFAULT_CONFIG) -> str:
         "input [\n  " + ",\n  ".join(ins) + "\n]\n"
         "output [\n  " + ",\n  ".join(outs) + "\n]\n"
         "instance_group [ { count: 1 kind: KIND_AUTO } ]\n"
+        # How a conversation becomes a prompt (model_server.generative.chat; the OpenAI API's
+        # /v1/chat/completions)
+        + _parameter(TEMPLATE_PARAMETER, DEMO_CHAT_TEMPLATE)
+        + _parameter(GENERATION_PROMPT_PARAMETER, DEMO_GENERATION_PROMPT)
     )
+
+
+def _parameter(key: str, value: str) -> str:
+    return f'parameters {{ key: "{key}" value {{ string_value: "{_pbtxt(value)}" }} }}\n'
+
+
+def _pbtxt(text: str) -> str:
+    """``text`` as a protobuf text-format string's contents."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def build_demo_lm(out_dir: Path, config: LmConfig = DEFAULT_CONFIG, *, force: bool = True) -> Path:
     """Write ``<out_dir>/demo_lm/{config.pbtxt,1/model.onnx}``; return the model path.
 
-    Writes are atomic and byte-identical for the same config; with ``force=False`` files that
-    already exist are left untouched (as ``demo_models.build_demo_repository`` does).
+    Writes are atomic and byte-identical for the same config; with ``force=False`` a model
+    file that exists is left untouched (as ``demo_models.build_demo_repository`` does), and
+    the config is rewritten only when it differs from this version's (an older checkout's
+    config lacks, e.g., the chat template the OpenAI API needs).
     """
     model_dir = Path(out_dir) / MODEL_NAME
     config_path = model_dir / "config.pbtxt"
-    if force or not config_path.exists():
-        _write_atomic(config_pbtxt(config).encode(), config_path)
+    text = config_pbtxt(config).encode()
+    if force or not config_path.exists() or config_path.read_bytes() != text:
+        _write_atomic(text, config_path)
     path = model_dir / str(VERSION) / "model.onnx"
     if force or not path.exists():
         write_model(build_lm_model(config), path)

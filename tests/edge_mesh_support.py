@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from model_server.demo_lm import MODEL_NAME as LM
+from model_server.demo_lm import build_demo_lm
 from tests.envoy_support import Envoy, free_port, free_port_pair
 from tests.mesh_support import NO_AUTH, ControlPlaneThread, start_plane_and_envoy, write_topology
 from tests.support import EXPLICIT, ServerProcess, metric_value, start_server
@@ -66,11 +68,18 @@ def edge_mesh(
     listener: dict[str, Any],
     top: dict[str, Any] | None = None,
     copies: tuple[str, ...] = (),
+    lm: bool = False,
 ) -> Iterator[EdgeMesh]:
     """``top``: more topology sections (``tenants``); ``copies``: more models on the servers
-    and in the topology, each a copy of the classifier under that name."""
+    and in the topology, each a copy of the classifier under that name; ``lm``: the demo LM
+    too (generative, a 30 s idle timeout)."""
     repo = workdir / "models"
     shutil.copytree(demo_repo / "classifier", repo / "classifier")
+    more = [{"name": n, "sla_p99_ms": 100, "capacity_qps": 1000} for n in copies]
+    if lm:
+        build_demo_lm(repo)
+        more.append({"name": LM, "sla_p99_ms": 2000, "capacity_qps": 50, "generative": True,
+                     "timeout_s": 30})  # fmt: skip
     for name in copies:
         shutil.copytree(demo_repo / "classifier", repo / name)
         config = repo / name / "config.pbtxt"
@@ -93,7 +102,7 @@ def edge_mesh(
         topology = write_topology(
             workdir / "topology.yaml", listener_port, [s.url for s in servers],
             top={"listener": {**options, **listener}, **(top or {})},
-            more_models=[{"name": n, "sla_p99_ms": 100, "capacity_qps": 1000} for n in copies],
+            more_models=more,
         )  # fmt: skip
         plane, envoy = start_plane_and_envoy(stops, workdir, topology, listener_port, 4)
         yield EdgeMesh(servers, plane, envoy, listener_port)

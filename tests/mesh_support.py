@@ -100,7 +100,7 @@ def write_topology(
 
 def start_ads_envoy(
     workdir: Path,
-    xds_port: int,
+    xds_port: int | Sequence[int | str],  # several: control-plane replicas
     listener_port: int,
     delta: bool,
     otlp_port: int | None = None,

@@ -89,6 +89,11 @@ build_image() {
   if [ -n "$previous" ] && [ "$previous" != "$("$docker_cli" image inspect -f '{{.Id}}' "$tag")" ]; then
     "$docker_cli" rmi "$previous" >/dev/null 2>&1 || true
   fi
+  # BuildKit keeps every layer it ever built (each pyproject or source change makes new ones):
+  # sessions of this tier had filled the host's disk with 63 GB of it, and the next build
+  # failed with "No space left on device". Kept: the newest 12 GB, room for the cpu and gpu
+  # images' dependency layers, so the usual rebuild stays cached.
+  "$docker_cli" builder prune -f --keep-storage "${INFERMESH_BUILD_CACHE:-12GB}" >/dev/null 2>&1 || true
   say "image $tag built in $((SECONDS - started)) s," \
       "$("$docker_cli" image inspect -f '{{.Size}}' "$tag" | awk '{printf "%d MB", $1/1e6}')"
 }

@@ -13,6 +13,7 @@ import time
 from http import HTTPStatus
 from typing import Any
 
+from control_plane.admin.affinity_view import affinity_status
 from control_plane.admin.http import AdminError
 from control_plane.admin.live_view import build_frame
 from control_plane.admin.plane import OperatedPlane
@@ -102,6 +103,7 @@ class OperatorApi:
         return build_frame(status, await self.telemetry_json(ages=False), time.time())
 
     async def status(self) -> dict[str, Any]:
+        readings = await asyncio.to_thread(self.plane.telemetry.snapshot, time.monotonic(), False)
         snapshot = self.plane.cache.snapshot_for("*")
         state = self.plane.mesh_state
         clusters = {
@@ -146,6 +148,8 @@ class OperatorApi:
                 model: sorted(a.key for a in down)
                 for model, down in self.plane.checked_down.items()
             },
+            # each model's affinity and its pool's prefix-cache hit rates
+            "affinity": affinity_status(state, readings),
             "version_splits": {
                 m.name: dict(m.version_split) for m in self.plane.effective_topology().models
             },

@@ -57,6 +57,14 @@ def endpoint_state(
     return SERVING
 
 
+def _affinity(found: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The pool's affinity for its heading (None: mode none)."""
+    if not found or found.get("mode", "none") == "none":
+        return None
+    return {k: found.get(k) for k in ("mode", "prefix_bytes", "session_header",
+                                      "hash_balance_factor")}  # fmt: skip
+
+
 def build_frame(
     status: Mapping[str, Any], telemetry: Mapping[str, Any], wall: float
 ) -> dict[str, Any]:
@@ -85,6 +93,7 @@ def build_frame(
                     "memory_total_bytes": _value(tele.get("memory_total_bytes")),
                     "kv_blocks_used": _value(tele.get("kv_blocks_used")),
                     "kv_blocks_total": _value(tele.get("kv_blocks_total")),
+                    "prefix_cache_hit_rate": _value(tele.get("prefix_cache_hit_rate")),
                     "stale": bool(tele.get("stale", True)),
                     "labels": (endpoints.get(key) or {}).get("labels") or {},
                 }
@@ -99,6 +108,7 @@ def build_frame(
                 "version_split": status.get("version_splits", {}).get(pool) or {},
                 "canary": status.get("canaries", {}).get(pool),
                 "circuit": status.get("circuits", {}).get(pool),
+                "affinity": _affinity(status.get("affinity", {}).get(pool)),
                 "endpoints": rows,
             }
         )

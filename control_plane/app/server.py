@@ -31,6 +31,7 @@ from typing import Any
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
+from envoy.service.ratelimit.v3 import rls_pb2_grpc
 
 from control_plane.admin.api import OperatorApi
 from control_plane.admin.http import AdminServer, AdminTokens, check_exposure
@@ -77,6 +78,7 @@ from control_plane.xds.ads import AdsServicer
 from control_plane.xds.incremental import SnapshotBuilder
 from control_plane.xds.nodes import NodeRegistry
 from control_plane.xds.snapshot import SnapshotCache
+from control_plane.xds.token_limiter import TokenLimiter
 
 log = logging.getLogger("control_plane")
 TOPOLOGY_CHECK_INTERVAL_S = 1.0
@@ -187,6 +189,14 @@ class ControlPlane:
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(
             AdsServicer(self.cache, self.nodes, self.metrics, domain), self.grpc_server
         )
+        # The tenants' token limits: Envoy's rate limit service, on the same port and mTLS.
+        self.token_limiter = TokenLimiter(
+            lambda: self.topology.listener.auth,
+            lambda: frozenset(m.name for m in self.topology.models),
+            self.metrics,
+            domain,
+        )
+        rls_pb2_grpc.add_RateLimitServiceServicer_to_server(self.token_limiter, self.grpc_server)
         xds_port = t.xds.port if self.settings.xds_port is None else self.settings.xds_port
         address = f"{t.xds.host}:{xds_port}"
         self.xds_port = (

@@ -6,11 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 from control_plane.model import lanes
 from control_plane.model.canary import CanaryPolicy, parse_policy
-from control_plane.model.mesh import CircuitBreaker, HedgingPolicy, ModelRoute, RateLimit
+from control_plane.model.mesh import (
+    AFFINITY_MODES,
+    Affinity,
+    CircuitBreaker,
+    HedgingPolicy,
+    ModelRoute,
+    RateLimit,
+)
 from control_plane.model.schema import Checker, show
 from control_plane.scoring.types import PoolPolicy, ScoreWeights
 
@@ -20,13 +28,16 @@ _MODEL = {
     "rate_limit": "rate_limit", "circuit_breaker": "circuit_breaker", "fallback": "name",
     "generative": "bool", "placement": "mapping", "memory_bytes": "positive",
     "sla_classes": "mapping", "large_inputs": "mapping", "hedging": "mapping",
-    "idempotent": "bool",
+    "idempotent": "bool", "affinity": "affinity",
 }  # fmt: skip
 # models[].hedging (control_plane.routing.hedging); defaults: HedgingPolicy's
 _HEDGING = {
     "enabled": "bool", "multiplier": "positive", "floor_ms": "positive",
-    "budget_percent": "percent", "hysteresis": "fraction",
+    "budget_percent": "percent", "hysteresis": "fraction", "stalled_try": "fraction",
 }  # fmt: skip
+# A try still unanswered at this share of the model's timeout races another host, whether or
+# not adaptive hedging is on (models[].hedging.stalled_try; 0 turns it off).
+DEFAULT_STALLED_TRY = 0.5
 _PLACEMENT_RULE = ("require", "prefer", "prefer_weight")
 DEFAULT_PREFER_WEIGHT = 0.2  # the labels scorer's weight when a model prefers labels
 _RATE_LIMIT = {"requests_per_s": "positive", "burst": "count"}
@@ -87,11 +98,13 @@ def parse_models(
             if "large_inputs" in m else None
         )  # fmt: skip
         generative = c.value(m, path, "generative", "bool", False)
+        hedging, stalled_try = _hedging(c, m, path, generative)
         routes.append(
             ModelRoute(
                 name, sla, timeout, split, parse_rate_limit(c, m, path), _breaker(c, m, path),
                 c.value(m, path, "fallback", "name", None), sla_classes=classes,
-                large_inputs=large, hedging=_hedging(c, m, path),
+                large_inputs=large, hedging=hedging, stalled_try_share=stalled_try,
+                affinity=_affinity(c, m.get("affinity", "none"), f"{path}.affinity"),
             )
         )  # fmt: skip
         per_class = _capacity(c, m, path)
@@ -107,10 +120,13 @@ def parse_models(
     return tuple(routes), tuple(capacity), tuple(policies), tuple(canaries)
 
 
-def _hedging(c: Checker, m: dict[str, Any], path: str) -> HedgingPolicy | None:
-    """``hedging:``, off unless ``enabled: true``. Never for a model declared ``idempotent:
-    false`` (a hedge runs the request twice). A generative model's time follows its output's
-    length, not the server's health: hedging it runs long generations twice."""
+def _hedging(
+    c: Checker, m: dict[str, Any], path: str, generative: bool
+) -> tuple[HedgingPolicy | None, float]:
+    """``hedging:``: the adaptive policy, off unless ``enabled: true``, and the stalled-try
+    share (``stalled_try``: a try unanswered at this share of the timeout races another host).
+    Neither for a model declared ``idempotent: false`` (a hedge runs the request twice); no
+    stalled-try hedge for a generative model (a long generation is not a stall)."""
     idempotent = c.value(m, path, "idempotent", "bool", True)
     given = c.mapping(m.get("hedging", {}), f"{path}.hedging") or {}
     where = f"{path}.hedging"
@@ -128,7 +144,56 @@ def _hedging(c: Checker, m: dict[str, Any], path: str) -> HedgingPolicy | None:
         budget_percent=c.value(given, where, "budget_percent", "percent", default.budget_percent),
         hysteresis=c.value(given, where, "hysteresis", "fraction", default.hysteresis),
     )
-    return policy if enabled else None
+    stalled_try = c.value(given, where, "stalled_try", "fraction", DEFAULT_STALLED_TRY)
+    stalled = 0.0 if generative or not idempotent else float(stalled_try)
+    return (policy if enabled else None), stalled
+
+
+# models[].affinity: a mode, or a mapping with the mode and its options (defaults: Affinity's)
+_AFFINITY = {
+    "mode": "", "prefix_blocks": "count", "block_bytes": "count", "session_header": "",
+    "hash_balance_factor": "count", "one_request_streams": "bool",
+}  # fmt: skip
+_HEADER_NAME = re.compile(r"[a-z0-9][a-z0-9-]*")
+MAX_PREFIX_BYTES = 4096  # the key's hex is twice this: a header well under Envoy's limits
+
+
+def _affinity(c: Checker, value: object, path: str) -> Affinity | None:
+    """``affinity: none | prefix | session``, or ``{mode: ..., prefix_blocks, block_bytes,
+    session_header, hash_balance_factor, one_request_streams}``; None for ``none``."""
+    given = {"mode": value} if isinstance(value, str) else c.mapping(value, path) or {}
+    c.keys(given, path, _AFFINITY)
+    mode = given.get("mode", "prefix")
+    where = path if isinstance(value, str) else f"{path}.mode"
+    if mode not in AFFINITY_MODES:
+        c.fail(where, f"must be one of {', '.join(AFFINITY_MODES)}", mode)
+        return None
+    default = Affinity()
+    found = {
+        k: c.value(given, path, k, kind, getattr(default, k))
+        for k, kind in _AFFINITY.items()
+        if kind
+    }
+    header = given.get("session_header", default.session_header)
+    if (
+        not isinstance(header, str)
+        or not _HEADER_NAME.fullmatch(header)
+        or header.startswith(("x-infermesh-", "authorization", "x-model-"))
+    ):
+        c.fail(f"{path}.session_header", "must be a lower-case header name a client sets "
+               "(not x-infermesh-*, x-model-*, authorization)", header)  # fmt: skip
+        header = default.session_header
+    result = Affinity(mode, session_header=header, **found)
+    if result.hash_balance_factor < 100:
+        c.fail(f"{path}.hash_balance_factor", "must be >= 100 (a percentage of the mean load)",
+               result.hash_balance_factor)  # fmt: skip
+    for key in ("prefix_blocks", "block_bytes"):
+        if getattr(result, key) < 1:
+            c.fail(f"{path}.{key}", "must be >= 1", getattr(result, key))
+    if result.prefix_bytes > MAX_PREFIX_BYTES:
+        c.fail(f"{path}.prefix_blocks", f"prefix_blocks x block_bytes must be <= "
+               f"{MAX_PREFIX_BYTES}", result.prefix_bytes)  # fmt: skip
+    return None if mode == "none" else result
 
 
 def _capacity(c: Checker, m: dict[str, Any], path: str) -> tuple[tuple[str, float], ...]:

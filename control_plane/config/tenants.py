@@ -19,7 +19,16 @@ serving everyone is a choice written down (``mode: off``), never a default::
         model_rate_limits: {classifier: {requests_per_s: 10}}   # overrides per model
         may_set_priority: false         # x-priority header / "priority" parameter
         may_pick_version: false         # x-model-version header / a version in the request
+        token_limit: {tokens_per_minute: 6000, burst: 2000}   # every model it uses (optional)
+        model_token_limits: {demo_lm: {tokens_per_s: 50}}     # overrides per model
       other: {...}                      # every identity not listed (absent: refused)
+
+A token limit counts prompt plus completion tokens, given as ``tokens_per_s`` or
+``tokens_per_minute`` (one of them) with ``burst`` (default: one minute's tokens, at least one
+second's); Envoy reserves each request's bound before it is sent and the unused part is refunded
+when it ends (docs/control-plane.md, "Token limits"). ``listener.auth.token_limiter: open``
+admits requests while the limiter (the control plane) cannot be asked; the default, ``closed``,
+refuses them.
 
 Relative paths are read from the topology file's folder. The API key file has one key a line,
 ``TENANT.KEYID:{SHA}BASE64`` (htpasswd's SHA-1 form, the secret itself is never stored:
@@ -32,6 +41,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -46,6 +56,7 @@ from control_plane.model.mesh import (
     ListenerOptions,
     RateLimit,
     TenantPolicy,
+    TokenLimit,
 )
 from control_plane.model.schema import Checker
 
@@ -54,9 +65,15 @@ KEY_LINE = re.compile(
     r"(?P<tenant>[A-Za-z0-9_-]{1,64})\.(?P<key>[A-Za-z0-9_-]{1,64}):\{SHA\}(?P<hash>\S+)"
 )
 CLAIM_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
-_AUTH = ("mode", "api_keys_file", "jwt")
+_AUTH = ("mode", "api_keys_file", "jwt", "token_limiter")
+TOKEN_LIMITER_MODES = ("closed", "open")
 _JWT = ("issuer", "audiences", "jwks_file", "tenant_claim")
-_TENANT = ("models", "rate_limit", "model_rate_limits", "may_set_priority", "may_pick_version")
+_TENANT = (
+    "models", "rate_limit", "model_rate_limits", "may_set_priority", "may_pick_version",
+    "token_limit", "model_token_limits",
+)  # fmt: skip
+_TOKEN_LIMIT = ("tokens_per_s", "tokens_per_minute", "burst")
+MAX_TOKEN_BURST = 1_000_000_000  # Envoy's largest hits_addend
 MISSING_AUTH = (
     "required: mode api_keys (with api_keys_file) or jwt (with jwt), or mode: off to serve "
     "every caller unauthenticated (the control plane then warns in /status)"
@@ -175,6 +192,7 @@ def parse_auth(
         else:
             c.fail(f"{path}.mode", f"must be one of {', '.join(AUTH_MODES)}", mode)
             return EdgeAuth()
+    fail_open = _token_limiter(c, m, path)
     needs = {"api_keys": "api_keys_file", "jwt": "jwt"}
     for other_mode, key in needs.items():
         if key in m and mode != other_mode:
@@ -194,10 +212,21 @@ def parse_auth(
             c.errors.append(
                 f"{path}.api_keys_file: {file} holds no key (add one: infermesh keys add TENANT)"
             )
-        return EdgeAuth("api_keys", api_keys=keys, api_keys_file=str(file))
+        return EdgeAuth(
+            "api_keys", api_keys=keys, api_keys_file=str(file), token_limiter_fail_open=fail_open
+        )
     if mode == "jwt":
-        return EdgeAuth("jwt", jwt=_jwt(c, m["jwt"], f"{path}.jwt", base))
+        jwt = _jwt(c, m["jwt"], f"{path}.jwt", base)
+        return EdgeAuth("jwt", jwt=jwt, token_limiter_fail_open=fail_open)
     return EdgeAuth()
+
+
+def _token_limiter(c: Checker, m: dict[str, Any], path: str) -> bool:
+    """``token_limiter``: whether Envoy admits requests it cannot ask the limiter about."""
+    value = m.get("token_limiter", "closed")
+    if value not in TOKEN_LIMITER_MODES:
+        c.fail(f"{path}.token_limiter", f"must be one of {', '.join(TOKEN_LIMITER_MODES)}", value)
+    return value == "open"
 
 
 def _flag(c: Checker, m: dict[str, Any], path: str, key: str) -> bool:
@@ -233,6 +262,51 @@ def _model_limits(
     return tuple(result)
 
 
+def parse_token_limit(c: Checker, value: object, where: str) -> TokenLimit | None:
+    """One token limit: ``tokens_per_s`` or ``tokens_per_minute`` (exactly one), ``burst``."""
+    m = c.mapping(value, where)
+    if m is None:
+        return None
+    c.keys(m, where, _TOKEN_LIMIT)
+    given = [k for k in ("tokens_per_s", "tokens_per_minute") if k in m]
+    if len(given) != 1:
+        c.errors.append(f"{where}: give one of tokens_per_s or tokens_per_minute, got {given}")
+        return None
+    rate = c.value(m, where, given[0], "positive", None)
+    if rate is None:
+        return None
+    per_s = rate if given[0] == "tokens_per_s" else rate / 60.0
+    burst = m.get("burst", max(math.ceil(per_s * 60), math.ceil(per_s), 1))
+    if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
+        c.fail(f"{where}.burst", "must be a whole number of tokens >= 1", burst)
+        return None
+    if burst > MAX_TOKEN_BURST or per_s > MAX_TOKEN_BURST:
+        c.fail(where, f"must stay under {MAX_TOKEN_BURST} tokens (burst and per second)", burst)
+        return None
+    return TokenLimit(per_s, burst)
+
+
+def _token_limits(
+    c: Checker, m: dict[str, Any], path: str, known: set[str]
+) -> tuple[TokenLimit | None, tuple[tuple[str, TokenLimit], ...]]:
+    default = (
+        parse_token_limit(c, m["token_limit"], f"{path}.token_limit")
+        if "token_limit" in m
+        else None
+    )
+    where = f"{path}.model_token_limits"
+    given = c.mapping(m.get("model_token_limits", {}), where) or {}
+    per_model = []
+    for model, spec in given.items():
+        if model not in known:
+            c.fail(f"{where}.{model}", "must name a model of the topology", model)
+            continue
+        parsed = parse_token_limit(c, spec, f"{where}.{model}")
+        if parsed is not None:
+            per_model.append((model, parsed))
+    return default, tuple(per_model)
+
+
 def parse_tenants(c: Checker, value: object, models: set[str]) -> tuple[TenantPolicy, ...]:
     """The ``tenants`` section; absent: one ``other`` policy with every model and no limits."""
     if value is None:
@@ -248,6 +322,7 @@ def parse_tenants(c: Checker, value: object, models: set[str]) -> tuple[TenantPo
         if m is None:
             continue
         c.keys(m, path, _TENANT)
+        token_limit, model_token_limits = _token_limits(c, m, path, models)
         policies.append(
             TenantPolicy(
                 name,
@@ -256,6 +331,8 @@ def parse_tenants(c: Checker, value: object, models: set[str]) -> tuple[TenantPo
                 _model_limits(c, m, path, models),
                 _flag(c, m, path, "may_set_priority"),
                 _flag(c, m, path, "may_pick_version"),
+                token_limit,
+                model_token_limits,
             )
         )
     # `other` last: the named tenants' rules are read first.

@@ -100,6 +100,9 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
           floor_ms: 5               # > 0: never below it (and never above sla_p99_ms)
           budget_percent: 10        # 0..100: retries and hedges in flight, share of requests
           hysteresis: 0.25          # 0..1: moves only by more than this share of the value
+          stalled_try: 0.5          # 0..1, on even with enabled false: a try unanswered at
+                                    # this share of timeout_s races another host (0: off;
+                                    # never for generative or non-idempotent models)
         canary:                     # optional: how a canary started by an operator progresses
           steps: [10, 25, 50, 100]  # percent on the canary; rising, ends at 100
           dwell_s: 30               # >= 0: at least this long on each step

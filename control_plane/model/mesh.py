@@ -149,6 +149,21 @@ class RateLimit:
 
 
 @dataclass(frozen=True)
+class TokenLimit:
+    """A tenant's token budget on a model (prompt plus completion tokens): a bucket that holds
+    ``burst`` tokens and refills ``tokens_per_s`` (a topology's ``tokens_per_minute`` / 60).
+    Admission reserves a request's bound and the settlement refunds what it did not use
+    (``control_plane.model.tokens``)."""
+
+    tokens_per_s: float
+    burst: int
+
+    def describe(self) -> str:
+        """The limit in the words a refusal uses: per minute, as operators write it."""
+        return f"{self.tokens_per_s * 60:g} tokens/min, burst {self.burst}"
+
+
+@dataclass(frozen=True)
 class CircuitBreaker:
     """Envoy's limits per model cluster; past them Envoy answers UNAVAILABLE at once."""
 
@@ -187,6 +202,32 @@ class LargeInputs:
     prefer: LabelRule
 
 
+AFFINITY_MODES = ("none", "prefix", "session")
+KV_BLOCK_TOKENS = 16  # the model servers' KV block (the demo LM: 1 token = 1 byte)
+
+
+@dataclass(frozen=True)
+class Affinity:
+    """Which requests of a model share a server (``control_plane.xds.affinity``): a key from
+    the prompt's first ``prefix_blocks`` KV blocks (``prefix``) or from the client's
+    ``session_header`` / OpenAI ``user`` field, scoped by tenant (``session``), drives Envoy's
+    Maglev with bounded load: no server above ``hash_balance_factor`` % of the mean."""
+
+    mode: str = "prefix"  # "prefix" or "session" (mode "none" is no Affinity)
+    prefix_blocks: int = 8
+    block_bytes: int = KV_BLOCK_TOKENS
+    session_header: str = "x-session-id"
+    hash_balance_factor: int = 125
+    # ModelStreamInfer: wait for the stream's request side to end and key on its first
+    # message. Only for clients that send one request per stream (a long-lived stream would
+    # wait for its end); otherwise streams are keyed by the session header only.
+    one_request_streams: bool = False
+
+    @property
+    def prefix_bytes(self) -> int:
+        return self.prefix_blocks * self.block_bytes
+
+
 @dataclass(frozen=True)
 class ModelRoute:
     """How requests for one model are routed.
@@ -209,6 +250,11 @@ class ModelRoute:
     # Hedging (None: off, the default; never for non-idempotent models)
     hedging: HedgingPolicy | None = None
     hedge_per_try_s: float | None = None  # the per-try timeout telemetry set (None: not yet)
+    # A try not answered within this share of the timeout races a second try on another host
+    # (hedging.stalled_try; 0: off). It covers what no P99 describes: a stalled process, a
+    # host that vanished mid-connect. Off for generative and non-idempotent models.
+    stalled_try_share: float = 0.0
+    affinity: Affinity | None = None  # None: mode "none", the listener's lb_policy
 
 
 @dataclass(frozen=True)
@@ -294,12 +340,20 @@ class TenantPolicy:
     model_rate_limits: tuple[tuple[str, RateLimit], ...] = ()
     may_set_priority: bool = False
     may_pick_version: bool = False
+    token_limit: TokenLimit | None = None
+    model_token_limits: tuple[tuple[str, TokenLimit], ...] = ()
 
     def may_use(self, model: str) -> bool:
         return "*" in self.models or model in self.models
 
     def limit_for(self, model: str) -> RateLimit | None:
         return dict(self.model_rate_limits).get(model, self.rate_limit)
+
+    def token_limit_for(self, model: str) -> TokenLimit | None:
+        """Its token budget on ``model``: the model's own, else the one for all its models."""
+        if not self.may_use(model):
+            return None
+        return dict(self.model_token_limits).get(model, self.token_limit)
 
 
 OTHER_TENANT = "other"  # the policy (and metrics label) of identities not listed
@@ -317,6 +371,8 @@ class EdgeAuth:
     api_keys_file: str = ""
     jwt: JwtAuth | None = None
     tenants: tuple[TenantPolicy, ...] = (TenantPolicy(OTHER_TENANT),)
+    # The token limiter unreachable or slow: refuse (closed, the default) or admit (open).
+    token_limiter_fail_open: bool = False
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -331,6 +387,18 @@ class EdgeAuth:
     def rate_limited(self) -> bool:
         """Whether any tenant has a rate limit (the listener then names every model)."""
         return any(t.rate_limit or t.model_rate_limits for t in self.tenants)
+
+    @property
+    def token_limited(self) -> bool:
+        """Whether any tenant has a token limit (Envoy then asks the token limiter)."""
+        return self.mode != "off" and any(
+            t.token_limit or t.model_token_limits for t in self.tenants
+        )
+
+    def token_limit(self, tenant: str, model: str) -> TokenLimit | None:
+        """The budget of ``tenant`` (a label: a named tenant, or ``other``) on ``model``."""
+        policy = self.tenant(tenant)
+        return policy.token_limit_for(model) if policy is not None else None
 
     @property
     def named_tenants(self) -> tuple[TenantPolicy, ...]:

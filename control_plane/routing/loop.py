@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from control_plane.config.topology import Topology
 from control_plane.discovery.placement import EndpointReport, Reports
 from control_plane.metrics import ControlPlaneMetrics
-from control_plane.model.mesh import EndpointAddress, MeshState
+from control_plane.model.mesh import EndpointAddress, MeshState, cluster_model
 from control_plane.routing import partitions
 from control_plane.routing.envoy_checks import changes, checked_down_by_model
 from control_plane.routing.router import Router
@@ -107,7 +107,9 @@ class RoutingLoop:
         telemetry = await asyncio.to_thread(self.telemetry.snapshot, now, False)
         held = self.refresh_held(now)
         started = time.perf_counter()
-        result = self.router.recompute(self._topology(), telemetry, self.reports(), now)
+        result = self.router.recompute(
+            self._topology(), telemetry, self.reports(), now, lambda m: self._retry_share(m, now)
+        )
         self.metrics.routing_recompute.observe(time.perf_counter() - started)
         self.metrics.routing_pools.labels("computed").inc(result.pools_computed)
         self.metrics.routing_pools.labels("skipped").inc(result.pools_skipped)
@@ -123,6 +125,15 @@ class RoutingLoop:
                 else "endpoints held on Envoy's word"
             )
             self._on_change(why)
+
+    def _retry_share(self, model: str, now: float) -> float | None:
+        """Envoy's retries per first try to ``model``'s clusters over the window (hedging's
+        guard); None before the first mesh state."""
+        state = self._mesh_state()
+        if state is None:
+            return None
+        clusters = {c for c in state.clusters if cluster_model(c) == model}
+        return self.envoy_stats.retry_share(clusters, now)
 
     def _follow_envoy_checks(self, now: float) -> bool:
         """With ``listener.health_checks: model``: what Envoy's checks of each model's own

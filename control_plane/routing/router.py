@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,12 @@ from control_plane.config.topology import Topology
 from control_plane.discovery.placement import EndpointReport
 from control_plane.model.lanes import fleet_labels
 from control_plane.model.mesh import EndpointAddress, EndpointHealth
-from control_plane.routing.hedging import HedgeState, PerTry, follow, pool_p99_ms
+from control_plane.routing.hedging import (
+    HedgeState,
+    PerTry,
+    follow,
+    pool_p99_ms,
+)
 from control_plane.routing.signals import SignalsMade, pool_signals, ready_members
 from control_plane.scoring.at_rest import at_rest, signals_moved
 from control_plane.scoring.ejection import (
@@ -120,10 +125,12 @@ class Router:
         telemetry: Mapping[str, EndpointTelemetry],
         reports: Mapping[EndpointAddress, EndpointReport],
         now: float,
+        retry_share: Callable[[str], float | None] | None = None,
     ) -> RecomputeResult:
         """Updates every pool's weights and health; what it did (``changed``: Envoy should
         be told). ``reports`` is replaced, not changed in place, between calls (as placement
-        does)."""
+        does). ``retry_share(model)``: Envoy's retries per first try to the model's clusters
+        (hedging's guard)."""
         changed = False
         wall = time.time()
         new_ejections: list[str] = []
@@ -173,7 +180,8 @@ class Router:
                     new_ejections.append(ejection_cause(now_state.causes))
             memory.ejections = dict(ejection.states)
             p99 = pool_p99_ms(signals, ejection.health)  # hedging from the pool's healthy P99
-            hedging = follow(model.hedging, model.sla_p99_ms, p99, now, memory.hedging)
+            hedged = retry_share(model.name) if model.hedging and retry_share else None
+            hedging = follow(model.hedging, model.sla_p99_ms, p99, now, memory.hedging, hedged)
             if (hedge := hedging.per_try) != memory.hedging.per_try:
                 self.log(model.name, f"hedging: {hedge.why if hedge else 'off'}", wall)
                 changed = True

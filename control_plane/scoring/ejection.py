@@ -83,12 +83,16 @@ def _judge(
     prev: EjectionState,
     now: float,
     others_p99: float | None = None,
+    others_abandoned: float | None = None,
 ) -> _Verdict:
     """Eject conditions from the current signals; stale or missing signals never eject.
 
     ``others_p99``: the median P99 of the rest of the pool. A server is slow enough to eject
     only when it is also ``latency_eject_vs_pool`` times slower than that: when the whole host
     stalls, every server looks slow and none of them is the outlier.
+    ``others_abandoned``: the median share of tries abandoned over the rest of the pool. When
+    it is half the threshold or more, the whole pool's tries are being hedged (a per-try
+    timeout under what tries take, which the hedging guard raises): no server is the slow one.
     """
     if sig.stale:
         return _Verdict((), (0.0, 0.0, 0.0), 0)
@@ -107,7 +111,8 @@ def _judge(
         causes.append(f"error rate {_pct(sig.error_rate)} >= {_pct(policy.error_rate_eject)}")
         kinds.add(EjectionCause.ERRORS)
     abandoned = sig.abandoned_rate
-    if abandoned is not None and abandoned >= policy.error_rate_eject:
+    pool_hedged = others_abandoned is not None and others_abandoned >= policy.error_rate_eject / 2
+    if abandoned is not None and abandoned >= policy.error_rate_eject and not pool_hedged:
         # Hedging cancels the tries that lost their race: the server's own P99 then stops at
         # about the per-try timeout, and the share its callers gave up on says how slow it is.
         lat = max(lat, abandoned)
@@ -136,25 +141,28 @@ def _judge(
     return _Verdict(tuple(causes), (mem, err, lat), strikes, struck_at, frozenset(kinds))
 
 
-class _PoolP99:
-    """The median P99 of a pool without one of its endpoints; sorted once per pool, then
-    O(log n) per endpoint (no copy of the pool's values)."""
+class _PoolMedian:
+    """The median of one signal (``name``: an ``EndpointSignals`` field) over a pool without
+    one of its endpoints; sorted once per pool, then O(log n) per endpoint (no copy of the
+    pool's values)."""
 
-    def __init__(self, pool: Sequence[EndpointSignals]) -> None:
-        self.values = sorted(s.p99_ms for s in pool if s.p99_ms is not None and not s.stale)
+    def __init__(self, pool: Sequence[EndpointSignals], name: str = "p99_ms") -> None:
+        self.name = name
+        self.values = sorted(v for s in pool if (v := getattr(s, name)) is not None and not s.stale)
 
     def without(self, sig: EndpointSignals) -> float | None:
         values = self.values
         # Where sig's own value sits (any equal value gives the same median); len: none left out.
         gone = len(values)
-        if sig.p99_ms is not None and not sig.stale:
-            gone = bisect.bisect_left(values, sig.p99_ms)
+        own = getattr(sig, self.name)
+        if own is not None and not sig.stale:
+            gone = bisect.bisect_left(values, own)
         left = len(values) - (gone < len(values))
         if left == 0:
             return None
 
         def at(k: int) -> float:  # the k-th of the values left
-            return values[k] if k < gone else values[k + 1]
+            return float(values[k] if k < gone else values[k + 1])
 
         middle = left // 2
         return at(middle) if left % 2 else (at(middle - 1) + at(middle)) / 2
@@ -203,10 +211,16 @@ def decide_ejections(
         if not prev.draining:
             events.append(f"{sig.endpoint} is draining: the server reports draining.")
 
-    pool_p99 = _PoolP99(serving)
+    pool_p99 = _PoolMedian(serving)
+    pool_abandoned = _PoolMedian(serving, "abandoned_rate")
     verdicts = {
         s.endpoint: _judge(
-            s, policy, previous.get(s.endpoint, _NEVER_JUDGED), now, pool_p99.without(s)
+            s,
+            policy,
+            previous.get(s.endpoint, _NEVER_JUDGED),
+            now,
+            pool_p99.without(s),
+            pool_abandoned.without(s),
         )
         for s in serving
     }

@@ -39,15 +39,19 @@ ENDPOINT_STATS = {
     "cluster.endpoint.rq_active": ("active", False),
     "cluster.endpoint.healthy": ("healthy", False),
 }
-# Cluster-level counters: requests Envoy refused because a circuit breaker was open.
+# Cluster-level counters: requests Envoy refused because a circuit breaker was open; and the
+# requests it sent upstream, of which retries (a hedge counts as one), for hedging's guard.
 CLUSTER_STATS = {
     "cluster.upstream_rq_pending_overflow": "overflow",
     "cluster.upstream_rq_active_overflow": "overflow",
+    "cluster.upstream_rq_retry": "retries",
+    "cluster.upstream_rq_total": "requests",
 }
 USED_STATS = frozenset(ENDPOINT_STATS) | frozenset(CLUSTER_STATS)
 MAX_ENDPOINTS = 10_000
 MAX_CLUSTERS = 10_000
 CHECKED_DOWN_MAX_AGE_S = 3.0  # Envoy flushes stats every second: three missed reports
+RETRY_WINDOW_S = 10.0  # hedging's guard: a slow server re-weighted in ~1 s stays under budget
 FORGET_NODE_AFTER_S = 60.0  # an Envoy silent this long (replaced, renamed) loses its series
 
 
@@ -105,7 +109,7 @@ class EnvoyStats:
         # (address, cluster, signal, Envoy node) -> samples, or the last gauge
         self._counters: dict[tuple[str, str, str, str], deque[tuple[float, float]]] = {}
         self._gauges: dict[tuple[str, str, str, str], tuple[float, float]] = {}
-        # (stat, cluster, Envoy node) -> the last two (arrival, value) samples
+        # (stat, cluster, Envoy node) -> (arrival, value) samples over the window
         self._cluster_counters: dict[tuple[str, str, str], deque[tuple[float, float]]] = {}
         self._previous_report: dict[str, float] = {}  # Envoy node -> its previous report
         # (address, cluster) some Envoy called unhealthy: checked_down reads only these, not
@@ -186,7 +190,7 @@ class EnvoyStats:
             if samples is None:
                 if len(self._cluster_counters) >= MAX_CLUSTERS:
                     continue
-                samples = self._cluster_counters[key] = deque(maxlen=2)
+                samples = self._cluster_counters[key] = deque(maxlen=64)
                 previous = self._previous_report.get(node)
                 if previous is not None:
                     # Envoy exports a counter once it is first used: it was 0 at the last report.
@@ -195,6 +199,8 @@ class EnvoyStats:
             if samples and value < samples[-1][1]:
                 samples.clear()  # Envoy restarted
             samples.append((now, value))
+            while len(samples) > 2 and samples[1][0] < now - RETRY_WINDOW_S:
+                samples.popleft()
             used += 1
         return used
 
@@ -204,10 +210,27 @@ class EnvoyStats:
         wanted = {stat_name(c) for c in clusters}
         total = 0.0
         with self._lock:
-            for (_stat, cluster, _node), samples in self._cluster_counters.items():
-                if cluster in wanted and len(samples) == 2 and now - samples[-1][0] <= max_age_s:
-                    total += samples[-1][1] - samples[0][1]
+            for (stat, cluster, _node), samples in self._cluster_counters.items():
+                if CLUSTER_STATS[stat] != "overflow" or cluster not in wanted:
+                    continue
+                if len(samples) >= 2 and now - samples[-1][0] <= max_age_s:
+                    total += samples[-1][1] - samples[-2][1]
         return total
+
+    def retry_share(self, clusters: Collection[str], now: float) -> float | None:
+        """Envoy's retries (hedges included) per first try it sent to ``clusters`` over the
+        last ``RETRY_WINDOW_S`` (not the telemetry window, which may be as short as a second
+        or two: a slow server's first second would read as a whole window of hedges), from
+        every Envoy that reported within it; None when it sent none."""
+        wanted = {stat_name(c) for c in clusters}
+        counted = {"retries": 0.0, "requests": 0.0}
+        with self._lock:
+            for (stat, cluster, _node), samples in self._cluster_counters.items():
+                kind = CLUSTER_STATS[stat]
+                if kind in counted and cluster in wanted and now - samples[-1][0] <= RETRY_WINDOW_S:
+                    counted[kind] += samples[-1][1] - samples[0][1]
+        first_tries = counted["requests"] - counted["retries"]
+        return counted["retries"] / first_tries if first_tries > 0 else None
 
     def as_json(self, now: float) -> dict[str, Any]:
         with self._lock:

@@ -1,4 +1,4 @@
-"""The Envoy bootstrap: admin, node identity, ADS, and the one static cluster (the control plane).
+"""The Envoy bootstrap: admin, node identity, ADS, and the static clusters (the control plane).
 
 Everything else (listener, routes, model clusters, endpoints) arrives over ADS from the
 control plane. ``python -m control_plane.xds.bootstrap`` re-renders ``envoy/bootstrap.yaml``.
@@ -30,6 +30,7 @@ from infermesh.wire import ENVOY_NODE_TAG
 
 XDS_CLUSTER = "xds_cluster"
 OTLP_CLUSTER = "otlp_cluster"
+TOKEN_LIMITER_CLUSTER = "token_limiter_cluster"
 LATENCY_BUCKETS_MS = (0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 25, 50, 100, 250, 500,
                       1000, 2500, 5000, 10000)  # fmt: skip
 HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -53,7 +54,8 @@ HEADER = """\
 # node:              the identity Envoy presents to the xDS control plane.
 # dynamic_resources: listeners (LDS) and clusters (CDS) come over one ADS gRPC stream
 #                    ({api_type}), which also carries routes (RDS) and endpoints (EDS).
-# static_resources:  only xds_cluster, the HTTP/2 connection to the control plane.
+# static_resources:  xds_cluster, the HTTP/2 connection to the control plane, and
+#                    token_limiter_cluster, the same replicas one at a time (token limits).
 # overload_manager:  caps downstream connections (Envoy warns at start-up without a cap),
 #                    and sheds new connections near the heap cap.
 # memory_allocator_manager: gives freed memory back to the system, up to 256 MiB a second.
@@ -100,6 +102,28 @@ def xds_cluster(
         },
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]},
     }
+
+
+def token_limiter_cluster(host: str, ports: Sequence[int | tuple[str, int]]) -> dict[str, Any]:
+    """The control planes' token limiter (their xDS port), one replica at a time: the first at
+    priority 0, the next ones behind it, so every Envoy asks the same replica and a tenant's
+    budget is one ledger, not one per replica. A replica that fails two calls in a row is
+    ejected for 5 s and the calls go to the next one (whose ledger starts full: a failover can
+    admit at most one more burst)."""
+    cluster = xds_cluster(host, ports, TOKEN_LIMITER_CLUSTER)
+    (group,) = cluster["load_assignment"]["endpoints"]
+    cluster["load_assignment"]["endpoints"] = [
+        {"priority": i, "lb_endpoints": [endpoint]}
+        for i, endpoint in enumerate(group["lb_endpoints"])
+    ]
+    cluster["outlier_detection"] = {
+        "consecutive_5xx": 2,
+        "consecutive_gateway_failure": 2,
+        "interval": duration(1),
+        "base_ejection_time": duration(5),
+        "max_ejection_percent": 100,
+    }
+    return cluster
 
 
 def render_bootstrap(
@@ -185,10 +209,11 @@ def render_bootstrap(
             ],
         },
     }
+    targets = [_target(xds_host, item) for item in _ports(xds_port)]
+    config["static_resources"]["clusters"].append(token_limiter_cluster(xds_host, targets))
     if xds_tls is not None:
-        config["static_resources"]["clusters"][0]["transport_socket"] = xds_transport_socket(
-            xds_tls, node_id
-        )
+        for cluster in config["static_resources"]["clusters"]:
+            cluster["transport_socket"] = xds_transport_socket(xds_tls, node_id)
     if otlp_port is not None:
         targets = [_target(xds_host, item) for item in _ports(otlp_port)]
         names = [OTLP_CLUSTER if i == 0 else f"{OTLP_CLUSTER}_{i + 1}"

@@ -30,7 +30,7 @@ from control_plane.model.mesh import (
     cluster_model,
     is_rest_cluster,
 )
-from control_plane.xds import edge, upstream_tls
+from control_plane.xds import affinity, edge, upstream_tls
 from control_plane.xds.edge import HTTP_PROTOCOL_OPTIONS
 from control_plane.xds.envoy_values import ads_source, duration, packed
 from control_plane.xds.protection import NO_SPILL_OVERPROVISIONING, circuit_breakers
@@ -123,6 +123,8 @@ def build_cluster(state: MeshState, name: str) -> cluster_pb2.Cluster:
         ),
         ignore_health_on_host_removal=True,
     )
+    if model is not None and model.affinity is not None:
+        affinity.balance(result, model.affinity)
     rest = is_rest_cluster(name)
     if options.upstream_tls is not None:
         alpn = "http/1.1" if rest else "h2"

@@ -43,7 +43,7 @@ from control_plane.model.mesh import ListenerOptions
 from control_plane.model.schema import Checker
 from control_plane.xds import edge
 from control_plane.xds.envoy_values import packed
-from infermesh.wire import INTERNAL_PREFIX
+from infermesh.wire import INTERNAL_PREFIX, OPENAI_GENERATION_PATHS, OPENAI_MODELS_PATH
 
 RBAC_FILTER = "envoy.filters.http.rbac"
 GRPC = "/inference.GRPCInferenceService/"
@@ -87,10 +87,17 @@ EXPOSABLE: dict[str, tuple[PathRule, ...]] = {
         PathRule(exact="/v2/health/ready"),
         _model("/ready"),
     ),
-    "metadata": (*_grpc("ServerMetadata", "ModelMetadata"), PathRule(exact="/v2"), _model("")),
+    "metadata": (
+        *_grpc("ServerMetadata", "ModelMetadata"),
+        PathRule(exact="/v2"),
+        _model(""),
+        PathRule(exact=OPENAI_MODELS_PATH),
+        PathRule(regex=OPENAI_MODELS_PATH + "/[^/]+"),
+    ),
     "inference": (
         *_grpc("ModelInfer", "ModelStreamInfer"),
-        _model("/(infer|generate|generate_stream)"),
+        _model("/infer"),  # Triton's generate extension is not served
+        *(PathRule(exact=path) for path in OPENAI_GENERATION_PATHS),
     ),
     "model-config": (*_grpc("ModelConfig"), _model("/config")),
     "statistics": (*_grpc("ModelStatistics"), PathRule(exact="/v2/models/stats"), _model("/stats")),

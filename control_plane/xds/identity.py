@@ -87,6 +87,8 @@ TENANTS_RBAC_FILTER = "infermesh.tenants"
 PRIORITY_RBAC_FILTER = "infermesh.priority"
 VERSION_RBAC_FILTER = "infermesh.version"
 TENANT_RATE_LIMIT_FILTER = "infermesh.tenant_rate_limit"
+TOKEN_ADMISSION_FILTER = "infermesh.token_admission"  # control_plane.xds.token_admission
+TOKEN_LIMIT_FILTER = "infermesh.token_limit"
 LABEL_PREFIX = "tenant_label_"
 PRIORITY_PREFIX = "priority_"
 VERSION_PREFIX = "version_"
@@ -203,19 +205,22 @@ def _not(rule: rbac_pb2.Permission) -> rbac_pb2.Permission:
 
 
 REST_MODEL_PATH = "/v2/models/[^/]+(/.*)?"
+OPENAI_MODEL_PATH = "/v1/models/[^/]+"  # GET /v1/models/M: the model is in the path
 
 
 def other_model(models: tuple[str, ...]) -> rbac_pb2.Permission:
-    """A request about a model not in ``models``: by its REST path (``/v2/models/M...``) or,
-    on every other path, by ``x-model-name`` (set by the client, or by Lua from the body)."""
+    """A request about a model not in ``models``: by its REST path (``/v2/models/M...``, or
+    the OpenAI API's ``/v1/models/M``) or, on every other path, by ``x-model-name`` (set by
+    the client, or by Lua from the body: a gRPC message, or /v1 JSON's "model")."""
     names = "|".join(re.escape(m) for m in models)
     rest = _all(_path(REST_MODEL_PATH), _not(_path(f"/v2/models/({names})(/.*)?")))
+    described = _all(_path(OPENAI_MODEL_PATH), _not(_path(f"/v1/models/({names})")))
     on_grpc = _all(
         _not(_path("/v2(/.*)?")),
         _header(MODEL_HEADER),
         _not(_any(_header(MODEL_HEADER, m) for m in models)),
     )
-    return _any([rest, on_grpc])
+    return _any([rest, described, on_grpc])
 
 
 VERSION_CHOSEN = _any([_header(VERSION_HEADER), _path("/v2/models/[^/]+/versions/.*")])
@@ -293,7 +298,7 @@ def _grant(auth: EdgeAuth, permission: str, prefix: str) -> rbac_filter_pb2.RBAC
 # --- 5: rate limits per tenant and model -----------------------------------------------------
 
 
-def _metadata_action(
+def metadata_action(
     descriptor: str, namespace: str, key: str, source: int, default: str = ""
 ) -> rc_pb2.RateLimit.Action:
     data = rc_pb2.RateLimit.Action.MetaData(
@@ -342,8 +347,8 @@ def tenant_rate_limit(
     retry_after = max(waits)
     source = rc_pb2.RateLimit.Action.MetaData
     actions = [
-        _metadata_action("tenant", RBAC_NAMESPACE, LABEL_KEY, source.DYNAMIC, OTHER_TENANT),
-        _metadata_action("model", ROUTE_NAMESPACE, "model", source.ROUTE_ENTRY),
+        metadata_action("tenant", RBAC_NAMESPACE, LABEL_KEY, source.DYNAMIC, OTHER_TENANT),
+        metadata_action("model", ROUTE_NAMESPACE, "model", source.ROUTE_ENTRY),
     ]
     default = token_bucket(RateLimit(UNLIMITED_TOKENS, UNLIMITED_TOKENS))
     config = enforced_bucket("tenant_rate_limit", default, retry_after, TENANT_RATE_LIMITED)
@@ -424,7 +429,8 @@ def unauthenticated(item: rc_pb2.Route) -> rc_pb2.Route:
     """A route the authentication and tenant filters skip: CORS preflights, which browsers
     send without credentials (Envoy's CORS filter answers them; they never reach a server)."""
     names = (BASIC_AUTH_FILTER, JWT_FILTER, TENANTS_RBAC_FILTER, PRIORITY_RBAC_FILTER,
-             VERSION_RBAC_FILTER, TENANT_RATE_LIMIT_FILTER)  # fmt: skip
+             VERSION_RBAC_FILTER, TENANT_RATE_LIMIT_FILTER, TOKEN_ADMISSION_FILTER,
+             TOKEN_LIMIT_FILTER)  # fmt: skip
     for name in names:
         item.typed_per_filter_config[name].CopyFrom(packed(rc_pb2.FilterConfig(disabled=True)))
     return item

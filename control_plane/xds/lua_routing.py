@@ -11,6 +11,10 @@ as gRPC, since Envoy's grpc_web filter runs before it (``control_plane.xds.edge`
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from control_plane.model.mesh import Affinity
+from control_plane.xds import affinity
 from infermesh.wire import MODEL_HEADER, VERSION_HEADER
 
 LUA_FILTER = "envoy.filters.http.lua"
@@ -85,17 +89,28 @@ local function header_safe(value)
   return value ~= nil and string.find(value, "^[!-~]+$") ~= nil
 end
 
-function envoy_on_request(handle)
-  local headers = handle:headers()
-  if headers:get("HEADER") ~= nil or not PATHS[headers:get(":path")] then return end
-  local body = handle:body()
-  if body == nil or body:length() < 5 then return end
+-- The model name and version of a unary call's body (nil when unreadable or unsafe).
+local function body_model(body)
+  if body == nil or body:length() < 5 then return nil end
   local size, ok, done, name, version = body:length(), false, false, nil, nil
   for _, n in ipairs(PREFIXES) do
     ok, done, name, version = pcall(model_fields, body:getBytes(0, math.min(n, size)))
     if not ok or done or n >= size then break end
   end
-  if not ok or not header_safe(name) then return end
+  if not ok or not header_safe(name) then return nil end
+  return name, version
+end
+
+{ENTRY}"""
+
+
+# Routing only: a header-less unary call gets the model's headers from its body.
+ROUTING_ENTRY = r"""function envoy_on_request(handle)
+  local headers = handle:headers()
+  if headers:get("HEADER") ~= nil or not PATHS[headers:get(":path")] then return end
+  local body = handle:body()
+  local name, version = body_model(body)
+  if name == nil then return end
   headers = handle:headers() -- a wrapper taken before a yield is dead after it
   headers:replace("HEADER", name)
   if header_safe(version) then headers:replace("VERSION_HEADER", version) end
@@ -103,12 +118,44 @@ function envoy_on_request(handle)
 end
 """
 
+# With affinity (control_plane.xds.affinity): every request the script runs on may get the
+# x-infermesh-affinity header, a header-less one once its model is known from the body.
+AFFINITY_ENTRY = r"""function envoy_on_request(handle)
+  local headers = handle:headers()
+  local path, model = headers:get(":path"), headers:get("HEADER")
+  if model ~= nil or not PATHS[path] then return set_affinity(handle, model, path, nil) end
+  local body = handle:body()
+  local name, version = body_model(body)
+  if name == nil then return end
+  headers = handle:headers()
+  headers:replace("HEADER", name)
+  if header_safe(version) then headers:replace("VERSION_HEADER", version) end
+  set_affinity(handle, name, path, body)
+  handle:clearRouteCache()
+end
+"""
 
-def lua_source() -> str:
-    """The body-routing Lua script with this module's header names and method list."""
+# The varint reader alone, which the token admission script shares (an addition here, so the
+# scripts that extend the body router merge apart: control_plane.xds.token_admission).
+LUA_VARINT = LUA_BODY_ROUTER[
+    LUA_BODY_ROUTER.index("local function varint") : LUA_BODY_ROUTER.index("-- Scans the gRPC")
+]
+
+
+def lua_source(affinities: Iterable[tuple[str, Affinity]] = ()) -> str:
+    """The body-routing Lua script with this module's header names and method list, and the
+    affinity of ``affinities``' models (``control_plane.xds.affinity``) if any."""
     methods = ", ".join(f'"{m}"' for m in BODY_ROUTED_METHODS)
-    return (
-        LUA_BODY_ROUTER.replace("{METHODS}", "{" + methods + "}")
-        .replace('"VERSION_HEADER"', f'"{VERSION_HEADER}"')
-        .replace('"HEADER"', f'"{MODEL_HEADER}"')
-    )
+
+    def constants(source: str) -> str:
+        return (
+            source.replace("{METHODS}", "{" + methods + "}")
+            .replace('"VERSION_HEADER"', f'"{VERSION_HEADER}"')
+            .replace('"HEADER"', f'"{MODEL_HEADER}"')
+        )
+
+    affinities = tuple(affinities)
+    entry = constants(AFFINITY_ENTRY if affinities else ROUTING_ENTRY)
+    # The models' names go in last: one named like a placeholder ("HEADER") stays itself.
+    functions = affinity.lua_functions(affinities) if affinities else ""
+    return constants(LUA_BODY_ROUTER).replace("{ENTRY}", functions + entry)

@@ -48,6 +48,7 @@ from control_plane.model.mesh import (
     NO_PODS,
     ROUTE_CONFIG_NAME,
     SERVERS_CLUSTER,
+    Affinity,
     EdgeAuth,
     MeshState,
     ModelRoute,
@@ -59,7 +60,17 @@ from control_plane.model.mesh import (
     model_cluster,
     rest_cluster,
 )
-from control_plane.xds import edge, edge_limits, edge_tls, exposure, identity, upstream_tls
+from control_plane.xds import (
+    affinity,
+    edge,
+    edge_limits,
+    edge_tls,
+    exposure,
+    identity,
+    openai_edge,
+    token_admission,
+    upstream_tls,
+)
 from control_plane.xds.clusters import build_assignment, build_cluster, socket_address
 from control_plane.xds.envoy_values import ads_source, duration, packed, set_header
 from control_plane.xds.lua_routing import LUA_FILTER, lua_source
@@ -108,17 +119,23 @@ def http_filters(
     expose: tuple[str, ...] = exposure.DEFAULT_EXPOSE,
     auth: EdgeAuth = NO_AUTH,
     models: tuple[str, ...] = (),
+    affinities: tuple[tuple[str, Affinity], ...] = (),
 ) -> list[hcm_pb2.HttpFilter]:
     """RBAC (only the exposed APIs, before anything reads a body), [gRPC-Web, so Lua reads
-    gRPC], [authentication: before Lua buffers a body], [Lua body routing], [the tenants'
-    rules, CORS, the rate limits: after Lua so they see the model and the re-selected route],
-    router."""
+    gRPC], [authentication (Bearer keys made Basic first): before Lua buffers a body], [Lua
+    body routing: gRPC, then /v1 JSON], [the tenants' rules, CORS, the rate limits: after Lua
+    so they see the model and the re-selected route], router."""
     filters = [exposure.rbac_filter(expose)]
     if grpc_web:
         filters.append(edge.grpc_web_filter())
+    if auth.mode == "api_keys":  # the OpenAI client's "Bearer KEY", for basic_auth
+        filters.append(openai_edge.bearer_filter())
     filters += identity.authentication_filters(auth)
-    if body_routing:
-        lua = lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=lua_source()))
+    if body_routing:  # /v1 bodies' "model", on its entry routes only; before the affinity key
+        filters.append(openai_edge.router_filter(auth))
+    if body_routing or affinities:
+        source = base_pb2.DataSource(inline_string=lua_source(affinities))
+        lua = lua_pb2.Lua(default_source_code=source)
         filters.append(hcm_pb2.HttpFilter(name=LUA_FILTER, typed_config=packed(lua)))
     filters += identity.tenant_rules(auth)
     if cors:
@@ -127,6 +144,8 @@ def http_filters(
     filters += identity.tenant_rate_limit_filter(auth, models)
     if rate_limits:
         filters.append(rate_limit_filter())
+    # Last before the router: a request the cheaper limits refuse reserves no tokens.
+    filters += token_admission.token_filters(auth)
     filters.append(hcm_pb2.HttpFilter(name=ROUTER_FILTER, typed_config=packed(router_pb2.Router())))
     return filters
 
@@ -143,6 +162,8 @@ ACCESS_LOG_FIELDS = {
     "duration_ms": "%DURATION%",
     "upstream": "%UPSTREAM_HOST%",
     "cluster": "%UPSTREAM_CLUSTER%",
+    # the key an affinity model was hashed on (control_plane.xds.affinity), its first 80 chars
+    "affinity": "%REQ(X-INFERMESH-AFFINITY):80%",
 }
 
 
@@ -151,6 +172,11 @@ def access_log(path: str, auth: EdgeAuth = NO_AUTH) -> accesslog_pb2.AccessLog:
     fmt.json_format.update({**ACCESS_LOG_FIELDS, **identity.access_log_fields(auth)})
     config = file_pb2.FileAccessLog(path=path, log_format=fmt)
     return accesslog_pb2.AccessLog(name="envoy.access_loggers.file", typed_config=packed(config))
+
+
+def affinities(state: MeshState) -> tuple[tuple[str, Affinity], ...]:
+    """(model, affinity) of the models with affinity: the Lua script's table."""
+    return tuple((m.name, m.affinity) for m in state.models if m.affinity is not None)
 
 
 def build_listener(state: MeshState) -> listener_pb2.Listener:
@@ -162,17 +188,27 @@ def build_listener(state: MeshState) -> listener_pb2.Listener:
         http_filters=http_filters(
             options.body_routing, any(m.rate_limit for m in state.models), options.grpc_web,
             options.cors is not None, options.expose, options.auth,
-            tuple(m.name for m in state.models),
+            tuple(m.name for m in state.models), affinities(state),
         ),
     )  # fmt: skip
     exposure.harden(manager)
     edge_limits.apply(manager, options.limits)
+    if options.rest.enabled:  # first: Envoy's own replies under /v1 are OpenAI's error JSON
+        manager.local_reply_config.mappers.extend(
+            token_admission.openai_refusal_mappers(options.auth)
+        )
+        manager.local_reply_config.mappers.extend(
+            openai_edge.reply_mappers(
+                options.expose, identity.PERMISSION_MESSAGE, edge.RATE_LIMITED_MESSAGE
+            )
+        )
     manager.local_reply_config.mappers.extend(exposure.refusal_mappers(options.expose))
     manager.local_reply_config.mappers.extend(identity.refusal_mappers(options.auth))
+    manager.local_reply_config.mappers.extend(token_admission.refusal_mappers(options.auth))
     if options.rest.enabled:
         manager.local_reply_config.mappers.extend(edge.rest_reply_mappers())
     manager.local_reply_config.mappers.append(edge.grpc_rate_limited_mapper())
-    if options.body_routing:
+    if options.body_routing or affinities(state):
         # On HTTP/2 the stream window bounds a body a filter buffers (16 MiB by default, then
         # 413 "Payload Too Large"): lift it to what the model servers accept.
         window = manager.http2_protocol_options.initial_stream_window_size
@@ -270,17 +306,25 @@ def model_action(
     given, else by its version split. ``hedge``: False for requests the pool's P99 does not
     describe (large inputs take longer by design: a hedge would only run them twice)."""
     timeout = model.timeout_s if sla is None else sla.timeout_s
-    per_try = timeout if sla is None or sla.per_try_timeout_s is None else sla.per_try_timeout_s
+    own_per_try = None if sla is None else sla.per_try_timeout_s  # the class's: cancel, retry
     from_p99 = model.hedge_per_try_s if model.hedging is not None and hedge else None
-    hedged = from_p99 is not None and (sla is None or sla.per_try_timeout_s is None)
-    if from_p99 is not None and hedged:  # routing.hedging: from the pool's P99
+    hedged = hedge and own_per_try is None and (from_p99 is not None or model.stalled_try_share > 0)
+    if own_per_try is not None:
+        per_try = own_per_try
+    elif from_p99 is not None:  # routing.hedging: from the pool's P99
         per_try = min(from_p99, timeout)
+    elif hedged:  # the stalled-try share
+        per_try = model.stalled_try_share * timeout
+    else:
+        per_try = timeout
     action = rc_pb2.RouteAction(
         timeout=duration(timeout),
         retry_policy=retry_policy(state, per_try, None if sla is None else sla.max_retries),
     )
     if hedged:  # a try past its per-try timeout races another host, and is not cancelled
         action.hedge_policy.hedge_on_per_try_timeout = True
+    if model.affinity is not None:  # Maglev on the key the edge's Lua sets
+        affinity.hash_policy(action)
     weights = [] if cluster else split_weights(model)
     versions = [v for v, w in model.version_split if w > 0]  # the same order as split_weights
     target = cluster or model_cluster(model.name)
@@ -315,15 +359,24 @@ def model_routes(
     stream_match.CopyFrom(match)
     stream_match.ClearField("prefix")
     stream_match.path = STREAM_PATH
-    stream_action = rc_pb2.RouteAction()
-    stream_action.CopyFrom(action)
-    stream_action.ClearField("retry_policy")
-    stream_action.ClearField("hedge_policy")  # a stream is never hedged: never replayed
-    stream_action.timeout.CopyFrom(duration(0))
-    stream_action.idle_timeout.CopyFrom(duration(model.timeout_s))
-    edge_limits.exempt_stream(stream_action)
-    stream = route(f"{name}:stream", stream_match, route=stream_action)
-    return [protect(stream, model), protect(route(name, match, route=action), model)]
+    lua = model.affinity is not None  # the Lua filter sets the affinity key
+    stream = route(f"{name}:stream", stream_match, lua=lua, route=stream_action(action, model))
+    unary = route(name, match, lua=lua, route=action)
+    return [protect(stream, model), protect(unary, model)]
+
+
+def stream_action(action: rc_pb2.RouteAction, model: ModelRoute) -> rc_pb2.RouteAction:
+    """``action`` for a stream (ModelStreamInfer, a streamed OpenAI completion): no overall
+    timeout, an idle timeout of the model's timeout, no retries and no hedging (a stream's
+    messages are not replayed), exempt from the listener's unary stream duration."""
+    result = rc_pb2.RouteAction()
+    result.CopyFrom(action)
+    result.ClearField("retry_policy")
+    result.ClearField("hedge_policy")
+    result.timeout.CopyFrom(duration(0))
+    result.idle_timeout.CopyFrom(duration(model.timeout_s))
+    edge_limits.exempt_stream(result)
+    return result
 
 
 def protect(item: rc_pb2.Route, model: ModelRoute) -> rc_pb2.Route:
@@ -389,13 +442,22 @@ def build_route_config(state: MeshState) -> route_pb2.RouteConfiguration:
         ),
     ]
     if state.listener.rest.enabled:  # /v2 paths only: first, or x-model-name would take them
-        routes = edge.rest_routes(routes, to_servers) + routes
+        routes = edge.rest_routes(routes, to_servers) + openai_routes(state, to_servers) + routes
     if state.listener.cors is not None:  # preflights need a route with an action, to any
         routes.insert(0, identity.unauthenticated(edge.preflight_route(to_servers)))
-    if not state.listener.body_routing:
+    if state.listener.auth.token_limited:  # a model nobody's tokens are limited on skips them
         for item in routes:
-            if LUA_FILTER in item.typed_per_filter_config:  # no Lua filter to configure
-                del item.typed_per_filter_config[LUA_FILTER]
+            token_admission.skip_unlimited(item, state.listener.auth)
+    if not state.listener.body_routing and not affinities(state):
+        for item in routes:
+            for name in (LUA_FILTER, openai_edge.OPENAI_LUA_FILTER):  # no Lua filter to configure
+                if name in item.typed_per_filter_config:
+                    del item.typed_per_filter_config[name]
+    elif not state.listener.body_routing:  # the Lua filter is there for affinity only
+        for item in routes:
+            item.typed_per_filter_config.pop(openai_edge.OPENAI_LUA_FILTER, None)
+            if item.name == "no-model-name":
+                item.typed_per_filter_config[LUA_FILTER].Pack(lua_pb2.LuaPerRoute(disabled=True))
     host = rc_pb2.VirtualHost(name=LISTENER_NAME, domains=["*"], routes=routes)
     added, removed = identity.upstream_headers(state.listener.auth)
     host.request_headers_to_add.extend(added)
@@ -405,6 +467,17 @@ def build_route_config(state: MeshState) -> route_pb2.RouteConfiguration:
             edge.cors_policy(state.listener.cors)
         )
     return route_pb2.RouteConfiguration(name=ROUTE_CONFIG_NAME, virtual_hosts=[host])
+
+
+def openai_routes(state: MeshState, to_servers: rc_pb2.RouteAction) -> list[rc_pb2.Route]:
+    """The OpenAI API's routes (``/v1`` paths only): each model's, to its REST twins as a
+    stream, with its version split, fallback, rate limit and name; then the entry routes."""
+    routes = []
+    for model in state.models:
+        action = stream_action(edge.rest_action(model_action(state, model)), model)
+        lua = model.affinity is not None  # the Lua filter sets the affinity key from the body
+        routes += [protect(r, model) for r in openai_edge.model_routes(model.name, action, lua)]
+    return routes + openai_edge.entry_routes(edge.rest_action(to_servers), state.listener.auth)
 
 
 def lane_routes(state: MeshState, model: ModelRoute) -> list[rc_pb2.Route]:
@@ -482,7 +555,8 @@ def build_resources(state: MeshState, made: Make = fresh) -> dict[str, dict[str,
     def cluster(name: str) -> Message:
         model = models.get(cluster_model(name) or "")  # a cluster reads its circuit breaker
         breaker = model.circuit_breaker if model else None
-        key = ("eds", state.listener, breaker, is_rest_cluster(name))
+        key = ("eds", state.listener, breaker, is_rest_cluster(name),
+               model.affinity if model else None)  # fmt: skip
         return made(CLUSTER_TYPE, name, key, lambda: build_cluster(state, name))
 
     def aggregate(name: str, pair: tuple[str, str]) -> Message:
@@ -512,6 +586,7 @@ def build_resources(state: MeshState, made: Make = fresh) -> dict[str, dict[str,
         any(m.rate_limit for m in state.models),
         # The tenant rate limit has a bucket per tenant and model.
         tuple(m.name for m in state.models) if state.listener.auth.rate_limited else (),
+        affinities(state),  # the Lua script's table
     )
     listener = made(LISTENER_TYPE, LISTENER_NAME, listener_key, lambda: build_listener(state))
     built = {

@@ -100,6 +100,13 @@ def _check_shape(
 ) -> list[int]:
     shape = list(tensor.shape)
     expected = declared.shape_with_batch(max_batch_size)
+    # The usual request: every fixed dim as declared and a batch in range (a declared dim that
+    # is -1 never compares equal to a sent one, so such a model takes the full check below).
+    if max_batch_size > 0:
+        if shape and shape[1:] == expected[1:] and 1 <= shape[0] <= max_batch_size:
+            return shape
+    elif shape == expected:
+        return shape
     if len(shape) != len(expected):
         raise InvalidInput(
             f"{where}: shape {shape} has rank {len(shape)}, expected rank {len(expected)} "

@@ -56,6 +56,7 @@ class GenerationRequest:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: the whole vocabulary
     seed: int = 0
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens holding this much mass
     stop: tuple[tuple[int, ...], ...] = ()  # token sequences that end the generation
 
     def check(self, max_positions: int) -> None:
@@ -70,6 +71,10 @@ class GenerationRequest:
             )
         if self.temperature < 0 or self.top_k < 0:
             raise InvalidInput("temperature and top_k must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise InvalidInput(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed < 0:
+            raise InvalidInput(f"seed must be >= 0, got {self.seed}")
 
 
 @dataclass(frozen=True)
@@ -363,7 +368,8 @@ class GenerationEngine:
 
 
 def sample(logits: np.ndarray, request: GenerationRequest, rng: np.random.Generator) -> int:
-    """Greedy at temperature 0; else softmax(logits / temperature) over the top_k tokens."""
+    """Greedy at temperature 0; else softmax(logits / temperature) over the top_k tokens, then
+    over the smallest set of the most likely ones whose probability reaches top_p."""
     if request.temperature == 0:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / request.temperature
@@ -372,4 +378,11 @@ def sample(logits: np.ndarray, request: GenerationRequest, rng: np.random.Genera
         scaled = np.where(scaled >= cutoff, scaled, -np.inf)
     probabilities = np.exp(scaled - scaled.max())
     probabilities /= probabilities.sum()
+    if request.top_p < 1:
+        order = np.argsort(-probabilities, kind="stable")
+        mass = np.cumsum(probabilities[order])
+        keep = order[: int(np.searchsorted(mass, request.top_p)) + 1]
+        nucleus = np.zeros_like(probabilities)
+        nucleus[keep] = probabilities[keep]
+        probabilities = nucleus / nucleus.sum()
     return int(rng.choice(scaled.size, p=probabilities))

@@ -10,7 +10,9 @@ A model whose ONNX graph has Hugging Face Optimum's decoder interface (``input_i
   { decoupled: true }``), the last response carrying the parameter
   ``triton_final_response: true`` and ``finish_reason`` (eos, length, stop);
 - request parameters ``max_tokens`` (default 32), ``temperature`` (0: greedy), ``top_k``,
-  ``seed`` and ``stop`` (a string; generation ends once the text ends with it).
+  ``top_p`` (nucleus sampling, default 1), ``seed``, ``stop`` (a string; generation ends once
+  the text ends with it) and ``stop_sequences`` (a JSON array of up to ``MAX_STOPS`` such
+  strings, for several; the OpenAI API's list).
 
 The vocabulary is byte level (ids 0-255 are bytes; the ids above are specials), as in
 ``model_server.generative.lm_reference``; a config.pbtxt parameter ``eos_token_id`` /
@@ -19,6 +21,7 @@ The vocabulary is byte level (ids 0-255 are bytes; the ids above are specials), 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -38,6 +41,8 @@ FINAL_PARAMETER = "triton_final_response"
 DEFAULT_BOS, DEFAULT_EOS = 256, 257
 BYTE_VOCAB = 256  # ids below are bytes of text; the others are special
 DEFAULT_MAX_TOKENS = 32
+MAX_STOPS = 4  # stop sequences per request (the OpenAI API's limit)
+MAX_STOP_BYTES = 256  # each, in UTF-8 bytes (tokens: the vocabulary is byte level)
 # config.pbtxt parameters of a generative model, with their defaults
 ENGINE_PARAMETERS = {
     "kv_cache_blocks": 512,  # the KV budget, in blocks
@@ -129,17 +134,41 @@ def parse_generation(
         prompt = bytes(tensor.contents.bytes_contents[0])
     else:
         raise InvalidInput(f"{model}: input {TEXT_INPUT!r} needs one string")
-    stop = _string(request, "stop").encode()
+    stops = _stops(request)
     generation = GenerationRequest(
         prompt=(bos, *prompt),
         max_tokens=_integer(request, "max_tokens", DEFAULT_MAX_TOKENS),
         temperature=_number(request, "temperature", 0.0),
         top_k=_integer(request, "top_k", 0),
         seed=_integer(request, "seed", 0),
-        stop=(tuple(stop),) if stop else (),
+        stop=tuple(tuple(stop) for stop in stops),
+        top_p=_number(request, "top_p", 1.0),
     )
     generation.check(max_positions)
-    return generation, stop
+    return generation, stops[0] if stops else b""
+
+
+def _stops(request: service_pb2.ModelInferRequest) -> list[bytes]:
+    """The stop texts: ``stop`` (one string) and ``stop_sequences`` (a JSON array of them)."""
+    stops = [_string(request, "stop").encode()]
+    listed = _string(request, "stop_sequences")
+    if listed:
+        try:
+            items = json.loads(listed)
+        except ValueError:
+            items = None
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise InvalidInput("parameters['stop_sequences']: expected a JSON array of strings")
+        stops += [i.encode() for i in items]
+    stops = [s for s in dict.fromkeys(stops) if s]
+    if len(stops) > MAX_STOPS:
+        raise InvalidInput(f"stop: at most {MAX_STOPS} stop sequences, got {len(stops)}")
+    longest = max((len(s) for s in stops), default=0)
+    if longest > MAX_STOP_BYTES:
+        raise InvalidInput(
+            f"stop: a stop sequence is at most {MAX_STOP_BYTES} bytes, got {longest}"
+        )
+    return stops
 
 
 def _integer(request: service_pb2.ModelInferRequest, name: str, default: int) -> int:
@@ -303,3 +332,26 @@ def publish_engine(metrics: ServerMetrics, model: str, engine: GenerationEngine 
     metrics.sequences.labels(model, "waiting").set_function(lambda: len(engine.waiting))
     metrics.prefix_cached_blocks.labels(model).set_function(lambda: cache.cached_blocks)
     metrics.prefix_prefill_saved.labels(model).set_function(lambda: cache.stats.saved)
+
+
+def prompt_tokens(request: service_pb2.ModelInferRequest) -> int | None:
+    """The tokens a text generation's prompt takes (BOS plus one per byte), None when the
+    request is not a text generation. What the tenant's token limit is charged with."""
+    if [t.name for t in request.inputs] != [TEXT_INPUT]:
+        return None
+    if request.raw_input_contents:
+        return 1 + max(0, len(request.raw_input_contents[0]) - 4)
+    contents = request.inputs[0].contents.bytes_contents
+    return 1 + (len(contents[0]) if contents else 0)
+
+
+def completion_tokens(responses: Sequence[service_pb2.ModelInferResponse]) -> int:
+    """The tokens generated in ``responses`` (one per byte of text, and the EOS that ended it)."""
+    count = 0
+    for response in responses:
+        if response.raw_output_contents:
+            count += max(0, len(response.raw_output_contents[0]) - 4)
+        reason = response.parameters.get("finish_reason")
+        if reason is not None and reason.string_param == "eos":
+            count += 1
+    return count

@@ -183,7 +183,7 @@ class ModelVersion:
     def _scheduler(self, loop: asyncio.AbstractEventLoop) -> Scheduler[Any]:
         """The one place a version's way of running requests is chosen: a decoder (Optimum's
         names) generates; config.pbtxt's dynamic_batching batches; the rest run directly."""
-        assert self.session is not None and self.spec is not None
+        assert self.session is not None and self.spec is not None and self._executor is not None
         session, executor = self.session, self._executor
         in_worker = lambda job: loop.run_in_executor(executor, job)  # noqa: E731
         if is_decoder(session.inputs, session.outputs):
@@ -197,7 +197,7 @@ class ModelVersion:
         policy = batching_policy(self.spec.config)
         if policy is not None:
             batcher = DynamicBatcher(
-                policy, self._run_batch, self.slots_total, in_worker, label=self.label,
+                policy, self._run_batch, self.slots_total, executor.submit, label=self.label,
                 on_dequeue=self._dequeued,
             )  # fmt: skip
             refused = self.metrics.rejections

@@ -8,6 +8,7 @@ buckets, are the wire contract's (``infermesh.wire``).
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -23,6 +24,7 @@ class ServerMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        self._children: dict[tuple[object, ...], Any] = {}  # child(): cached label children
         r = self.registry
         self.requests = Counter(
             wire.REQUESTS,
@@ -197,6 +199,16 @@ class ServerMetrics:
             ["name", "value"],
             registry=r,
         )
+
+    def child(self, metric: Counter | Histogram, *labels: str) -> Any:
+        """``metric.labels(*labels)``, cached: the request path's label sets are few and
+        bounded (models, tenants, codes) and their series are never removed, while
+        ``labels()`` checks and joins its arguments under a lock on every call."""
+        key = (metric, *labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def publish_model_version(
         self, model: str, version: str, state: str, provider: str | None, previous: str | None

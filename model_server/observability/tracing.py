@@ -16,6 +16,7 @@ import grpc
 
 TRACE_HEADERS = ("traceparent", "tracestate")
 SPAN_NAME = "inference.GRPCInferenceService/ModelInfer"
+_NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()  # reusable, holds no state
 
 
 class Tracing:
@@ -43,12 +44,15 @@ class Tracing:
     def enabled(self) -> bool:
         return self._tracer is not None
 
-    @contextlib.contextmanager
-    def span(self, metadata: Sequence[tuple[str, Any]]) -> Iterator[Any]:
-        """A SERVER span under the caller's context; yields None when tracing is off."""
+    def span(self, metadata: Sequence[tuple[str, Any]]) -> contextlib.AbstractContextManager[Any]:
+        """A SERVER span under the caller's context; yields None when tracing is off (a
+        shared no-op context: no generator and no context manager built per request)."""
         if self._tracer is None:
-            yield None
-            return
+            return _NO_SPAN
+        return self._span(metadata)
+
+    @contextlib.contextmanager
+    def _span(self, metadata: Sequence[tuple[str, Any]]) -> Iterator[Any]:
         from opentelemetry.trace import SpanKind
 
         carrier = {k: str(v) for k, v in metadata if k in TRACE_HEADERS}

@@ -10,17 +10,27 @@ with the HTTP status of their gRPC code (``model_server.core.errors.HTTP_STATUS`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
 from aiohttp import web
 
+from infermesh.wire import TOKENS_USED_HEADER
 from model_server import __version__
 from model_server.core.errors import InferenceError, InvalidInput, http_status
 from model_server.core.memory import format_bytes
+from model_server.generative.text import completion_tokens, prompt_tokens
+from model_server.protocol.openai import (
+    OpenAIApi,
+    is_openai_path,
+    no_endpoint,
+    openai_error,
+    openai_exception,
+)
 from model_server.protocol.rest_codec import (
     BINARY_CONTENT_TYPE,
     HEADER_LENGTH,
@@ -32,6 +42,7 @@ from model_server.protocol.rest_codec import (
 )
 from model_server.protocol.service import (
     EXTENSIONS,
+    REFUSED_BEFORE_WORK,
     ROUTED_VERSION_HEADER,
     SERVER_NAME,
     InferenceService,
@@ -63,21 +74,40 @@ def error_response(
     return response
 
 
+def refusal(
+    request: web.Request, status: int, message: str, headers: dict[str, str] | None = None
+) -> web.Response:
+    """An error in the shape of the request's API: OpenAI's under /v1, else KServe's."""
+    if is_openai_path(request.path):
+        return openai_error(status, message, headers)
+    return error_response(status, message, headers)
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure as ``{"error": ...}`` JSON; the server keeps serving."""
+    """Every failure as ``{"error": ...}`` JSON (OpenAI's error object under /v1); the server
+    keeps serving."""
     try:
         return await handler(request)
     except InferenceError as exc:
-        return error_response(http_status(exc.code), exc.message)
+        # Refused before any work: the edge refunds a token reservation in full.
+        unused = {TOKENS_USED_HEADER: "0"} if exc.code in REFUSED_BEFORE_WORK else None
+        if is_openai_path(request.path):
+            answer = openai_exception(exc)
+            answer.headers.update(unused or {})
+            return answer
+        return error_response(http_status(exc.code), exc.message, unused)
     except web.HTTPMethodNotAllowed as exc:
         allowed = ", ".join(sorted(exc.allowed_methods))
-        return error_response(
+        return refusal(
+            request,
             405,
             f"method {request.method} is not allowed on {request.path} (allowed: {allowed})",
             {"Allow": allowed},
         )
     except web.HTTPNotFound:
+        if is_openai_path(request.path):
+            return openai_error(404, no_endpoint(request))
         return error_response(
             404,
             f"no endpoint {request.method} {request.path}; this server speaks the KServe v2 "
@@ -86,10 +116,10 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(exc.status, exc.text or exc.reason)
+        return refusal(request, exc.status, exc.text or exc.reason)
     except Exception as exc:  # a bug: answered, logged, and the server goes on
         log.exception("REST %s %s failed", request.method, request.path)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        return refusal(request, 500, f"internal error: {type(exc).__name__}: {exc}")
 
 
 def restricted_middleware(table: Mapping[str, Restriction]) -> Any:
@@ -103,7 +133,7 @@ def restricted_middleware(table: Mapping[str, Restriction]) -> Any:
             headers = [(k.lower(), v) for k, v in request.headers.items()]
             refused = check_metadata(table, group, headers)
             if refused is not None:
-                return error_response(403, refused)
+                return refusal(request, 403, refused)
         return await handler(request)
 
     return restricted
@@ -120,7 +150,7 @@ def peer_middleware(trust_domain: str, table: Mapping[str, Restriction]) -> Any:
         headers = [(k.lower(), v) for k, v in request.headers.items()]
         refused = decide(rest_group(request.path), spiffe_id, trust_domain, table, headers)
         if refused is not None:
-            return error_response(403, refused)
+            return refusal(request, 403, refused)
         return await handler(request)
 
     return peer
@@ -172,6 +202,9 @@ class RestServer:
                     post(f"{base}/infer", self.infer),
                 ]
             )
+        # The OpenAI API of the generative models (protocol.openai), through the same path.
+        self.openai = OpenAIApi(service, self._json_body, self._admitted)
+        self.app.add_routes(self.openai.routes())
 
     async def start(self, host: str, port: int) -> int:
         # access_log off: one log line per inference would drown the server's own log.
@@ -261,14 +294,17 @@ class RestServer:
             document = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise InvalidInput(f"request body: expected a JSON object ({exc})") from None
+        except RecursionError:  # arrays or objects nested thousands deep
+            raise InvalidInput("request body: JSON nested too deeply") from None
         if not isinstance(document, dict):
             kind = type(document).__name__
             raise InvalidInput(f"request body: expected a JSON object, got {kind}")
         return document
 
     # -- inference ----------------------------------------------------------------------------
-    async def infer(self, request: web.Request) -> web.Response:
-        name, version = _model(request)
+    @contextlib.asynccontextmanager
+    async def _admitted(self) -> AsyncIterator[None]:
+        """One request in progress, within --max-concurrent-rpcs (as gRPC applies it)."""
         if self.max_concurrent and self.active >= self.max_concurrent:
             raise InferenceError(
                 f"the server has {self.active} requests in progress, its limit "
@@ -277,6 +313,13 @@ class RestServer:
             )
         self.active += 1
         try:
+            yield
+        finally:
+            self.active -= 1
+
+    async def infer(self, request: web.Request) -> web.Response:
+        name, version = _model(request)
+        async with self._admitted():
             body = await self._read_body(request)
             # gRPC metadata keys are lower case; HTTP header names are case-insensitive.
             metadata = [(key.lower(), value) for key, value in request.headers.items()]
@@ -294,9 +337,10 @@ class RestServer:
                 raise
             response = await self.service.infer(decoded.request, metadata)
             payload, json_length = encode_infer(response, decoded)
-        finally:
-            self.active -= 1
         answer = web.Response(body=payload, content_type=JSON_CONTENT_TYPE)
+        prompt = prompt_tokens(decoded.request)
+        if prompt is not None:  # for the edge's token limit (control_plane.xds.token_admission)
+            answer.headers[TOKENS_USED_HEADER] = str(prompt + completion_tokens([response]))
         if json_length is not None:
             answer.content_type = BINARY_CONTENT_TYPE
             answer.headers[HEADER_LENGTH] = str(json_length)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from infermesh.wire import FALLBACK_HEADER
+from infermesh.wire import FALLBACK_HEADER, TOKENS_USED_HEADER
 from infermesh.wire import VERSION_HEADER as ROUTED_VERSION_HEADER
 from model_server import __version__
 from model_server.core.errors import (
@@ -29,7 +29,7 @@ from model_server.core.errors import (
 from model_server.core.faults import FaultInjector
 from model_server.core.model_config import parse_config_override
 from model_server.core.validation import request_scheduling
-from model_server.generative.text import join_text
+from model_server.generative.text import completion_tokens, join_text, prompt_tokens
 from model_server.lifecycle.repository import IndexEntry, ModelRepository
 from model_server.lifecycle.version import ModelState, ModelVersion
 from model_server.observability.metrics import ServerMetrics
@@ -63,6 +63,16 @@ EXTENSIONS = ("model_repository", "model_configuration", "statistics", "binary_t
 # Set by Envoy on the routes of a model with a fallback (control_plane.xds.protection): a server
 # without the requested model serves this one instead and says so in the response.
 FALLBACK_PARAMETER = "infermesh_fallback_from"
+# Refusals that come before any token is computed (their token reservation is refunded).
+REFUSED_BEFORE_WORK = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.UNAVAILABLE,
+    }
+)
 UNKNOWN_MODEL_LABEL = "_unknown"  # never a client-chosen string: label sets stay bounded
 
 
@@ -260,11 +270,20 @@ class InferenceService(SharedMemoryRpcs, service_pb2_grpc.GRPCInferenceServiceSe
         self, request: service_pb2.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> object:
         metadata = context.invocation_metadata() or ()
+        prompt = prompt_tokens(request)
         try:
-            return await self.infer(request, metadata, context.time_remaining())
+            response = await self.infer(request, metadata, context.time_remaining())
         except InferenceError as exc:
-            await context.abort(exc.code, exc.message)
-        raise AssertionError("unreachable")
+            # Refused before any work: the edge refunds the tenant's whole token reservation.
+            # Other errors report nothing, and the reservation stays charged.
+            unused = prompt is not None and exc.code in REFUSED_BEFORE_WORK
+            trailers = ((TOKENS_USED_HEADER, "0"),) if unused else ()
+            await context.abort(exc.code, exc.message, trailing_metadata=trailers)
+            raise AssertionError("unreachable") from exc
+        if prompt is not None:
+            used = prompt + completion_tokens([response])
+            context.set_trailing_metadata(((TOKENS_USED_HEADER, str(used)),))
+        return response
 
     async def infer(
         self,
@@ -291,12 +310,28 @@ class InferenceService(SharedMemoryRpcs, service_pb2_grpc.GRPCInferenceServiceSe
         last final) or an error message, in order."""
         metadata = context.invocation_metadata() or ()
         routed = _routed_version(metadata)
+        used: int | None = None  # the text generations' tokens, for the edge's token limit
         async for request in request_iterator:
+            prompt = prompt_tokens(request)
             try:
                 async for response in self._traced(request, metadata, routed):
+                    if prompt is not None:
+                        used = (used or 0) + completion_tokens([response])
                     yield service_pb2.ModelStreamInferResponse(infer_response=response)
+                if prompt is not None:
+                    used = (used or 0) + prompt
             except InferenceError as exc:
                 yield service_pb2.ModelStreamInferResponse(error_message=exc.message)
+        if used is not None:
+            context.set_trailing_metadata(((TOKENS_USED_HEADER, str(used)),))
+
+    def stream(
+        self, request: service_pb2.ModelInferRequest, metadata: Sequence[tuple[str, Any]]
+    ) -> AsyncGenerator[service_pb2.ModelInferResponse, None]:
+        """One request's responses as ModelStreamInfer yields them (one per generated token,
+        the last final), for transports that stream on their own (REST's OpenAI API,
+        ``protocol.openai``). Raises InferenceError with the status to answer."""
+        return self._traced(request, metadata, _routed_version(metadata))
 
     async def _traced(
         self,
@@ -304,7 +339,7 @@ class InferenceService(SharedMemoryRpcs, service_pb2_grpc.GRPCInferenceServiceSe
         metadata: Sequence[tuple[str, Any]],
         routed: str,
         time_remaining_s: float | None = None,
-    ) -> AsyncIterator[service_pb2.ModelInferResponse]:
+    ) -> AsyncGenerator[service_pb2.ModelInferResponse, None]:
         """``_serve`` in one tracing span (a completion's tokens share it)."""
         identity = edge_identity(metadata, self.tenant_labels)
         with self.tracing.span(metadata) as span:
@@ -360,7 +395,7 @@ class InferenceService(SharedMemoryRpcs, service_pb2_grpc.GRPCInferenceServiceSe
                     span.set_attribute("infermesh.model", version.name)
                     span.set_attribute("infermesh.model.version", str(version.version))
                     span.set_attribute("infermesh.batch_size", prepared.rows)
-                self.metrics.batch_size.labels(version.name).observe(prepared.rows)
+                self.metrics.child(self.metrics.batch_size, version.name).observe(prepared.rows)
                 if self.faults.enabled:  # drills cover every kind of model alike
                     await self.faults.before_execute(version.version)
                 ticket = Ticket(priority, timeout_s, started / 1e9)
@@ -426,9 +461,10 @@ class InferenceService(SharedMemoryRpcs, service_pb2_grpc.GRPCInferenceServiceSe
         self, version: ModelVersion | None, code: grpc.StatusCode, elapsed_ns: int, tenant: str
     ) -> None:
         model = version.name if version is not None else UNKNOWN_MODEL_LABEL
-        self.metrics.tenant_requests.labels(model, tenant, code.name).inc()
+        metrics = self.metrics
+        metrics.child(metrics.tenant_requests, model, tenant, code.name).inc()
         if version is None:
-            self.metrics.requests.labels(UNKNOWN_MODEL_LABEL, "", code.name).inc()
+            metrics.child(metrics.requests, UNKNOWN_MODEL_LABEL, "", code.name).inc()
             return
         version.request_counter(code.name).inc()
         version.duration_metric.observe(elapsed_ns / 1e9)

@@ -49,10 +49,11 @@ class TensorRef:
 def names_shared_memory(request: service_pb2.ModelInferRequest) -> bool:
     """Whether any input or requested output carries a shared-memory parameter (the hot
     path's only cost when none does)."""
-    for tensor in (*request.inputs, *request.outputs):
-        parameters = tensor.parameters
-        if parameters and any(name in parameters for name in _ALL):
-            return True
+    for tensors in (request.inputs, request.outputs):  # no tuple of both built per request
+        for tensor in tensors:
+            parameters = tensor.parameters
+            if parameters and any(name in parameters for name in _ALL):
+                return True
     return False
 
 

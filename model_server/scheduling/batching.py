@@ -20,6 +20,7 @@ whose client cancels while queued leaves the queue.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import math
 import time
@@ -34,6 +35,16 @@ from model_server.core.errors import InferenceError, InvalidInput
 from model_server.core.model_config import BatchingPolicy
 
 RunBatch = Callable[[Mapping[str, np.ndarray], Sequence[str], int], list[np.ndarray]]
+# A batch's run: an asyncio future, or (cheaper) the worker pool's own concurrent future,
+# whose completion the batcher posts to the loop itself.
+Running = asyncio.Future[list[np.ndarray]] | concurrent.futures.Future[list[np.ndarray]]
+
+
+def _post(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: object) -> None:
+    """``callback(*args)`` in ``loop``'s thread, from a worker; dropped once the loop is closed
+    (the server stopped: nobody waits for the answer)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback, *args)
 
 
 class QueueFull(InferenceError):
@@ -77,7 +88,7 @@ class DynamicBatcher:
         policy: BatchingPolicy,
         run_batch: RunBatch,
         slots: int,
-        execute: Callable[[Callable[[], list[np.ndarray]]], asyncio.Future[list[np.ndarray]]],
+        execute: Callable[[Callable[[], list[np.ndarray]]], Running],
         label: str = "model",
         clock: Callable[[], float] = time.monotonic,
         on_dequeue: Callable[[float], None] = lambda waited_s: None,
@@ -85,7 +96,11 @@ class DynamicBatcher:
         self.policy = policy
         self.label = label
         self._run_batch = run_batch  # blocking: joins nothing, runs one ONNX Runtime call
-        self._execute = execute  # runs a blocking callable on the version's worker threads
+        # Runs a blocking callable on the version's worker threads. When it returns the pool's
+        # concurrent future, the worker posts the batch's end to the loop directly: one loop
+        # step per batch fewer than asyncio.wrap_future (which sets an asyncio future whose
+        # callbacks then run in a step of their own).
+        self._execute = execute
         self._free_slots = slots
         self._slots = slots
         self._clock = clock
@@ -93,7 +108,7 @@ class DynamicBatcher:
         self._queues: list[deque[_Pending]] = [deque() for _ in range(policy.priority_levels)]
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._running: set[asyncio.Future[list[np.ndarray]]] = set()  # batches on instances
+        self._running: set[Running] = set()  # batches on instances
         self._wait_until = math.inf  # when the scheduler's current wait ends (inf: none)
         self.stats = BatchStats()
 
@@ -235,14 +250,20 @@ class DynamicBatcher:
             self._finish(batch, outputs, rows, exc)
             return
         self._running.add(running)
-        running.add_done_callback(lambda done: self._finished(batch, outputs, rows, done))
+        if isinstance(running, concurrent.futures.Future):
+            loop = asyncio.get_running_loop()
+            running.add_done_callback(
+                lambda done: _post(loop, self._finished, batch, outputs, rows, done)
+            )
+        else:
+            running.add_done_callback(lambda done: self._finished(batch, outputs, rows, done))
 
     def _finished(
         self,
         batch: list[_Pending],
         outputs: list[str],
         rows: int,
-        done: asyncio.Future[list[np.ndarray]],
+        done: Running,
     ) -> None:
         self._running.discard(done)
         if done.cancelled():

@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 
 from infermesh.secrets import SecretError, read_secret, split_header_secret
+from infermesh.wire import OPENAI_GENERATION_PATHS, OPENAI_MODELS_PATH
 
 GRPC_SERVICE = "/inference.GRPCInferenceService/"
 
@@ -55,7 +56,12 @@ GROUP_OF_METHOD: Mapping[str, str] = {
 
 
 def rest_group(path: str) -> str | None:
-    """The API group of a KServe v2 REST path (None: not a KServe path, so no group)."""
+    """The API group of a KServe v2 REST path, or of the OpenAI API's (generation: inference,
+    ``/v1/models``: metadata); None: neither, so no group."""
+    if path in OPENAI_GENERATION_PATHS:
+        return "inference"
+    if path == OPENAI_MODELS_PATH or path.startswith(OPENAI_MODELS_PATH + "/"):
+        return "metadata"
     parts = [part for part in path.split("/") if part]
     if not parts or parts[0] != "v2":
         return None

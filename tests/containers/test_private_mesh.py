@@ -190,18 +190,28 @@ def test_rolling_restart_of_the_servers_under_load(mesh: PrivateMesh) -> None:
     """`restart` of one server after another: SIGTERM, the drain within the stop grace
     period, a new process; no call fails."""
     wait_for(lambda: all_routed(mesh), 60, "every server routed")
-    took: list[float] = []
+    took: list[tuple[str, float, float]] = []  # (server, restarted at, back after s)
     with mesh.traffic(clients=4, deadline_s=300) as traffic:
         traffic.wait_ok(100)
         for server in SERVERS:
             started = time.monotonic()
             docker("restart", "-t", "40", mesh.container(server), timeout=120)
             back_in_rotation(mesh, server)
-            took.append(time.monotonic() - started)
+            took.append((server, started, time.monotonic() - started))
             traffic.wait_ok(50)
     print(
         f"\nrolling restart of {len(SERVERS)} servers under load: "
-        f"{', '.join(f'{t:.1f}' for t in took)} s each; {traffic.ok} OK, "
+        f"{', '.join(f'{t:.1f}' for _, _, t in took)} s each; {traffic.ok} OK, "
         f"{len(traffic.errors)} failed"
     )
-    assert not traffic.errors, traffic.errors[:5]
+    # A failure says when it came, against each restart, and what Envoy counted per server.
+    when = [
+        f"{error[1]!r} at " + ", ".join(f"{at - started:+.1f} s from {name}'s restart"
+                                         for name, started, _ in took)
+        for error, at in zip(traffic.errors, traffic.failed_at, strict=True)
+    ]  # fmt: skip
+    counted = [
+        line for line in mesh.envoy_clusters().splitlines()
+        if any(f"::{c}::" in line for c in ("rq_timeout", "rq_error", "cx_connect_fail"))
+    ]  # fmt: skip
+    assert not traffic.errors, "\n".join(when[:5] + counted)

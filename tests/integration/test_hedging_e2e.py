@@ -24,23 +24,34 @@ pytestmark = pytest.mark.integration
 # Envoy counts a hedge as a retry (its per-try timeout counter stays 0 in hedging mode); no
 # try fails in this test, so every retry is a hedge
 HEDGED = "cluster.model_classifier.upstream_rq_retry"
+TRIES = "cluster.model_classifier.upstream_rq_total"
 SLOW_MS = 400
 
 
-@pytest.fixture(scope="module")
-def mesh(
-    demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[list[ServerProcess], ControlPlaneThread, Envoy, int]]:
-    workdir = tmp_path_factory.mktemp("hedging")
+Mesh = tuple[list[ServerProcess], ControlPlaneThread, Envoy, int]
+
+
+@contextlib.contextmanager
+def hedging_mesh(
+    demo_repo: Path, workdir: Path, hedging: dict[str, Any], envoy_stats: bool = False
+) -> Iterator[Mesh]:
+    """Three reporting servers, the control plane and Envoy; the classifier's ``hedging``."""
     otlp, listener = free_port(), free_port()
     with contextlib.ExitStack() as stops:
         servers = start_reporting_servers(stops, demo_repo, workdir, otlp)
-        hedging = {"enabled": True}
         topology = write_topology(
             workdir / "t.yaml", listener, [s.url for s in servers], hedging=hedging
         )
-        plane, envoy = start_plane_and_envoy(stops, workdir, topology, listener, 3, otlp)
+        plane, envoy = start_plane_and_envoy(
+            stops, workdir, topology, listener, 3, otlp, envoy_stats=envoy_stats
+        )
         yield servers, plane, envoy, listener
+
+
+@pytest.fixture(scope="module")
+def mesh(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    with hedging_mesh(demo_repo, tmp_path_factory.mktemp("hedging"), {"enabled": True}) as m:
+        yield m
 
 
 def hedging(plane: ControlPlaneThread) -> dict[str, Any] | None:
@@ -49,9 +60,7 @@ def hedging(plane: ControlPlaneThread) -> dict[str, Any] | None:
     return found
 
 
-def test_a_slow_try_races_another_server_and_the_client_never_waits_for_it(
-    mesh: tuple[list[ServerProcess], ControlPlaneThread, Envoy, int],
-) -> None:
+def test_a_slow_try_races_another_server_and_the_client_never_waits_for_it(mesh: Mesh) -> None:
     servers, plane, envoy, listener = mesh
     slow, url = servers[2], f"127.0.0.1:{listener}"
     with Traffic(url, clients=2):  # the servers report a P99 only under load
@@ -78,3 +87,76 @@ def test_a_slow_try_races_another_server_and_the_client_never_waits_for_it(
     assert latencies[-1] < SLOW_MS / 2 / 1000  # no client waited for the slow server
     decisions = [d["decision"] for d in plane.admin_get("/decisions")["decisions"]]
     assert any(d.startswith("hedging: per-try ") for d in decisions)
+
+
+@pytest.fixture(scope="module")
+def eager_mesh(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """Hedging set far too eagerly: a per-try timeout of 0.1 x the servers' own P99, under
+    what many tries take through Envoy (as on a host whose Envoy hop is slow), and a budget of
+    2% of first tries that it overspends."""
+    workdir = tmp_path_factory.mktemp("hedging-eager")
+    eager = {"enabled": True, "multiplier": 0.1, "floor_ms": 1, "budget_percent": 2}
+    with hedging_mesh(demo_repo, workdir, eager, envoy_stats=True) as m:
+        yield m
+
+
+def test_the_guard_raises_a_per_try_timeout_that_hedges_healthy_tries(eager_mesh: Mesh) -> None:
+    """Envoy hedging more than the budget raises the timeout; the healthy servers whose tries
+    were hedged are not ejected for it, and every call is answered."""
+    _, plane, envoy, listener = eager_mesh
+    first: dict[str, Any] = {}
+
+    def boosted() -> bool:
+        now = hedging(plane)
+        if now is not None and not first:
+            first.update(now)
+        return now is not None and "the guard" in now["why"]
+
+    with Traffic(f"127.0.0.1:{listener}", clients=2) as traffic:
+        try:
+            wait_for(boosted, 40, "the guard raising the per-try timeout")
+        except TimeoutError:
+            print(f"{envoy.counter(HEDGED)} hedged of {envoy.counter(TRIES)} tries")
+            print("\n".join(d["decision"] for d in plane.admin_get("/decisions")["decisions"]))
+            raise
+    raised = hedging(plane)
+    assert (
+        raised is not None
+        and "x 2 (the guard: Envoy hedged more than the 2% budget" in (raised["why"])
+    )
+    print(f"\nguard: {first['why']} -> {raised['why']}; {envoy.counter(HEDGED)} tries hedged")
+    assert not traffic.errors, traffic.errors[:5]
+    decisions = [d["decision"] for d in plane.admin_get("/decisions")["decisions"]]
+    assert not any("tries abandoned" in d for d in decisions), "\n".join(decisions)
+    assert any("the guard" in d for d in decisions)
+
+
+@pytest.fixture(scope="module")
+def plain_mesh(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """Adaptive hedging off (the default), so only the stalled-try hedge (half the 2 s
+    timeout, the default ``hedging.stalled_try``) can save a try."""
+    with hedging_mesh(demo_repo, tmp_path_factory.mktemp("hedging-stalled"), {}) as m:
+        yield m
+
+
+def test_a_try_stalled_past_the_timeout_is_answered_by_another_server(plain_mesh: Mesh) -> None:
+    """A server that stops answering (here: 3 s per request, past the model's 2 s timeout)
+    costs its requests the stalled-try share of the timeout, never the request: without the
+    hedge each try sent there fails with "upstream request timeout"."""
+    servers, _, envoy, listener = plain_mesh
+    stalled = servers[2]
+    before = envoy.counter(HEDGED)
+    post_faults(stalled, {"latency_ms": 3000})
+    try:
+        with Traffic(f"127.0.0.1:{listener}", clients=3) as traffic:
+            wait_for(lambda: envoy.counter(HEDGED) >= before + 2, 30, "stalled tries hedged")
+    finally:
+        post_faults(stalled, {"reset": True})
+    rescued = sorted(latency for _, latency in traffic.latencies if latency > 0.9)
+    print(
+        f"\na server stalled past the 2 s timeout: {envoy.counter(HEDGED) - before} tries "
+        f"hedged at 1 s; {traffic.ok} OK, {len(traffic.errors)} failed; rescued calls took "
+        f"{', '.join(f'{x:.2f}' for x in rescued)} s"
+    )
+    assert not traffic.errors, traffic.errors[:5]
+    assert rescued and all(latency < 1.9 for latency in rescued)  # hedged at 1 s, not at 2

@@ -147,6 +147,14 @@ function drainButton(row) {
     { health: draining ? null : "DRAINING" }) }, draining ? "undrain" : "drain");
 }
 
+function affinityView(affinity) {
+  if (!affinity) return null;
+  const key = affinity.mode === "prefix" ? `first ${affinity.prefix_bytes} B of the prompt`
+    : `${affinity.session_header} per tenant`;
+  return el("span", { class: "affinity", "data-field": "affinity" },
+    `affinity: ${affinity.mode} (${key}), bound ${affinity.hash_balance_factor}% of mean`);
+}
+
 function poolView(pool, windowS) {
   const lines = history[pool.model] || {};
   const rows = pool.endpoints.map((row) => {
@@ -163,15 +171,17 @@ function poolView(pool, windowS) {
       el("td", { class: "num" }, fmt.qps(row.qps), spark(points, "qps")),
       el("td", {}, gauge(row.memory_used_bytes, row.memory_total_bytes)),
       el("td", {}, kvGauge(row.kv_blocks_used, row.kv_blocks_total)),
+      el("td", { class: "num", "data-field": "cache-hits" }, fmt.pct(row.prefix_cache_hit_rate)),
       el("td", { class: "reason", "data-field": "reason" }, row.reason),
       actions ? el("td", {}, drainButton(row)) : null);
   });
   const over = windowS ? ` (${windowS} s)` : "";
-  const head = ["endpoint", "state", "weight", `share${over}`, `P99${over}`, `QPS${over}`, "memory", "KV cache", "why"];
+  const head = ["endpoint", "state", "weight", `share${over}`, `P99${over}`, `QPS${over}`, "memory", "KV cache", `cache hits${over}`, "why"];
   if (actions) head.push("");
   return el("div", { class: "pool", "data-pool": pool.model },
     el("div", { class: "pool-head" }, el("h2", {}, pool.model),
       pool.fail_open ? el("span", { class: "badge state-draining" }, "failing open") : null,
+      affinityView(pool.affinity),
       splitView(pool)),
     canaryView(pool), circuitView(pool),
     el("div", { class: "scroll" }, el("table", {},

@@ -246,3 +246,18 @@ def test_model_server_loads_demo_lm_as_a_generative_model(lm_repo: Path, tmp_pat
         assert client.get_model_config("demo_lm").config.model_transaction_policy.decoupled
     finally:
         server.stop()
+
+
+def test_keep_rewrites_only_a_config_that_differs(tmp_path: Path) -> None:
+    """``make models`` (``--keep``) over an older checkout's repository: a stale config (no
+    chat template) is brought up to date, an unchanged one keeps its mtime, the model stays."""
+    out = tmp_path / "repo"
+    model = build_demo_lm(out)
+    config = model.parent.parent / "config.pbtxt"
+    current = config.read_bytes()
+    model_mtime, config_mtime = model.stat().st_mtime_ns, config.stat().st_mtime_ns
+    build_demo_lm(out, force=False)
+    assert (model.stat().st_mtime_ns, config.stat().st_mtime_ns) == (model_mtime, config_mtime)
+    config.write_bytes(current.replace(b"chat_template", b"old_field"))
+    build_demo_lm(out, force=False)
+    assert config.read_bytes() == current and model.stat().st_mtime_ns == model_mtime

@@ -29,6 +29,7 @@ from control_plane.config.topology import (
 )
 from control_plane.discovery.resolver import EndpointResolver, resolve_endpoints
 from control_plane.model.mesh import (
+    Affinity,
     CircuitBreaker,
     EdgeAuth,
     EndpointAddress,
@@ -77,7 +78,7 @@ def test_example_file_loads(tmp_path: Path) -> None:
     assert topology.models == (
         ModelRoute(
             "classifier", 50.0, 5.0, (("1", 90), ("2", 10)), *limits,
-            sla_classes=classes, large_inputs=large,
+            sla_classes=classes, large_inputs=large, stalled_try_share=0.5,
         ),
     )  # fmt: skip
     assert topology.capacity("classifier") == 1000.0
@@ -103,7 +104,7 @@ def test_defaults() -> None:
         xds=EndpointAddress("127.0.0.1", 18000),
         admin=EndpointAddress("127.0.0.1", 19000),
         placement=PlacementOptions(poll_interval_s=1.0, timeout_s=1.0),
-        models=(ModelRoute("classifier", 50.0, 1.0),),
+        models=(ModelRoute("classifier", 50.0, 1.0, stalled_try_share=0.5),),
         endpoints=(),
         capacity_qps=(("classifier", 1000.0),),
         source="<topology>",
@@ -111,6 +112,42 @@ def test_defaults() -> None:
     )
     with pytest.raises(KeyError):
         topology.capacity("nope")
+
+
+@pytest.mark.parametrize(
+    ("model", "share"),
+    [
+        ({}, 0.5),
+        ({"hedging": {"stalled_try": 0.25}}, 0.25),
+        ({"hedging": {"stalled_try": 0}}, 0.0),
+        ({"generative": True}, 0.0),  # a long generation is not a stall
+        ({"idempotent": False, "hedging": {"stalled_try": 0.25}}, 0.0),  # would run twice
+    ],
+)
+def test_a_stalled_try_is_hedged_at_a_share_of_the_timeout(
+    model: dict[str, object], share: float
+) -> None:
+    data = minimal()
+    data["models"][0].update(model)
+    assert parse_topology(data).models[0].stalled_try_share == share
+
+
+def test_a_bad_hedging_section_is_named_once() -> None:
+    data = minimal()
+    data["models"][0].update({"hedging": 5, "idempotent": "x"})
+    with pytest.raises(TopologyError) as info:
+        parse_topology(data)
+    errors = list(info.value.errors)
+    assert sum(e.startswith("models[0].hedging:") for e in errors) == 1
+    assert sum(e.startswith("models[0].idempotent:") for e in errors) == 1
+
+
+def test_a_stalled_try_share_outside_0_1_is_refused() -> None:
+    data = minimal()
+    data["models"][0]["hedging"] = {"stalled_try": 1.5}
+    with pytest.raises(TopologyError) as info:
+        parse_topology(data)
+    assert any("hedging.stalled_try" in e and "0..1" in e for e in info.value.errors)
 
 
 @pytest.mark.parametrize(
@@ -186,7 +223,7 @@ ERROR_CASES = [
     ("models.0.name", "", "models[0].name: must be a model name (letters, digits, '_', '.', '-'), got \"\""),  # noqa: E501
     ("models.0.name", "a:b", "models[0].name: must be a model name (letters, digits, '_', '.', '-'), got \"a:b\""),  # noqa: E501
     ("models.0.name", 7, "models[0].name: must be a string, got 7"),
-    ("models.0.sla_p99", 5, "models[0].sla_p99: unknown key (expected one of: name, sla_p99_ms, capacity_qps, timeout_s, version_split, routing, canary, rate_limit, circuit_breaker, fallback, generative, placement, memory_bytes, sla_classes, large_inputs, hedging, idempotent)"),  # noqa: E501
+    ("models.0.sla_p99", 5, "models[0].sla_p99: unknown key (expected one of: name, sla_p99_ms, capacity_qps, timeout_s, version_split, routing, canary, rate_limit, circuit_breaker, fallback, generative, placement, memory_bytes, sla_classes, large_inputs, hedging, idempotent, affinity)"),  # noqa: E501
     ("models.0.version_split", {}, "models[0].version_split: must be a non-empty mapping of version to weight, got {}"),  # noqa: E501
     ("models.0.version_split", [1, 2], "models[0].version_split: must be a non-empty mapping of version to weight, got [1, 2]"),  # noqa: E501
     ("models.0.version_split", {"v1": 1}, 'models[0].version_split: versions must be numbers like "1", got "v1"'),  # noqa: E501
@@ -197,6 +234,16 @@ ERROR_CASES = [
     ("models.0.version_split", {"1": 0, "2": 0}, "models[0].version_split: weights must sum to > 0, got 0"),  # noqa: E501
     ("models", [], "models: must list at least one model"),
     ("models", {"name": "x"}, "models: must be a list, got {\"name\": \"x\"}"),
+    ("models.0.affinity", "lru", 'models[0].affinity: must be one of none, prefix, session, got "lru"'),  # noqa: E501
+    ("models.0.affinity", {"mode": "sticky"}, 'models[0].affinity.mode: must be one of none, prefix, session, got "sticky"'),  # noqa: E501
+    ("models.0.affinity", {"hash_balance_factor": 90}, "models[0].affinity.hash_balance_factor: must be >= 100 (a percentage of the mean load), got 90"),  # noqa: E501
+    ("models.0.affinity", {"prefix_blocks": 0}, "models[0].affinity.prefix_blocks: must be >= 1, got 0"),  # noqa: E501
+    ("models.0.affinity", {"prefix_blocks": 300}, "models[0].affinity.prefix_blocks: prefix_blocks x block_bytes must be <= 4096, got 4800"),  # noqa: E501
+    ("models.0.affinity", {"block_bytes": 1.5}, "models[0].affinity.block_bytes: must be an integer >= 0, got 1.5"),  # noqa: E501
+    ("models.0.affinity", {"mode": "session", "session_header": "x-infermesh-tenant"}, 'models[0].affinity.session_header: must be a lower-case header name a client sets (not x-infermesh-*, x-model-*, authorization), got "x-infermesh-tenant"'),  # noqa: E501
+    ("models.0.affinity", {"one_request_streams": "yes"}, 'models[0].affinity.one_request_streams: must be true or false, got "yes"'),  # noqa: E501
+    ("models.0.affinity", {"prefix_bytes": 64}, "models[0].affinity.prefix_bytes: unknown key (expected one of: mode, prefix_blocks, block_bytes, session_header, hash_balance_factor, one_request_streams)"),  # noqa: E501
+    ("models.0.affinity", 3, "models[0].affinity: must be a mapping with string keys, got 3"),
     ("models.0", "classifier", 'models[0]: must be a mapping with string keys, got "classifier"'),
     ("listener.port", 0, "listener.port: must be a port in 1..65535, got 0"),
     ("listener.port", 65536, "listener.port: must be a port in 1..65535, got 65536"),
@@ -460,3 +507,19 @@ models:
         "models[0].routing.score_weights: at least one weight must be > 0",
     ):
         assert fragment in message
+
+
+def test_affinity_modes_and_defaults() -> None:
+    models = minimal()["models"]
+    models.append({**models[0], "name": "lm", "affinity": "prefix"})
+    models.append({**models[0], "name": "chat",
+                   "affinity": {"mode": "session", "session_header": "x-conversation",
+                                "hash_balance_factor": 125}})  # fmt: skip
+    models.append({**models[0], "name": "plain", "affinity": "none"})
+    routes = {m.name: m for m in parse_topology(minimal() | {"models": models}).models}
+    assert routes["classifier"].affinity is None and routes["plain"].affinity is None
+    assert routes["lm"].affinity == Affinity("prefix")
+    assert routes["lm"].affinity.prefix_bytes == 128  # 8 blocks of 16 tokens (bytes)
+    assert routes["chat"].affinity == Affinity(
+        "session", session_header="x-conversation", hash_balance_factor=125
+    )

@@ -21,7 +21,16 @@ from control_plane.model.mesh import (
     SlaClass,
     model_cluster,
 )
-from control_plane.routing.hedging import RECENT_S, HedgeState, PerTry, follow, per_try, pool_p99_ms
+from control_plane.routing.hedging import (
+    BOOST_SPACING_S,
+    MAX_BOOST,
+    RECENT_S,
+    HedgeState,
+    PerTry,
+    follow,
+    per_try,
+    pool_p99_ms,
+)
 from control_plane.scoring.types import EndpointSignals
 from control_plane.xds.resources import CLUSTER_TYPE, ROUTE_TYPE, build_resources
 
@@ -124,6 +133,31 @@ def test_without_a_p99_or_with_hedging_off_a_try_has_the_whole_timeout() -> None
     assert limits.retry_budget.budget_percent.value == 25  # the listener's
 
 
+def test_a_stalled_try_races_another_host_at_its_share_of_the_timeout() -> None:
+    """Without a P99 (or with adaptive hedging off) a try unanswered at the stalled-try share
+    of the timeout is hedged, so one stalled server cannot take a request's whole deadline."""
+    for model in (
+        ModelRoute("classifier", 50, 2.0, stalled_try_share=0.5),
+        ModelRoute("classifier", 50, 2.0, hedging=ON, stalled_try_share=0.5),  # no P99 yet
+    ):
+        routes, _ = routes_and_clusters(model)
+        unary = routes[model_cluster("classifier")].route
+        assert unary.hedge_policy.hedge_on_per_try_timeout
+        assert unary.retry_policy.per_try_timeout.ToMilliseconds() == 1000
+        assert unary.timeout.ToMilliseconds() == 2000
+    # the pool's P99, once known, sets the per-try timeout instead
+    model = ModelRoute("classifier", 50, 2.0, hedging=ON, hedge_per_try_s=0.018,
+                       stalled_try_share=0.5)  # fmt: skip
+    routes, _ = routes_and_clusters(model)
+    assert (
+        routes[model_cluster("classifier")].route.retry_policy.per_try_timeout.ToMilliseconds()
+        == 18
+    )
+    # streams are never hedged
+    streams = [r.route for n, r in routes.items() if "stream" in n]
+    assert streams and not any(r.HasField("hedge_policy") for r in streams)
+
+
 def test_an_sla_class_with_its_own_per_try_timeout_is_not_hedged() -> None:
     lanes = (SlaClass("interactive", 1.0, 1, 0.1), SlaClass("batch", 10.0))
     model = ModelRoute("classifier", 50, 2.0, sla_classes=lanes, hedging=ON, hedge_per_try_s=0.018)
@@ -182,3 +216,49 @@ def test_bad_hedging_settings_name_the_field(fields: dict[str, Any], error: str)
     with pytest.raises(TopologyError) as info:
         parse_topology(model_config(**fields))
     assert any(e.startswith(error) for e in info.value.errors), info.value.errors
+
+
+def test_the_guard_doubles_the_timeout_past_the_hedge_budget_and_undoes_it_calmly() -> None:
+    """More hedges than the budget mean the timeout is under what healthy tries take through
+    Envoy: the guard raises it, once per BOOST_SPACING_S, up to MAX_BOOST, and lowers it only
+    after a calm spell."""
+    state = follow(POLICY, 1000.0, 6.0, 0.0, HedgeState(), hedged=0.0)
+    assert state.per_try is not None and state.per_try.per_try_ms == 18.0 and state.boost == 1
+    state = follow(POLICY, 1000.0, 6.0, 1.0, state, hedged=0.5)
+    assert state.per_try is not None and state.per_try.per_try_ms == 36.0
+    assert "x 2 (the guard: Envoy hedged more than the 10% budget" in state.per_try.why
+    state = follow(POLICY, 1000.0, 6.0, 1.0 + BOOST_SPACING_S / 2, state, hedged=0.5)
+    assert state.boost == 2  # the last boost has not shown yet
+    t = 1.0
+    while t < 60:
+        t += BOOST_SPACING_S
+        state = follow(POLICY, 1000.0, 6.0, t, state, hedged=0.5)
+    assert state.boost == MAX_BOOST and state.per_try is not None
+    assert state.per_try.per_try_ms == 18.0 * MAX_BOOST
+    # A slow server re-weighted within a second costs a few percent over the window: no
+    # boost, and no undoing while the share is between half the budget and the budget.
+    state = follow(POLICY, 1000.0, 6.0, t + 30, state, hedged=0.07)
+    assert state.boost == MAX_BOOST
+    calm = t + 31
+    state = follow(POLICY, 1000.0, 6.0, calm, state, hedged=0.0)
+    assert state.boost == MAX_BOOST  # calm only just began
+    state = follow(POLICY, 1000.0, 6.0, calm + RECENT_S, state, hedged=0.0)
+    assert state.boost == MAX_BOOST / 2
+    assert state.per_try is not None and state.per_try.per_try_ms == 18.0 * MAX_BOOST / 2
+    state = follow(POLICY, 1000.0, 6.0, calm + RECENT_S + 1, state, hedged=None)
+    assert state.boost == MAX_BOOST / 2  # the next halving waits for another calm spell
+
+
+def test_a_slow_server_within_the_budget_leaves_the_timeout_alone() -> None:
+    state = follow(POLICY, 1000.0, 6.0, 0.0, HedgeState(), hedged=0.04)
+    for t in range(1, 30):
+        state = follow(POLICY, 1000.0, 6.0, float(t), state, hedged=0.09)
+    assert state.boost == 1 and state.per_try is not None and state.per_try.per_try_ms == 18.0
+
+
+def test_the_guard_never_raises_the_timeout_past_the_sla() -> None:
+    state = HedgeState()
+    for t in range(0, 60, 5):
+        state = follow(POLICY, 40.0, 6.0, float(t), state, hedged=0.5)
+    assert state.per_try is not None and state.per_try.per_try_ms == 40.0
+    assert state.boost == 4  # 18 -> 36 -> 40 (the SLA): no boost past it

@@ -16,7 +16,7 @@ from control_plane.scoring.ejection import (
     UNHEALTHY,
     EjectionDecision,
     EjectionState,
-    _PoolP99,
+    _PoolMedian,
     backoff_s,
     decide_ejections,
 )
@@ -367,7 +367,7 @@ def test_the_rest_of_the_pools_median_p99_leaves_out_exactly_the_endpoint(
     """What latency_eject_vs_pool compares with: the median over every other fresh endpoint
     (duplicates, stale and missing P99s included), as a plain sort of the rest gives it."""
     signals = [sig(f"e{i}:1", p99_ms=p99, stale=stale) for i, (p99, stale) in enumerate(pool)]
-    median = _PoolP99(signals)
+    median = _PoolMedian(signals)
     for index, one in enumerate(signals):
         rest = sorted(s.p99_ms for j, s in enumerate(signals)
                       if j != index and s.p99_ms is not None and not s.stale)  # fmt: skip
@@ -376,3 +376,15 @@ def test_the_rest_of_the_pools_median_p99_leaves_out_exactly_the_endpoint(
             middle = len(rest) // 2
             expected = rest[middle] if len(rest) % 2 else (rest[middle - 1] + rest[middle]) / 2
         assert median.without(one) == expected
+
+
+def test_abandoned_tries_eject_only_the_outlier_not_a_pool_whose_tries_are_all_hedged() -> None:
+    """When every server's tries are abandoned alike, the per-try timeout is under what tries
+    take (the hedging guard raises it); ejecting for it would empty the pool of good servers."""
+    alike = [sig(ep, abandoned_rate=0.6) for ep in ("a:1", "b:1", "c:1", "d:1")]
+    d = decide(alike)
+    assert set(d.health.values()) == {HEALTHY}, d.reasons
+    one = decide([sig("x:1", abandoned_rate=0.6), *(sig(ep, abandoned_rate=0.2)
+                  for ep in ("b:1", "c:1", "d:1"))])  # fmt: skip
+    assert one.health["x:1"] == UNHEALTHY and "tries abandoned 60%" in one.reasons["x:1"]
+    assert {one.health[ep] for ep in ("b:1", "c:1", "d:1")} == {HEALTHY}

@@ -47,6 +47,7 @@ from control_plane.xds import edge
 from control_plane.xds.exposure import RBAC_FILTER
 from control_plane.xds.incremental import SnapshotBuilder
 from control_plane.xds.lua_routing import LUA_FILTER, lua_source
+from control_plane.xds.openai_edge import OPENAI_LUA_FILTER
 from control_plane.xds.resources import (
     CLUSTER_TYPE,
     ENDPOINT_TYPE,
@@ -306,11 +307,14 @@ def test_listener_filters_and_json_local_replies_for_rest() -> None:
     manager = manager_of(build_resources(state(rate_limit=True)))
     assert manager.codec_type == hcm_pb2.HttpConnectionManager.AUTO  # HTTP/1.1 and HTTP/2
     assert [f.name for f in manager.http_filters] == [
-        RBAC_FILTER, edge.GRPC_WEB_FILTER, LUA_FILTER, edge.CORS_FILTER,  # CORS after Lua
+        RBAC_FILTER, edge.GRPC_WEB_FILTER, OPENAI_LUA_FILTER, LUA_FILTER,  # /v1 router first
+        edge.CORS_FILTER,  # CORS after Lua
         "envoy.filters.http.local_ratelimit", "envoy.filters.http.router",
     ]  # fmt: skip
-    *refusals, limited, other, on_grpc = manager.local_reply_config.mappers
-    assert len(refusals) == 2  # control_plane.xds.exposure's, first
+    *openai, refused, _refused_grpc, limited, other, on_grpc = manager.local_reply_config.mappers
+    assert len(openai) == 10  # the OpenAI API's (/v1 only: control_plane.xds.openai_edge) first
+    assert all('prefix: "/v1/"' in str(m.filter) for m in openai)
+    assert "not exposed" in refused.body_format_override.json_format["error"]
     assert limited.body_format_override.json_format["error"] == edge.RATE_LIMITED_MESSAGE
     assert other.body_format_override.json_format["error"] == "%LOCAL_REPLY_BODY%"
     text = on_grpc.body_format_override.text_format_source.inline_string

@@ -81,6 +81,7 @@ def test_rate_limited_routes_and_the_filter_order() -> None:
     assert names == [
         "envoy.filters.http.rbac",
         *edge,
+        "infermesh.lua.openai",  # the /v1 router names the model before the affinity key
         "envoy.filters.http.lua",
         RATE_LIMIT_FILTER,
         "envoy.filters.http.router",
@@ -259,15 +260,39 @@ def test_an_open_circuit_routes_straight_to_the_fallback() -> None:
     assert header.header.value == "classifier-small"
 
 
-def overflow_report(value: int, cluster: str = "model_classifier") -> Any:
-    point = metrics_pb2.NumberDataPoint(as_int=value)
-    point.attributes.add(key="envoy.cluster_name").value.string_value = cluster
-    metric = metrics_pb2.Metric(name="cluster.upstream_rq_pending_overflow")
-    metric.sum.data_points.append(point)
+def overflow_report(
+    value: int, cluster: str = "model_classifier", stats: dict[str, int] | None = None
+) -> Any:
+    """An Envoy report with ``value`` overflows in ``cluster``, and other cluster counters."""
     resource = metrics_pb2.ResourceMetrics()
     resource.resource.attributes.add(key="telemetry.sdk.name").value.string_value = "envoy"
-    resource.scope_metrics.add().metrics.append(metric)
+    scope = resource.scope_metrics.add()
+    for name, count in {"cluster.upstream_rq_pending_overflow": value, **(stats or {})}.items():
+        point = metrics_pb2.NumberDataPoint(as_int=count)
+        point.attributes.add(key="envoy.cluster_name").value.string_value = cluster
+        metric = metrics_pb2.Metric(name=name)
+        metric.sum.data_points.append(point)
+        scope.metrics.append(metric)
     return resource
+
+
+def test_envoys_retries_per_first_try_over_the_window_for_hedgings_guard() -> None:
+    stats = EnvoyStats(window_s=2.0)  # a short telemetry window: the share keeps its own
+    counts = {"cluster.upstream_rq_total": 100, "cluster.upstream_rq_retry": 0}
+    stats.ingest([overflow_report(0, stats=counts)], now=1.0)
+    assert stats.retry_share({model_cluster("classifier")}, now=1.5) is None  # one sample
+    # 130 more requests upstream, 30 of them retries: 30 per 100 first tries; no overflow is
+    # counted for them
+    counts = {"cluster.upstream_rq_total": 230, "cluster.upstream_rq_retry": 30}
+    stats.ingest([overflow_report(0, stats=counts)], now=2.0)
+    assert stats.retry_share({model_cluster("classifier")}, now=2.5) == 0.3
+    assert stats.retry_share({model_cluster("other")}, now=2.5) is None
+    assert stats.recent_overflows({model_cluster("classifier")}, now=2.5) == 0
+    calm = {"cluster.upstream_rq_total": 330, "cluster.upstream_rq_retry": 30}
+    for t in range(3, 15):
+        stats.ingest([overflow_report(0, stats=calm)], now=float(t))
+    assert stats.retry_share({model_cluster("classifier")}, now=14.5) is None  # no requests
+    assert stats.retry_share({model_cluster("classifier")}, now=40.0) is None  # silent Envoy
 
 
 def test_envoy_overflows_between_its_last_two_reports() -> None:

@@ -47,6 +47,7 @@ from control_plane.model.mesh import (
 from control_plane.xds import bootstrap
 from control_plane.xds.clusters import build_assignment
 from control_plane.xds.exposure import RBAC_FILTER
+from control_plane.xds.openai_edge import OPENAI_LUA_FILTER
 from control_plane.xds.resources import (
     CLUSTER_TYPE,
     ENDPOINT_TYPE,
@@ -134,10 +135,10 @@ def test_listener_routes_over_ads_with_lua_before_the_router(resources: Resource
     assert manager.rds.route_config_name == ROUTE_CONFIG_NAME
     assert manager.rds.config_source.HasField("ads")
     assert [f.name for f in manager.http_filters] == [
-        RBAC_FILTER, LUA_FILTER, "envoy.filters.http.router"
+        RBAC_FILTER, OPENAI_LUA_FILTER, LUA_FILTER, "envoy.filters.http.router"
     ]  # fmt: skip
     lua = lua_pb2.Lua()
-    assert manager.http_filters[1].typed_config.Unpack(lua)
+    assert manager.http_filters[2].typed_config.Unpack(lua)
     code = lua.default_source_code.inline_string
     assert f'"{MODEL_HEADER}"' in code and f'"{VERSION_HEADER}"' in code
     assert "clearRouteCache" in code and '"ModelInfer"' in code and "ModelStreamInfer" not in code
@@ -329,8 +330,9 @@ def test_bootstrap_uses_ads_and_only_a_static_xds_cluster() -> None:
     assert delta["dynamic_resources"]["ads_config"]["api_type"] == "DELTA_GRPC"
     assert sotw["dynamic_resources"]["lds_config"] == {"ads": {}, "resource_api_version": "V3"}
     assert sotw["dynamic_resources"]["cds_config"] == {"ads": {}, "resource_api_version": "V3"}
-    (xds,) = sotw["static_resources"]["clusters"]
+    xds, tokens = sotw["static_resources"]["clusters"]  # ADS, and the token limiter's calls
     assert xds["name"] == "xds_cluster" and xds["type"] == "STATIC"
+    assert tokens["name"] == bootstrap.TOKEN_LIMITER_CLUSTER
     assert "listeners" not in sotw["static_resources"]
     admin = sotw["admin"]["address"]["socket_address"]
     assert admin == {"address": "127.0.0.1", "port_value": 9901}
@@ -607,7 +609,11 @@ def test_bootstrap_with_otlp_sends_envoy_stats_to_the_control_plane(tmp_path: Pa
     options = {**DEFAULT_BOOTSTRAP, "xds_port": free_port(), "admin_port": free_port()}
     config = bootstrap.render_bootstrap(**options, delta=False, otlp_port=14317)
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
-    assert set(clusters) == {bootstrap.XDS_CLUSTER, bootstrap.OTLP_CLUSTER}
+    assert set(clusters) == {
+        bootstrap.XDS_CLUSTER,
+        bootstrap.OTLP_CLUSTER,
+        bootstrap.TOKEN_LIMITER_CLUSTER,
+    }
     sink = config["stats_sinks"][0]
     assert sink["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] == "otlp_cluster"
     assert config["stats_flush_interval"] == "1s"
@@ -624,9 +630,19 @@ def test_bootstrap_for_two_control_plane_replicas(tmp_path: Path) -> None:
     options = {**DEFAULT_BOOTSTRAP, "xds_port": [18000, 18001], "admin_port": free_port()}
     config = bootstrap.render_bootstrap(**options, delta=False, otlp_port=[14317, 14318])
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
-    assert set(clusters) == {"xds_cluster", "otlp_cluster", "otlp_cluster_2"}
+    assert set(clusters) == {
+        "xds_cluster",
+        "otlp_cluster",
+        "otlp_cluster_2",
+        "token_limiter_cluster",
+    }
     xds = clusters["xds_cluster"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
     assert [e["endpoint"]["address"]["socket_address"]["port_value"] for e in xds] == [18000, 18001]
+    # The token limiter: one replica at a time (the second only behind the first), so a
+    # tenant's budget is one ledger.
+    groups = clusters["token_limiter_cluster"]["load_assignment"]["endpoints"]
+    assert [(g["priority"], g["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+             ["port_value"]) for g in groups] == [(0, 18000), (1, 18001)]  # fmt: skip
     sinks = [s["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
              for s in config["stats_sinks"]]  # fmt: skip
     assert sinks == ["otlp_cluster", "otlp_cluster_2"]
@@ -646,7 +662,7 @@ def test_xds_cluster_resolves_names(host: str, kind: str) -> None:
 def test_xds_replicas_on_hosts_of_their_own_are_one_cluster() -> None:
     """compose.private.yaml: each replica is a container with a name of its own."""
     options = {**DEFAULT_BOOTSTRAP, "xds_port": bootstrap.target_list("cp-1:18000,cp-2:18001")}
-    (xds,) = bootstrap.render_bootstrap(**options, delta=False)["static_resources"]["clusters"]
+    xds, _ = bootstrap.render_bootstrap(**options, delta=False)["static_resources"]["clusters"]
     addresses = [
         e["endpoint"]["address"]["socket_address"]
         for e in xds["load_assignment"]["endpoints"][0]["lb_endpoints"]

@@ -24,10 +24,11 @@ from google.protobuf import json_format
 
 from control_plane.config.tenants import read_api_keys, security_warnings
 from control_plane.config.topology import Topology, TopologyError, load_topology, parse_topology
-from control_plane.model.mesh import OTHER_TENANT, ListenerOptions, TenantPolicy
+from control_plane.model.mesh import OTHER_TENANT, ListenerOptions, TenantPolicy, TokenLimit
 from control_plane.xds import identity
 from control_plane.xds.exposure import RBAC_FILTER
 from control_plane.xds.lua_routing import LUA_FILTER
+from control_plane.xds.openai_edge import BEARER_LUA_FILTER, OPENAI_LUA_FILTER
 from control_plane.xds.resources import LISTENER_TYPE, ROUTE_TYPE, build_resources
 from infermesh.api_keys import add_key, basic_authorization, hash_line, new_key, revoke_key
 from infermesh.secrets import SecretError
@@ -208,18 +209,19 @@ def test_the_listener_authenticates_before_lua_and_rules_after(tmp_path: Path) -
     resources = build_resources(dataclasses.replace(mesh_state(), listener=topology.listener))
     manager = _manager(resources)
     assert [f.name for f in manager.http_filters] == [
-        RBAC_FILTER, "envoy.filters.http.grpc_web", identity.BASIC_AUTH_FILTER,
-        identity.HEADER_TO_METADATA_FILTER, LUA_FILTER, identity.TENANTS_RBAC_FILTER,
+        RBAC_FILTER, "envoy.filters.http.grpc_web", BEARER_LUA_FILTER, identity.BASIC_AUTH_FILTER,
+        identity.HEADER_TO_METADATA_FILTER, OPENAI_LUA_FILTER, LUA_FILTER,
+        identity.TENANTS_RBAC_FILTER,
         identity.PRIORITY_RBAC_FILTER, identity.VERSION_RBAC_FILTER,
         identity.TENANT_RATE_LIMIT_FILTER, "envoy.filters.http.router",
     ]  # fmt: skip
     basic = basic_auth_pb2.BasicAuth()
-    manager.http_filters[2].typed_config.Unpack(basic)
+    manager.http_filters[3].typed_config.Unpack(basic)
     users = basic.users.inline_string
     assert all(line.split(":")[1].startswith("{SHA}") for line in users.splitlines())
     assert basic.forward_username_header == identity.KEY_ID_HEADER
     limit_config = local_rate_limit_pb2.LocalRateLimit()
-    manager.http_filters[8].typed_config.Unpack(limit_config)
+    manager.http_filters[10].typed_config.Unpack(limit_config)
     described = {tuple((e.key, e.value) for e in d.entries) for d in limit_config.descriptors}
     assert described == {(("tenant", "team-a"), ("model", "classifier"))}  # detector: not allowed
     assert limit_config.rate_limited_as_resource_exhausted
@@ -358,3 +360,40 @@ def test_keys_init_makes_a_local_mesh_credentials_once(tmp_path: Path) -> None:
     second = init()
     assert second.returncode == 0 and second.stdout == ""  # nothing made twice
     assert (tmp_path / ".infermesh" / "api.key").read_text() == key
+
+
+def test_token_limits_are_checked_field_by_field(tmp_path: Path) -> None:
+    auth = {"mode": "off", "token_limiter": "maybe"}
+    tenants = {
+        "team-a": {"token_limit": {"tokens_per_s": 1, "tokens_per_minute": 60}},
+        "team-b": {"model_token_limits": {"ghost": {"tokens_per_s": 1},
+                                          "detector": {"tokens_per_s": -1}}},
+        "team-c": {"token_limit": {"tokens_per_minute": 600, "burst": 0, "bursts": 1}},
+    }  # fmt: skip
+    errors = errors_of(write(tmp_path / "t.yaml", listener={"auth": auth}, tenants=tenants))
+    assert errors == (
+        'listener.auth.token_limiter: must be one of closed, open, got "maybe"',
+        "tenants.team-a.token_limit: give one of tokens_per_s or tokens_per_minute, got "
+        "['tokens_per_s', 'tokens_per_minute']",
+        'tenants.team-b.model_token_limits.ghost: must name a model of the topology, got "ghost"',
+        "tenants.team-b.model_token_limits.detector.tokens_per_s: must be > 0, got -1",
+        "tenants.team-c.token_limit.bursts: unknown key (expected one of: tokens_per_s, "
+        "tokens_per_minute, burst)",
+        "tenants.team-c.token_limit.burst: must be a whole number of tokens >= 1, got 0",
+    )
+
+
+def test_token_limits_per_model_override_the_tenants_default(tmp_path: Path) -> None:
+    tenants = {
+        "team-a": {"token_limit": {"tokens_per_minute": 6000},
+                   "model_token_limits": {"detector": {"tokens_per_s": 5, "burst": 40}}},
+        "other": {"models": ["detector"], "token_limit": {"tokens_per_s": 1}},
+    }  # fmt: skip
+    auth = _topology(tmp_path, tenants).listener.auth
+    assert auth.token_limited and not auth.token_limiter_fail_open
+    assert auth.token_limit("team-a", "classifier") == TokenLimit(100.0, 6000)  # a minute's
+    assert auth.token_limit("team-a", "detector") == TokenLimit(5.0, 40)
+    assert auth.token_limit("other", "detector") == TokenLimit(1.0, 60)
+    assert auth.token_limit("other", "classifier") is None  # a model it may not use
+    assert auth.token_limit("team-b", "detector") is None  # not a tenant: the label is other
+    assert TokenLimit(100.0, 6000).describe() == "6000 tokens/min, burst 6000"

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,13 +14,8 @@ from tritonclient.grpc import service_pb2
 
 from infermesh.wire import FALLBACK_HEADER
 from model_server.core.errors import InferenceError
-from model_server.core.faults import FaultInjector
-from model_server.core.memory import MemoryGuard, ProcessMemory
-from model_server.core.runtime import DeviceChoice
-from model_server.demo_lm import build_demo_lm
 from model_server.generative.text import FINAL_PARAMETER
 from model_server.lifecycle.repository import ModelRepository
-from model_server.observability.metrics import ServerMetrics
 from model_server.protocol.service import FALLBACK_PARAMETER, InferenceService
 from model_server.scheduling.gate import ServingGate
 from tests.support import classifier_request
@@ -105,22 +98,6 @@ async def test_statistics_count_what_was_answered(service: InferenceService) -> 
     assert v2.inference_stats.success.count == 3
     assert v2.inference_count == 6  # 3 requests of 2 images
     assert service.model_ready("classifier", "2") and not service.model_ready("detector", "")
-
-
-@pytest.fixture
-async def lm_service(tmp_path: Path) -> AsyncIterator[InferenceService]:
-    """The demo generative model served in process, with fault injection available."""
-    build_demo_lm(tmp_path / "lm")
-    metrics = ServerMetrics()
-    repository = ModelRepository(
-        tmp_path / "lm", DeviceChoice("cpu"), MemoryGuard(ProcessMemory(8 << 30)), metrics
-    )
-    await repository.load("demo_lm")
-    gate = ServingGate(ready=lambda: True)
-    faults = FaultInjector(enabled=True)
-    yield InferenceService(repository, metrics, gate, 64 << 20, lambda n, loaded: None, faults)
-    for name in repository.loaded_names():
-        await repository.unload(name)
 
 
 def _prompt(text: str) -> service_pb2.ModelInferRequest:

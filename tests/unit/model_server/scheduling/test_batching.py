@@ -304,6 +304,39 @@ async def test_a_failing_call_fails_every_request_of_the_batch_and_the_batcher_g
     pool.shutdown()
 
 
+async def test_the_worker_pools_own_futures_answer_as_asyncio_ones() -> None:
+    """The model server hands the batcher ``executor.submit`` (a concurrent future, whose end
+    the worker posts to the loop): batches form, rows come back to their requests, a failure
+    reaches its batch only and the instance is free again afterwards."""
+    model = Model()
+    model.hold = {0.0}
+    calls = 0
+
+    def run(feeds: Mapping[str, np.ndarray], outputs: Sequence[str], rows: int) -> Any:
+        nonlocal calls
+        calls += 1
+        if float(feeds["x"][0, 0]) == 9.0:
+            raise RuntimeError("onnxruntime said no")
+        return model.run(feeds, outputs, rows)
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    b = DynamicBatcher(BatchingPolicy(max_batch_size=8), run, 1, pool.submit)
+    b.start()
+    blocker = await occupy(b, model)
+    waiting = [asyncio.create_task(b.submit(sample(v), ["s", "y"], 1)) for v in (1, 2, 3)]
+    await until(lambda: b.queued == 3, "three requests queued behind the blocker")
+    model.gate.set()
+    (s0,), answers = await blocker, await asyncio.gather(*waiting)
+    assert s0.tolist() == [[0.0]]
+    assert [a[0].tolist() for a in answers] == [[[4.0]], [[8.0]], [[12.0]]]
+    assert model.calls == [1, 3]  # the blocker alone, then one batch of the three
+    with pytest.raises(RuntimeError, match="said no"):
+        await b.submit(sample(9), ["s"], 1)
+    assert (await b.submit(sample(2), ["s"], 1))[0].tolist() == [[8.0]]
+    await b.stop()
+    pool.shutdown()
+
+
 # -- configuration ----------------------------------------------------------------------------
 def config(text: str) -> model_config_pb2.ModelConfig:
     return text_format.Parse(text, model_config_pb2.ModelConfig())
