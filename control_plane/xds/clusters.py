@@ -16,7 +16,7 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2 as http_pb2
 from envoy.type.v3 import percent_pb2
 from google.protobuf import any_pb2
-from google.protobuf.wrappers_pb2 import UInt32Value
+from google.protobuf.wrappers_pb2 import BoolValue, UInt32Value
 
 from control_plane.model.mesh import (
     NO_PODS,
@@ -79,6 +79,11 @@ def outlier_detection() -> outlier_detection_pb2.OutlierDetection:
         interval=duration(1.0),
         base_ejection_time=duration(5.0),
         max_ejection_percent=UInt32Value(value=50),
+        # A passing gRPC health check proves the server answers Check, not that its inferences
+        # are fast: by default it would return a host ejected for stalled tries (a hedge's per-try
+        # timeout counts as a gateway failure) within one check interval, to stall three more.
+        successful_active_health_check_uneject_host=BoolValue(value=False),
+        max_ejection_time=duration(30.0),  # each ejection in a row adds 5 s, up to this
     )
 
 

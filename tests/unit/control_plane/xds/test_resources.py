@@ -290,6 +290,10 @@ def test_cluster_settings(resources: Resources) -> None:
         assert outliers.consecutive_gateway_failure.value == 3
         assert outliers.base_ejection_time == duration(5)
         assert outliers.max_ejection_percent.value == 50
+        # an ejection for stalled or failed requests is not undone by a passing health check
+        assert outliers.HasField("successful_active_health_check_uneject_host")
+        assert not outliers.successful_active_health_check_uneject_host.value
+        assert outliers.max_ejection_time == duration(30)
         (limits,) = cluster.circuit_breakers.thresholds
         assert limits.retry_budget.budget_percent.value == 20
         assert limits.retry_budget.min_retry_concurrency.value == 10
