@@ -107,8 +107,16 @@ class RoutingLoop:
         telemetry = await asyncio.to_thread(self.telemetry.snapshot, now, False)
         held = self.refresh_held(now)
         started = time.perf_counter()
+        shares: dict[str, float | None] | None = None
+
+        def retry_share(model: str) -> float | None:
+            nonlocal shares  # every model's at once, and only when a hedged model asks
+            if shares is None:
+                shares = self._retry_shares(now)
+            return shares.get(model)
+
         result = self.router.recompute(
-            self._topology(), telemetry, self.reports(), now, lambda m: self._retry_share(m, now)
+            self._topology(), telemetry, self.reports(), now, retry_share
         )
         self.metrics.routing_recompute.observe(time.perf_counter() - started)
         self.metrics.routing_pools.labels("computed").inc(result.pools_computed)
@@ -126,14 +134,17 @@ class RoutingLoop:
             )
             self._on_change(why)
 
-    def _retry_share(self, model: str, now: float) -> float | None:
-        """Envoy's retries per first try to ``model``'s clusters over the window (hedging's
-        guard); None before the first mesh state."""
+    def _retry_shares(self, now: float) -> dict[str, float | None]:
+        """Envoy's retries per first try to each model's clusters over the window (hedging's
+        guard); empty before the first mesh state."""
         state = self._mesh_state()
         if state is None:
-            return None
-        clusters = {c for c in state.clusters if cluster_model(c) == model}
-        return self.envoy_stats.retry_share(clusters, now)
+            return {}
+        clusters_by_model: dict[str, list[str]] = {}
+        for cluster in state.clusters:
+            if (model := cluster_model(cluster)) is not None:
+                clusters_by_model.setdefault(model, []).append(cluster)
+        return self.envoy_stats.retry_shares(clusters_by_model, now)
 
     def _follow_envoy_checks(self, now: float) -> bool:
         """With ``listener.health_checks: model``: what Envoy's checks of each model's own

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
@@ -222,15 +222,28 @@ class EnvoyStats:
         last ``RETRY_WINDOW_S`` (not the telemetry window, which may be as short as a second
         or two: a slow server's first second would read as a whole window of hedges), from
         every Envoy that reported within it; None when it sent none."""
-        wanted = {stat_name(c) for c in clusters}
-        counted = {"retries": 0.0, "requests": 0.0}
+        return self.retry_shares({"": clusters}, now)[""]
+
+    def retry_shares(
+        self, clusters_by_model: Mapping[str, Collection[str]], now: float
+    ) -> dict[str, float | None]:
+        """``retry_share`` of each model's clusters, in one pass over Envoy's counters (a
+        routing tick asks for every hedged model: a pass per model would be clusters x
+        models)."""
+        model_of = {stat_name(c): m for m, clusters in clusters_by_model.items() for c in clusters}
+        counted = {m: {"retries": 0.0, "requests": 0.0} for m in clusters_by_model}
         with self._lock:
             for (stat, cluster, _node), samples in self._cluster_counters.items():
-                kind = CLUSTER_STATS[stat]
-                if kind in counted and cluster in wanted and now - samples[-1][0] <= RETRY_WINDOW_S:
-                    counted[kind] += samples[-1][1] - samples[0][1]
-        first_tries = counted["requests"] - counted["retries"]
-        return counted["retries"] / first_tries if first_tries > 0 else None
+                kind, model = CLUSTER_STATS[stat], model_of.get(cluster)
+                if model is None or kind not in ("retries", "requests"):
+                    continue
+                if now - samples[-1][0] <= RETRY_WINDOW_S:
+                    counted[model][kind] += samples[-1][1] - samples[0][1]
+        shares: dict[str, float | None] = {}
+        for model, count in counted.items():
+            first_tries = count["requests"] - count["retries"]
+            shares[model] = count["retries"] / first_tries if first_tries > 0 else None
+        return shares
 
     def as_json(self, now: float) -> dict[str, Any]:
         with self._lock:

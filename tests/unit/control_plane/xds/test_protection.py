@@ -295,6 +295,26 @@ def test_envoys_retries_per_first_try_over_the_window_for_hedgings_guard() -> No
     assert stats.retry_share({model_cluster("classifier")}, now=40.0) is None  # silent Envoy
 
 
+def test_every_models_retry_share_in_one_pass() -> None:
+    """A routing tick asks once for every hedged model: each model's clusters (its REST twin
+    with it) are summed apart from the others'."""
+    stats = EnvoyStats()
+    total, retry = "cluster.upstream_rq_total", "cluster.upstream_rq_retry"
+    first = [overflow_report(0, c, {total: 0}) for c in ("model_a", "rest_model_a", "model_b")]
+    stats.ingest(first, now=1.0)
+    later = [
+        overflow_report(0, "model_a", {total: 60, retry: 10}),
+        overflow_report(0, "rest_model_a", {total: 50}),
+        overflow_report(0, "model_b", {total: 40, retry: 20}),
+    ]
+    stats.ingest(later, now=2.0)
+    shares = stats.retry_shares(
+        {"a": ["model:a", "rest:model:a"], "b": ["model:b"], "c": ["model:c"]}, now=2.5
+    )
+    assert shares == {"a": 10 / 100, "b": 20 / 20, "c": None}
+    assert stats.retry_share(["model:b"], now=2.5) == shares["b"]
+
+
 def test_envoy_overflows_between_its_last_two_reports() -> None:
     stats = EnvoyStats()
     stats.ingest([metrics_pb2.ResourceMetrics()], now=1.0)  # Envoy reports, nothing used yet
