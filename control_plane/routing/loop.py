@@ -107,17 +107,10 @@ class RoutingLoop:
         telemetry = await asyncio.to_thread(self.telemetry.snapshot, now, False)
         held = self.refresh_held(now)
         started = time.perf_counter()
-        shares: dict[str, float | None] | None = None
-
-        def retry_share(model: str) -> float | None:
-            nonlocal shares  # every model's at once, and only when a hedged model asks
-            if shares is None:
-                shares = self._retry_shares(now)
-            return shares.get(model)
-
-        result = self.router.recompute(
-            self._topology(), telemetry, self.reports(), now, retry_share
-        )
+        topology = self._topology()
+        # Every hedged model's share in one pass, and none read when no model hedges
+        shares = self._retry_shares(now) if any(m.hedging for m in topology.models) else {}
+        result = self.router.recompute(topology, telemetry, self.reports(), now, shares.get)
         self.metrics.routing_recompute.observe(time.perf_counter() - started)
         self.metrics.routing_pools.labels("computed").inc(result.pools_computed)
         self.metrics.routing_pools.labels("skipped").inc(result.pools_skipped)

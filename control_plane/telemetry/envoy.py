@@ -217,19 +217,14 @@ class EnvoyStats:
                     total += samples[-1][1] - samples[-2][1]
         return total
 
-    def retry_share(self, clusters: Collection[str], now: float) -> float | None:
-        """Envoy's retries (hedges included) per first try it sent to ``clusters`` over the
-        last ``RETRY_WINDOW_S`` (not the telemetry window, which may be as short as a second
-        or two: a slow server's first second would read as a whole window of hedges), from
-        every Envoy that reported within it; None when it sent none."""
-        return self.retry_shares({"": clusters}, now)[""]
-
     def retry_shares(
         self, clusters_by_model: Mapping[str, Collection[str]], now: float
     ) -> dict[str, float | None]:
-        """``retry_share`` of each model's clusters, in one pass over Envoy's counters (a
-        routing tick asks for every hedged model: a pass per model would be clusters x
-        models)."""
+        """Envoy's retries (hedges included) per first try it sent to each model's clusters
+        over the last ``RETRY_WINDOW_S`` (not the telemetry window, which may be as short as a
+        second or two: a slow server's first second would read as a whole window of hedges),
+        from every Envoy that reported within it; None for a model it sent none. One pass over
+        Envoy's counters for every model (a routing tick asks for every hedged model)."""
         model_of = {stat_name(c): m for m, clusters in clusters_by_model.items() for c in clusters}
         counted = {m: {"retries": 0.0, "requests": 0.0} for m in clusters_by_model}
         with self._lock:
