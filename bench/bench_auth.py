@@ -19,6 +19,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -101,39 +102,87 @@ def measure_setup(
     return run
 
 
+def alternate_setups(
+    args: argparse.Namespace, levels: list[int], exe: Any, stack: ExitStack, workdir: Path,
+    setups: Sequence[str], write: Callable[[Path, int, list[str], str], None],
+    applied: Callable[[bm.Admin, str], bool], authorization: Callable[[str], str],
+    refusals: Callable[[bm.Admin], int], refused: str,
+) -> list[Any]:  # fmt: skip
+    """Two model servers, the control plane and Envoy; then each round, level and setup in
+    turn: ``write`` the setup's topology (the control plane reloads it), wait until Envoy has
+    it (``applied``) and measure it with the setup's ``authorization`` header (``measure_setup``).
+    The samples. Shared with bench_token_limits."""
+    _, req = bms.make_request(1)
+    payload = req.SerializeToString()
+    (workdir / "frame.bin").write_bytes(b"\0" + len(payload).to_bytes(4, "big") + payload)
+    servers = be.start_servers(stack, args.models, workdir)
+    listener = bm.free_port()
+    endpoints = [f"{HOST}:{port}" for _, port, _ in servers]
+    topology = workdir / "topology.yaml"
+    write(topology, listener, endpoints, setups[0])
+    cp_admin, envoy_pid, envoy_admin = bm.start_plane_and_envoy(stack, workdir, topology)
+    mesh = bm.Mesh(servers, envoy_pid, envoy_admin, cp_admin, listener)
+    envoy = bm.Admin(envoy_admin)
+    samples = []
+    for rnd, c, setup in itertools.product(range(args.rounds), levels, setups):
+        write(topology, listener, endpoints, setup)
+
+        def in_force(s: str = setup) -> bool:
+            return applied(envoy, s)
+
+        run = measure_setup(
+            args, exe, mesh, workdir, c, setup, in_force, authorization(setup), refusals, refused
+        )
+        samples.append(run)
+        print(f"round {rnd + 1} c{c} {setup}: {bms.fmt_row(run.level)}", flush=True)
+    return samples
+
+
+def print_against(levels: list[int], samples: list[Any], setups: Sequence[str], base: str,
+                  short: str) -> int:  # fmt: skip
+    """The table of each level and setup against ``base`` (``short`` in the headers): medians,
+    the ratios of QPS, P50 and Envoy's CPU, and each round's QPS ratio. 1 if any request
+    failed, else 0."""
+    print(f"\n| c | setup | QPS | p50 ms | p99 ms | non-OK | Envoy CPU ms/request | Envoy cores "
+          f"| servers CPU ms/request | QPS / {short} | p50 / {short} | Envoy CPU / {short} "
+          f"| QPS / {short} per round |\n" + "| --- " * 13 + "|")  # fmt: skip
+    for c in levels:
+        runs = {
+            s: [x for x in samples if x.setup == s and x.level.concurrency == c] for s in setups
+        }
+        first = bms.median_level([x.level for x in runs[base]])
+        for setup in setups:
+            m = bms.median_level([x.level for x in runs[setup]])
+            cpu = (m.cpu_ms_per_request or 0) / (first.cpu_ms_per_request or 1)
+            rounds = zip(runs[setup], runs[base], strict=True)
+            per_round = ", ".join(f"{x.level.qps / o.level.qps:.2f}" for x, o in rounds)
+            print(
+                f"| {c} | {setup} | {bms.fmt_row(m)} | "
+                f"{bms.median([x.server_cpu_ms for x in runs[setup]]):.2f} | "
+                f"{m.qps / first.qps:.2f} | {m.p50_ms / first.p50_ms:.2f} | {cpu:.2f} | "
+                f"{per_round} |"
+            )
+    bad = sum(sum(x.level.non_ok.values()) + x.level.failed for x in samples)
+    return 1 if bad else 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description="listener.auth off vs API keys vs JWTs")
     be.add_run_arguments(p, rounds=3)
     args = p.parse_args()
     levels, load_avg, exe = be.prepare(args)
-    _, req = bms.make_request(1)
-    payload = req.SerializeToString()
     setups = (OFF, KEYS, JWT)
     with tempfile.TemporaryDirectory(prefix="bench-auth-") as tmp, ExitStack() as stack:
         workdir = Path(tmp)
-        (workdir / "frame.bin").write_bytes(b"\0" + len(payload).to_bytes(4, "big") + payload)
         auth = credentials(workdir)
-        servers = be.start_servers(stack, args.models, workdir)
-        listener = bm.free_port()
-        endpoints = [f"{HOST}:{port}" for _, port, _ in servers]
-        topology = workdir / "topology.yaml"
-        write_topology(topology, listener, endpoints, auth[OFF][0])
-        cp_admin, envoy_pid, envoy_admin = bm.start_plane_and_envoy(stack, workdir, topology)
-        mesh = bm.Mesh(servers, envoy_pid, envoy_admin, cp_admin, listener)
-        envoy = bm.Admin(envoy_admin)
-        samples = []
-        for rnd, c, setup in itertools.product(range(args.rounds), levels, setups):
-            write_topology(topology, listener, endpoints, auth[setup][0])
 
-            def applied(s: str = setup) -> bool:
-                return listener_has(envoy, s)
+        def write(path: Path, listener: int, endpoints: list[str], setup: str) -> None:
+            write_topology(path, listener, endpoints, auth[setup][0])
 
-            run = measure_setup(
-                args, exe, mesh, workdir, c, setup, applied, auth[setup][1], denied,
-                "Envoy refused requests of the benchmark",
-            )  # fmt: skip
-            samples.append(run)
-            print(f"round {rnd + 1} c{c} {setup}: {bms.fmt_row(run.level)}", flush=True)
+        samples = alternate_setups(
+            args, levels, exe, stack, workdir, setups, write, listener_has,
+            lambda setup: auth[setup][1], denied, "Envoy refused requests of the benchmark",
+        )  # fmt: skip
     print(
         f"\n## listener.auth through Envoy: commit {bm.commit()}, nproc {os.cpu_count()}, "
         f"load average at start {load_avg:.2f}"
@@ -143,27 +192,7 @@ def main() -> int:
         f"{args.warmup:g} s warm-up; {args.rounds} rounds, setups alternating; medians; Envoy "
         "--concurrency 1, 2 servers"
     )
-    print("\n| c | setup | QPS | p50 ms | p99 ms | non-OK | Envoy CPU ms/request | Envoy cores "
-          "| servers CPU ms/request | QPS / off | p50 / off | Envoy CPU / off "
-          "| QPS / off per round |\n" + "| --- " * 13 + "|")  # fmt: skip
-    for c in levels:
-        runs = {
-            s: [x for x in samples if x.setup == s and x.level.concurrency == c] for s in setups
-        }
-        base = bms.median_level([x.level for x in runs[OFF]])
-        for setup in setups:
-            m = bms.median_level([x.level for x in runs[setup]])
-            cpu = (m.cpu_ms_per_request or 0) / (base.cpu_ms_per_request or 1)
-            rounds = zip(runs[setup], runs[OFF], strict=True)
-            per_round = ", ".join(f"{x.level.qps / o.level.qps:.2f}" for x, o in rounds)
-            print(
-                f"| {c} | {setup} | {bms.fmt_row(m)} | "
-                f"{bms.median([x.server_cpu_ms for x in runs[setup]]):.2f} | "
-                f"{m.qps / base.qps:.2f} | {m.p50_ms / base.p50_ms:.2f} | {cpu:.2f} | "
-                f"{per_round} |"
-            )
-    bad = sum(sum(x.level.non_ok.values()) + x.level.failed for x in samples)
-    return 1 if bad else 0
+    return print_against(levels, samples, setups, OFF, "off")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ settlement after its answer. Each run checks that nothing was refused.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import tempfile
 from contextlib import ExitStack
@@ -46,9 +45,10 @@ def write_topology(path: Path, listener: int, endpoints: list[str], auth: dict[s
     path.write_text(yaml.safe_dump(data))
 
 
-def listener_has(envoy: bm.Admin, limited: bool) -> bool:
+def listener_has(envoy: bm.Admin, setup: str) -> bool:
+    """Envoy's listener has the ratelimit filter exactly when ``setup`` has a token limit."""
     dump = envoy.call("/config_dump?resource=dynamic_listeners")
-    return ("envoy.extensions.filters.http.ratelimit.v3.RateLimit" in dump) == limited
+    return ("envoy.extensions.filters.http.ratelimit.v3.RateLimit" in dump) == (setup == LIMITED)
 
 
 def refused(envoy: bm.Admin) -> int:
@@ -61,35 +61,18 @@ def main() -> int:
     be.add_run_arguments(p, rounds=3)
     args = p.parse_args()
     levels, load_avg, exe = be.prepare(args)
-    _, req = bms.make_request(1)
-    payload = req.SerializeToString()
     setups = (PLAIN, LIMITED)
     with tempfile.TemporaryDirectory(prefix="bench-tokens-") as tmp, ExitStack() as stack:
         workdir = Path(tmp)
-        (workdir / "frame.bin").write_bytes(b"\0" + len(payload).to_bytes(4, "big") + payload)
         auth, authorization = ba.credentials(workdir)[ba.KEYS]
-        servers = be.start_servers(stack, args.models, workdir)
-        listener = bm.free_port()
-        endpoints = [f"{HOST}:{port}" for _, port, _ in servers]
-        topology = workdir / "topology.yaml"
-        write_topology(topology, listener, endpoints, auth, False)
-        cp_admin, envoy_pid, envoy_admin = bm.start_plane_and_envoy(stack, workdir, topology)
-        mesh = bm.Mesh(servers, envoy_pid, envoy_admin, cp_admin, listener)
-        envoy = bm.Admin(envoy_admin)
-        samples = []
-        for rnd, c, setup in itertools.product(range(args.rounds), levels, setups):
-            limited = setup == LIMITED
-            write_topology(topology, listener, endpoints, auth, limited)
 
-            def applied(on: bool = limited) -> bool:
-                return listener_has(envoy, on)
+        def write(path: Path, listener: int, endpoints: list[str], setup: str) -> None:
+            write_topology(path, listener, endpoints, auth, setup == LIMITED)
 
-            run = ba.measure_setup(
-                args, exe, mesh, workdir, c, setup, applied, authorization, refused,
-                "the token limiter refused or failed requests",
-            )  # fmt: skip
-            samples.append(run)
-            print(f"round {rnd + 1} c{c} {setup}: {bms.fmt_row(run.level)}", flush=True)
+        samples = ba.alternate_setups(
+            args, levels, exe, stack, workdir, setups, write, listener_has,
+            lambda _: authorization, refused, "the token limiter refused or failed requests",
+        )  # fmt: skip
     print(
         f"\n## token limits through Envoy: commit {bm.commit()}, nproc {os.cpu_count()}, "
         f"load average at start {load_avg:.2f}"
@@ -99,24 +82,7 @@ def main() -> int:
         f"{args.warmup:g} s warm-up; {args.rounds} rounds, setups alternating; medians; Envoy "
         "--concurrency 1, 2 servers, the control plane in its own process"
     )
-    print(
-        "\n| c | setup | QPS | p50 ms | p99 ms | non-OK | Envoy CPU ms/request | Envoy cores "
-        "| servers CPU ms/request | QPS / plain | p50 / plain |\n" + "| --- " * 11 + "|"
-    )
-    for c in levels:
-        runs = {
-            s: [x for x in samples if x.setup == s and x.level.concurrency == c] for s in setups
-        }
-        base = bms.median_level([x.level for x in runs[PLAIN]])
-        for setup in setups:
-            m = bms.median_level([x.level for x in runs[setup]])
-            print(
-                f"| {c} | {setup} | {bms.fmt_row(m)} | "
-                f"{bms.median([x.server_cpu_ms for x in runs[setup]]):.2f} | "
-                f"{m.qps / base.qps:.2f} | {m.p50_ms / base.p50_ms:.2f} |"
-            )
-    bad = sum(sum(x.level.non_ok.values()) + x.level.failed for x in samples)
-    return 1 if bad else 0
+    return ba.print_against(levels, samples, setups, PLAIN, "plain")
 
 
 if __name__ == "__main__":
