@@ -54,7 +54,7 @@ import grpc
 import numpy as np
 import yaml
 from bench_generation import prompt_request
-from bench_prefix_cache import busy_s, prefix_counters, system_prompts
+from bench_prefix_cache import add_workload_arguments, busy_s, prefix_counters, system_prompts
 from tritonclient.grpc import service_pb2_grpc
 
 from model_server.demo_lm import build_demo_lm
@@ -338,12 +338,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arms", default=",".join(ARMS), help=f"of {','.join(ARMS)}")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--streams", type=int, default=32, help="concurrent client streams")
-    p.add_argument("--system-prompts", type=int, default=8)
-    p.add_argument("--prefix-bytes", type=int, default=400)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--duration", type=float, default=12.0, help="timed seconds per arm")
-    p.add_argument("--warmup", type=float, default=4.0, help="discarded seconds first")
+    add_workload_arguments(p, streams=32, duration=12.0, warmup=4.0)
     p.add_argument("--hot-duration", type=float, default=6.0)
     p.add_argument("--hot-share", type=float, default=0.8)
     p.add_argument("--factor", type=int, default=125, help="hash_balance_factor")

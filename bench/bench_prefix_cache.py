@@ -224,15 +224,22 @@ def report(rows: list[Row], args: argparse.Namespace) -> None:
         )
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--modes", default=",".join(MODES), help=f"of {','.join(MODES)}")
-    p.add_argument("--streams", type=int, default=16, help="concurrent client streams")
+def add_workload_arguments(
+    p: argparse.ArgumentParser, streams: int, duration: float, warmup: float
+) -> None:
+    """The shared-prefix workload's options (bench_affinity runs the same workload)."""
+    p.add_argument("--streams", type=int, default=streams, help="concurrent client streams")
     p.add_argument("--system-prompts", type=int, default=8)
     p.add_argument("--prefix-bytes", type=int, default=400)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--duration", type=float, default=10.0, help="timed seconds per run")
-    p.add_argument("--warmup", type=float, default=3.0, help="discarded seconds first")
+    p.add_argument("--duration", type=float, default=duration, help="timed seconds per run")
+    p.add_argument("--warmup", type=float, default=warmup, help="discarded seconds first")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--modes", default=",".join(MODES), help=f"of {','.join(MODES)}")
+    add_workload_arguments(p, streams=16, duration=10.0, warmup=3.0)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "bench-prefix")
     args = p.parse_args()
