@@ -181,6 +181,7 @@ def affinities(state: MeshState) -> tuple[tuple[str, Affinity], ...]:
 
 def build_listener(state: MeshState) -> listener_pb2.Listener:
     options = state.listener
+    keyed = affinities(state)
     manager = hcm_pb2.HttpConnectionManager(
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
         stat_prefix=LISTENER_NAME,
@@ -188,7 +189,7 @@ def build_listener(state: MeshState) -> listener_pb2.Listener:
         http_filters=http_filters(
             options.body_routing, any(m.rate_limit for m in state.models), options.grpc_web,
             options.cors is not None, options.expose, options.auth,
-            tuple(m.name for m in state.models), affinities(state),
+            tuple(m.name for m in state.models), keyed,
         ),
     )  # fmt: skip
     exposure.harden(manager)
@@ -208,7 +209,7 @@ def build_listener(state: MeshState) -> listener_pb2.Listener:
     if options.rest.enabled:
         manager.local_reply_config.mappers.extend(edge.rest_reply_mappers())
     manager.local_reply_config.mappers.append(edge.grpc_rate_limited_mapper())
-    if options.body_routing or affinities(state):
+    if options.body_routing or keyed:
         # On HTTP/2 the stream window bounds a body a filter buffers (16 MiB by default, then
         # 413 "Payload Too Large"): lift it to what the model servers accept.
         window = manager.http2_protocol_options.initial_stream_window_size
