@@ -27,6 +27,7 @@ from google.protobuf.wrappers_pb2 import UInt32Value
 
 from control_plane.model.mesh import Affinity
 from control_plane.xds.identity import AUTH_NAMESPACE
+from control_plane.xds.lua_template import fill
 from infermesh.wire import AFFINITY_HEADER
 
 PROMPT_INPUT = "text_input"  # the generative models' prompt tensor (BYTES)
@@ -304,11 +305,12 @@ end
 
 def lua_functions(affinities: Iterable[tuple[str, Affinity]]) -> str:
     """The Lua that defines ``set_affinity`` for these models."""
-    return (
-        LUA_AFFINITY.replace("{TABLE}", lua_table(affinities))
-        .replace("{HEADER}", AFFINITY_HEADER)
-        .replace("{INPUT}", PROMPT_INPUT)
-        .replace("{AUTH}", AUTH_NAMESPACE)
-        .replace("{JSON_MAX}", str(JSON_MAX_BYTES))
-        .replace("{GRPC_READ}", str(GRPC_READ_BYTES))
+    return fill(
+        LUA_AFFINITY,
+        TABLE=lua_table(affinities),
+        HEADER=AFFINITY_HEADER,
+        INPUT=PROMPT_INPUT,
+        AUTH=AUTH_NAMESPACE,
+        JSON_MAX=str(JSON_MAX_BYTES),
+        GRPC_READ=str(GRPC_READ_BYTES),
     )

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 from control_plane.model.mesh import Affinity
 from control_plane.xds import affinity
+from control_plane.xds.lua_template import fill, lua_strings
 from infermesh.wire import MODEL_HEADER, VERSION_HEADER
 
 LUA_FILTER = "envoy.filters.http.lua"
@@ -107,13 +108,13 @@ end
 # Routing only: a header-less unary call gets the model's headers from its body.
 ROUTING_ENTRY = r"""function envoy_on_request(handle)
   local headers = handle:headers()
-  if headers:get("HEADER") ~= nil or not PATHS[headers:get(":path")] then return end
+  if headers:get("{MODEL_HEADER}") ~= nil or not PATHS[headers:get(":path")] then return end
   local body = handle:body()
   local name, version = body_model(body)
   if name == nil then return end
   headers = handle:headers() -- a wrapper taken before a yield is dead after it
-  headers:replace("HEADER", name)
-  if header_safe(version) then headers:replace("VERSION_HEADER", version) end
+  headers:replace("{MODEL_HEADER}", name)
+  if header_safe(version) then headers:replace("{VERSION_HEADER}", version) end
   handle:clearRouteCache()
 end
 """
@@ -122,14 +123,14 @@ end
 # x-infermesh-affinity header, a header-less one once its model is known from the body.
 AFFINITY_ENTRY = r"""function envoy_on_request(handle)
   local headers = handle:headers()
-  local path, model = headers:get(":path"), headers:get("HEADER")
+  local path, model = headers:get(":path"), headers:get("{MODEL_HEADER}")
   if model ~= nil or not PATHS[path] then return set_affinity(handle, model, path, nil) end
   local body = handle:body()
   local name, version = body_model(body)
   if name == nil then return end
   headers = handle:headers()
-  headers:replace("HEADER", name)
-  if header_safe(version) then headers:replace("VERSION_HEADER", version) end
+  headers:replace("{MODEL_HEADER}", name)
+  if header_safe(version) then headers:replace("{VERSION_HEADER}", version) end
   set_affinity(handle, name, path, body)
   handle:clearRouteCache()
 end
@@ -145,17 +146,11 @@ LUA_VARINT = LUA_BODY_ROUTER[
 def lua_source(affinities: Iterable[tuple[str, Affinity]] = ()) -> str:
     """The body-routing Lua script with this module's header names and method list, and the
     affinity of ``affinities``' models (``control_plane.xds.affinity``) if any."""
-    methods = ", ".join(f'"{m}"' for m in BODY_ROUTED_METHODS)
-
-    def constants(source: str) -> str:
-        return (
-            source.replace("{METHODS}", "{" + methods + "}")
-            .replace('"VERSION_HEADER"', f'"{VERSION_HEADER}"')
-            .replace('"HEADER"', f'"{MODEL_HEADER}"')
-        )
-
     affinities = tuple(affinities)
-    entry = constants(AFFINITY_ENTRY if affinities else ROUTING_ENTRY)
-    # The models' names go in last: one named like a placeholder ("HEADER") stays itself.
+    entry = fill(
+        AFFINITY_ENTRY if affinities else ROUTING_ENTRY,
+        MODEL_HEADER=MODEL_HEADER,
+        VERSION_HEADER=VERSION_HEADER,
+    )
     functions = affinity.lua_functions(affinities) if affinities else ""
-    return constants(LUA_BODY_ROUTER).replace("{ENTRY}", functions + entry)
+    return fill(LUA_BODY_ROUTER, METHODS=lua_strings(BODY_ROUTED_METHODS), ENTRY=functions + entry)

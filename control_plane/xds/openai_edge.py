@@ -34,7 +34,6 @@ the scanner, as a Lua chunk that defines ``json_field(s, key)``.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from envoy.config.accesslog.v3 import accesslog_pb2
@@ -51,6 +50,7 @@ from control_plane.xds import edge, exposure
 from control_plane.xds.envoy_values import packed
 from control_plane.xds.identity import AUTH_NAMESPACE
 from control_plane.xds.lua_routing import LUA_FILTER
+from control_plane.xds.lua_template import fill, lua_string, lua_strings
 from infermesh.wire import (
     MODEL_HEADER,
     OPENAI_GENERATION_PATHS,
@@ -150,15 +150,14 @@ for _, p in ipairs({PATHS}) do OPENAI_PATHS[p] = true end
 function envoy_on_request(handle)
   local headers = handle:headers()
   local path = string.gsub(headers:get(":path") or "", "%?.*$", "")
-  if headers:get("HEADER") ~= nil or not OPENAI_PATHS[path] then return end
+  if headers:get("{MODEL_HEADER}") ~= nil or not OPENAI_PATHS[path] then return end
   local body = handle:body()
   if body == nil or body:length() < 2 then return end
-  local ok, name = pcall(json_field, body:getBytes(0, math.min(body:length(), PREFIX)), "model")
-  if not ok or type(name) ~= "string" or #name > MAX_CHARS or not string.find(name, "^[!-~]+$") then
-    return
-  end
+  local ok, name = pcall(json_field, body:getBytes(0, math.min(body:length(), {PREFIX})), "model")
+  if not ok or type(name) ~= "string" or #name > {MAX_CHARS} then return end
+  if not string.find(name, "^[!-~]+$") then return end
   headers = handle:headers() -- a wrapper taken before a yield is dead after it
-  headers:replace("HEADER", name)
+  headers:replace("{MODEL_HEADER}", name)
   handle:clearRouteCache()
 end
 """
@@ -178,17 +177,13 @@ end
 
 def lua_source() -> str:
     """The /v1 body-routing script with the wire's paths and header."""
-    paths = ", ".join(f'"{p}"' for p in OPENAI_GENERATION_PATHS)
-    values = {
-        "{PATHS}": "{" + paths + "}",
-        "PREFIX)": f"{BODY_PREFIX_BYTES})",
-        "MAX_CHARS": str(MAX_MODEL_CHARS),
-        '"HEADER"': f'"{MODEL_HEADER}"',
-    }
-    source = LUA_OPENAI_ROUTER
-    for placeholder, value in values.items():
-        source = source.replace(placeholder, value)
-    return source
+    return fill(
+        LUA_OPENAI_ROUTER,
+        PATHS=lua_strings(OPENAI_GENERATION_PATHS),
+        PREFIX=str(BODY_PREFIX_BYTES),
+        MAX_CHARS=str(MAX_MODEL_CHARS),
+        MODEL_HEADER=MODEL_HEADER,
+    )
 
 
 # Runs after authentication: the identity it proved is the "tenant" of AUTH_NAMESPACE's
@@ -208,10 +203,6 @@ end
 """
 
 
-def _lua_string(value: str) -> str:
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
 def visible_models(auth: EdgeAuth) -> dict[str, str]:
     """Tenant -> the models it may use, comma separated, for tenants limited to some (the
     ``other`` policy's under its name); empty when authentication is off or none is limited."""
@@ -224,17 +215,16 @@ def models_source(auth: EdgeAuth) -> str:
     """The visible_models script for ``auth``'s tenants."""
     visible = visible_models(auth)
     other = visible.pop(OTHER_TENANT, None)
-    table = ", ".join(f"[{_lua_string(t)}] = {_lua_string(m)}" for t, m in sorted(visible.items()))
-    named = ", ".join(f"[{_lua_string(t.name)}] = true" for t in auth.named_tenants)
-    values = {
-        "{VISIBLE_TABLE}": "{" + table + "}",
-        "{NAMED_TABLE}": "{" + named + "}",
-        "{OTHER_LIST}": "nil" if other is None else _lua_string(other),
-        "{NAMESPACE}": AUTH_NAMESPACE,
-        "{HEADER}": VISIBLE_MODELS_HEADER,
-    }
-    # One pass, so a name that spells a placeholder is never replaced (names have no braces).
-    return re.sub(r"\{[A-Z_]+\}", lambda m: values.get(m[0], m[0]), LUA_VISIBLE_MODELS)
+    table = ", ".join(f"[{lua_string(t)}] = {lua_string(m)}" for t, m in sorted(visible.items()))
+    named = ", ".join(f"[{lua_string(t.name)}] = true" for t in auth.named_tenants)
+    return fill(
+        LUA_VISIBLE_MODELS,
+        VISIBLE_TABLE="{" + table + "}",
+        NAMED_TABLE="{" + named + "}",
+        OTHER_LIST="nil" if other is None else lua_string(other),
+        NAMESPACE=AUTH_NAMESPACE,
+        HEADER=VISIBLE_MODELS_HEADER,
+    )
 
 
 def router_filter(auth: EdgeAuth) -> hcm_pb2.HttpFilter:

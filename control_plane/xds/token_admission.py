@@ -57,6 +57,7 @@ from control_plane.xds.identity import (
     metadata_action,
 )
 from control_plane.xds.lua_routing import LUA_VARINT
+from control_plane.xds.lua_template import fill
 from control_plane.xds.token_limiter import (
     DOMAIN,
     KIND_KEY,
@@ -83,9 +84,9 @@ RESERVATION_HEADER = "x-infermesh-token-reservation"  # set by the admission scr
 
 LUA_TOKEN_ADMISSION = r"""
 local GRPC = "/inference.GRPCInferenceService/"
-local NS = "NAMESPACE"
-local USED = "USED_HEADER"
-local DEFAULT, STREAM, CAP = DEFAULT_MAX, STREAM_RESERVE, MAX_RESERVE
+local NS = "{NAMESPACE}"
+local USED = "{USED_HEADER}"
+local DEFAULT, STREAM, CAP = {DEFAULT_MAX}, {STREAM_RESERVE}, {MAX_RESERVE}
 -- Bytes read for max_tokens: gRPC parameters (field 4) come before the tensors from every
 -- common serializer; a JSON body's parameters may follow its inputs.
 local READ = {grpc = 65536, json = 1048576}
@@ -95,7 +96,7 @@ local TWO63 = 9223372036854775808
 local SALT = string.gsub(tostring({}), "^table: ", "")
 local serial = 0
 
-VARINT
+{VARINT}
 -- Walks the protobuf fields of s[pos, stop): calls on(field, wire, value, pos, len) per field
 -- (value: a varint; pos/len: a length-delimited field's bytes). False if s is malformed.
 local function fields(s, pos, stop, on)
@@ -191,14 +192,15 @@ function envoy_on_request(handle)
   if kind == "stream" then handle:streamInfo():dynamicMetadata():set(NS, "kind", "stream") end
   serial = serial + 1
   local headers = handle:headers() -- taken again: a wrapper taken before body() is dead after it
-  headers:replace("ID_HEADER", (headers:get("x-request-id") or "") .. "." .. SALT .. "." .. serial)
+  local id = (headers:get("x-request-id") or "") .. "." .. SALT .. "." .. serial
+  headers:replace("{ID_HEADER}", id)
   handle:streamInfo():dynamicMetadata():set(NS, "reserve", math.floor(reserve))
 end
 
 -- A streamed OpenAI answer's usage: an SSE comment line before [DONE] (headers leave before
 -- the tokens are known, and the server writes no HTTP trailers). Generated text is JSON in
 -- data: lines, where a newline is escaped, so only the server can begin a line with it.
-local MARK = "\n: USED_HEADER "
+local MARK = "\n: {USED_HEADER} "
 
 local function marked(text)
   local at = string.find(text, MARK, 1, true)
@@ -238,14 +240,15 @@ end
 
 
 def lua_source() -> str:
-    return (
-        LUA_TOKEN_ADMISSION.replace("NAMESPACE", TOKENS_NAMESPACE)
-        .replace("USED_HEADER", TOKENS_USED_HEADER)
-        .replace("DEFAULT_MAX", str(DEFAULT_MAX_TOKENS))
-        .replace("STREAM_RESERVE", str(STREAM_RESERVE))
-        .replace("MAX_RESERVE", str(MAX_RESERVE))
-        .replace("VARINT\n", LUA_VARINT)
-        .replace("ID_HEADER", RESERVATION_HEADER)
+    return fill(
+        LUA_TOKEN_ADMISSION,
+        NAMESPACE=TOKENS_NAMESPACE,
+        USED_HEADER=TOKENS_USED_HEADER,
+        DEFAULT_MAX=str(DEFAULT_MAX_TOKENS),
+        STREAM_RESERVE=str(STREAM_RESERVE),
+        MAX_RESERVE=str(MAX_RESERVE),
+        VARINT=LUA_VARINT.rstrip("\n"),
+        ID_HEADER=RESERVATION_HEADER,
     )
 
 
