@@ -12,6 +12,7 @@ from pathlib import Path
 from infermesh import pki
 from infermesh.labels import LABEL_TEXT_RULE, is_label_text
 from infermesh.logs import add_log_level, configure_logging
+from model_server.core import allocator
 from model_server.core.memory import DeviceUnavailable, parse_bytes
 from model_server.frontends.engine import FrontendEngine, FrontendSettings
 from model_server.frontends.pool import DEFAULT_POOL_BYTES
@@ -98,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_bytes,
         default=None,
         help="CPU host memory budget (e.g. 4GiB); default: cgroup limit, else 80%% of RAM",
+    )
+    p.add_argument(
+        "--malloc-keep-mib",
+        type=_non_negative_int,
+        default=allocator.DEFAULT_KEEP_MIB,
+        help="freed heap memory (MiB) glibc keeps for the next model run instead of faulting "
+        "in fresh pages (model_server.core.allocator); 0: glibc's defaults (default: %(default)s)",
     )
     p.add_argument(
         "--drain-delay",
@@ -318,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.frontends > 1 and tls is not None:
         parser.error("--frontends above 1 does not serve TLS yet: run one process with --tls-*")
     configure_logging(args.log_level)
+    allocator.keep_freed_memory(args.malloc_keep_mib)
     settings = ServerSettings(
         host=args.host,
         port=args.port,

@@ -88,7 +88,11 @@ class KvCache:
         self.shape = shape
         self.prefix_caching = prefix_caching
         self._observe = observe  # ("prefix_lookup"|"prefix_hit"|"prefix_eviction", count)
-        pool = (shape.total_blocks, shape.heads, shape.block_tokens, shape.head_dim)
+        # Per layer, keys (and values) as [heads, slots, head_dim], block b holding slots
+        # b * block_tokens onwards: gather then copies whole rows of head_dim floats. One block
+        # more than the budget: the last stays zero, the source of gather's padding.
+        slots = (shape.total_blocks + 1) * shape.block_tokens
+        pool = (shape.heads, slots, shape.head_dim)
         self.keys = [np.zeros(pool, np.float32) for _ in range(shape.layers)]
         self.values = [np.zeros(pool, np.float32) for _ in range(shape.layers)]
         self._free: list[int] = list(range(shape.total_blocks - 1, -1, -1))  # a stack
@@ -235,9 +239,14 @@ class KvCache:
         return block
 
     def _copy(self, source: int, target: int) -> None:
+        size = self.shape.block_tokens
+        to, of = (
+            slice(target * size, (target + 1) * size),
+            slice(source * size, (source + 1) * size),
+        )
         for layer in range(self.shape.layers):
-            self.keys[layer][target] = self.keys[layer][source]
-            self.values[layer][target] = self.values[layer][source]
+            self.keys[layer][:, to] = self.keys[layer][:, of]
+            self.values[layer][:, to] = self.values[layer][:, of]
         self.stats.copies += 1
 
     # -- data -----------------------------------------------------------------------------
@@ -264,9 +273,10 @@ class KvCache:
                 raise RuntimeError(f"{sequence}: a write into shared block {block}")
             n = min(size - offset, start + count - position)
             source = slice(position - start, position - start + n)
+            target = slice(block * size + offset, block * size + offset + n)
             for layer in range(self.shape.layers):
-                self.keys[layer][block, :, offset : offset + n] = keys[layer][:, source]
-                self.values[layer][block, :, offset : offset + n] = values[layer][:, source]
+                self.keys[layer][:, target] = keys[layer][:, source]
+                self.values[layer][:, target] = values[layer][:, source]
             position += n
         self._lengths[sequence] = start + count
         self._key_full_blocks(sequence, tokens, count)
@@ -290,23 +300,26 @@ class KvCache:
 
     def gather(self, sequences: list[str]) -> tuple[list[np.ndarray], list[np.ndarray], int]:
         """Per layer, the sequences' cached keys and values as one left-padded batch
-        ``[batch, heads, max_len, head_dim]``, and ``max_len``."""
-        longest = max((self._lengths[s] for s in sequences), default=0)
-        shape = (len(sequences), self.shape.heads, longest, self.shape.head_dim)
-        keys = [np.zeros(shape, np.float32) for _ in range(self.shape.layers)]
-        values = [np.zeros(shape, np.float32) for _ in range(self.shape.layers)]
-        size = self.shape.block_tokens
-        for row, sequence in enumerate(sequences):
-            length, held = self._lengths[sequence], self._blocks[sequence]
-            pad = longest - length
-            for index, block in enumerate(held[: self.blocks_for(length)]):
-                first = index * size
-                n = min(size, length - first)
-                for layer in range(self.shape.layers):
-                    keys[layer][row, :, pad + first : pad + first + n] = self.keys[layer][
-                        block, :, :n
-                    ]
-                    values[layer][row, :, pad + first : pad + first + n] = self.values[layer][
-                        block, :, :n
-                    ]
-        return keys, values, longest
+        ``[batch, heads, max_len, head_dim]`` (zeros in the padding), and ``max_len``.
+
+        One indexed copy per layer and tensor, straight into that order: an index says, for
+        each row, head and column, which row of the pool it comes from. (A copy per block and
+        layer cost most of a decode step.)
+        """
+        lengths = [self._lengths[s] for s in sequences]
+        longest = max(lengths, default=0)
+        size, heads, head_dim = self.shape.block_tokens, self.shape.heads, self.shape.head_dim
+        slots = np.full((len(sequences), longest), self.shape.total_blocks * size, np.intp)
+        for row, (sequence, length) in enumerate(zip(sequences, lengths, strict=True)):
+            if length:
+                position = np.arange(length)
+                held = np.asarray(self._blocks[sequence][: self.blocks_for(length)], np.intp)
+                slots[row, longest - length :] = held[position // size] * size + position % size
+        per_head = self.keys[0].shape[1]
+        rows = (slots[:, None, :] + np.arange(heads)[:, None] * per_head).ravel()
+        shape = (len(sequences), heads, longest, head_dim)
+
+        def take(pool: np.ndarray) -> np.ndarray:
+            return pool.reshape(-1, head_dim).take(rows, axis=0).reshape(shape)
+
+        return [take(p) for p in self.keys], [take(p) for p in self.values], longest

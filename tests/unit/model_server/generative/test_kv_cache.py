@@ -88,3 +88,19 @@ def test_a_thousand_sequences_leave_no_block_behind() -> None:
     for name in list(cache.sequences()):
         cache.release(name)
     assert cache.used_blocks == 0 and cache.sequences() == []
+
+
+def test_padding_is_zero_when_every_block_holds_data() -> None:
+    cache = KvCache(SHAPE)  # 8 blocks of 4 tokens
+    ka, va = tokens(4, 28)
+    kb, vb = tokens(5, 3)
+    cache.reserve("a", 28)  # seven blocks
+    cache.reserve("b", 3)  # the eighth: no block is left empty
+    cache.append("a", ka, va)
+    cache.append("b", kb, vb)
+    keys, values, longest = cache.gather(["b", "a"])
+    assert longest == 28 and keys[1].shape == (2, 2, 28, 3)
+    for layer in range(2):
+        np.testing.assert_array_equal(keys[layer][1], ka[layer])
+        np.testing.assert_array_equal(values[layer][0, :, 25:], vb[layer])
+        assert not keys[layer][0, :, :25].any() and not values[layer][0, :, :25].any()
