@@ -54,10 +54,14 @@ import grpc
 import numpy as np
 import yaml
 from bench_generation import prompt_request
-from bench_prefix_cache import add_workload_arguments, busy_s, prefix_counters, system_prompts
+from bench_prefix_cache import (
+    add_workload_arguments,
+    build_lm,
+    busy_s,
+    prefix_counters,
+    system_prompts,
+)
 from tritonclient.grpc import service_pb2_grpc
-
-from model_server.demo_lm import build_demo_lm
 
 MODEL = "demo_lm"
 ARMS = ("affinity", "least_request", "round_robin")
@@ -66,8 +70,8 @@ HOST_RE = re.compile(rf"^model:{MODEL}::127\.0\.0\.1:(\d+)::({FIELDS})::(.*)$", 
 METADATA = (("x-model-name", MODEL),)
 
 
-def repository(root: Path, kv_blocks: int) -> Path:
-    build_demo_lm(root, force=False)
+def repository(root: Path, kv_blocks: int, args: argparse.Namespace) -> Path:
+    root = build_lm(root, args)
     config = root / MODEL / "config.pbtxt"
     text = re.sub(r"parameters \{.*\}\n", "", config.read_text())
     text += f'parameters {{ key: "kv_cache_blocks" value {{ string_value: "{kv_blocks}" }} }}\n'
@@ -359,7 +363,7 @@ def main() -> int:
                    default=Path(tempfile.gettempdir()) / "bench-affinity")  # fmt: skip
     args = p.parse_args()
     args.arms = args.arms.split(",")
-    repository(args.models, args.kv_blocks)
+    args.models = repository(args.models, args.kv_blocks, args)
     rows = []
     print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     for i in range(args.rounds):

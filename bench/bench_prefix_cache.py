@@ -42,6 +42,7 @@ from bench_generation import prompt_request
 from tritonclient.grpc import service_pb2_grpc
 
 from model_server.demo_lm import build_demo_lm
+from model_server.generative.lm_reference import DEFAULT_CONFIG, LmConfig
 
 MODEL = "demo_lm"
 MODES = {
@@ -61,9 +62,19 @@ class Sample:
     ttft_s: list[float] = field(default_factory=list)
 
 
-def repository(root: Path, mode: str) -> Path:
-    target = root / mode
-    build_demo_lm(target, force=False)
+def build_lm(root: Path, args: argparse.Namespace) -> Path:
+    """The demo LM of --lm-width/--lm-layers under ``root``; returns the repository root.
+
+    One folder per shape: ``build_demo_lm(force=False)`` keeps a model file that exists.
+    """
+    config = LmConfig(width=args.lm_width, layers=args.lm_layers)
+    target = root / f"lm-w{config.width}-l{config.layers}"
+    build_demo_lm(target, config, force=False)
+    return target
+
+
+def repository(root: Path, mode: str, args: argparse.Namespace) -> Path:
+    target = build_lm(root / mode, args)
     config = target / MODEL / "config.pbtxt"
     text = re.sub(r"parameters \{.*\}\n", "", config.read_text())
     for key, value in MODES[mode].items():
@@ -234,6 +245,10 @@ def add_workload_arguments(
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--duration", type=float, default=duration, help="timed seconds per run")
     p.add_argument("--warmup", type=float, default=warmup, help="discarded seconds first")
+    # A wider or deeper demo LM makes a prefill cost more next to the per-token path, as a
+    # real LLM's does; the default is the shipped demo LM.
+    p.add_argument("--lm-width", type=int, default=DEFAULT_CONFIG.width, help="demo LM width")
+    p.add_argument("--lm-layers", type=int, default=DEFAULT_CONFIG.layers, help="its layers")
 
 
 def main() -> int:
@@ -245,7 +260,7 @@ def main() -> int:
     args = p.parse_args()
     args.modes = args.modes.split(",")
     args.models.mkdir(parents=True, exist_ok=True)
-    repos = {mode: repository(args.models, mode) for mode in args.modes}
+    repos = {mode: repository(args.models, mode, args) for mode in args.modes}
     rows = []
     print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     for i in range(args.rounds):
