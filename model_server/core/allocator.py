@@ -7,7 +7,7 @@ unmaps it when freed, and gives the heap's free top back to the kernel above
 sequences' gathered KV cache, ONNX Runtime's outputs), so every step asked the kernel for
 fresh pages again, and the kernel zeroes each 4 KiB page it hands out: with 11 sequences of
 430 tokens, gathering the demo LM's cache took 4.5 ms a step, 0.33 ms with memory kept
-(``bench/README.md``, "Generation CPU per token"). ``keep_freed_memory`` raises both
+(``bench/README.md``, "Generation: CPU per token"). ``keep_freed_memory`` raises both
 thresholds once at start: allocations up to 32 MiB (glibc's largest threshold on 64-bit)
 come from the heap, and up to ``keep_mib`` of freed heap stays mapped for the next step.
 
