@@ -27,7 +27,7 @@ import openai
 import pytest
 from tritonclient.grpc import service_pb2_grpc
 
-from control_plane.xds.bootstrap import XdsTls
+from control_plane.xds.bootstrap import TOKEN_LIMITER_CLUSTER, XdsTls
 from infermesh import pki
 from infermesh.api_keys import add_key, basic_authorization, new_key
 from model_server.demo_lm import build_demo_lm
@@ -149,7 +149,18 @@ def token_mesh(
             lambda: "::health_flags::healthy" in envoy.admin("/clusters"), 30, "a healthy server"
         )
         mesh = TokenMesh(planes[0], listener_port, keys)
-        wait_for(lambda: mesh.generate("team-d", 1)[0] == "OK", 30, "the demo LM through Envoy")
+        last: list[tuple[str, Any]] = []
+
+        def answered() -> bool:
+            last[:] = [mesh.generate("team-d", 1)]
+            return last[0][0] == "OK"
+
+        try:
+            wait_for(answered, 30, "the demo LM through Envoy")
+        except TimeoutError as exc:  # say what Envoy answered and how it saw the limiter
+            limiter = [line for line in envoy.admin("/clusters").splitlines()
+                       if line.startswith(TOKEN_LIMITER_CLUSTER) and "::cx_" in line]  # fmt: skip
+            raise TimeoutError(f"{exc}; last answer {last}; limiter {limiter}") from None
         yield mesh, planes
 
 
