@@ -331,6 +331,14 @@ def report(rows: list[Row], args: argparse.Namespace) -> None:
               f"{'MET' if tps >= 1.3 else 'NOT MET'}); hot phase max/mean in flight {hot:.2f}, "
               f"requests {a['hot_max_over_mean']:.2f} (<= 1.5: "
               f"{'MET' if max(hot, a['hot_max_over_mean']) <= 1.5 else 'NOT MET'})")  # fmt: skip
+        pairs = list(zip([r for r in rows if r.arm == "affinity"],
+                         [r for r in rows if r.arm == "least_request"], strict=True))  # fmt: skip
+        for name, key, met in (("TTFT p90", "ttft_p90_ms", lambda x: x <= 0.5),
+                               ("tokens/s", "tokens_per_s", lambda x: x >= 1.3)):  # fmt: skip
+            ratios = [getattr(mine, key) / getattr(theirs, key) for mine, theirs in pairs]
+            print(f"per round, affinity/least_request {name}: "
+                  f"{', '.join(f'{x:.2f}' for x in ratios)} (met in "
+                  f"{sum(map(met, ratios))} of {len(ratios)})")  # fmt: skip
         cpu = a["server_cpu_ms_per_token"] / lr["server_cpu_ms_per_token"]
         print(f"the servers' CPU per output token, affinity/least_request: {cpu:.2f}x (what "
               "tokens/s would gain where the servers had the cores to themselves)")  # fmt: skip
