@@ -27,7 +27,7 @@ from google.protobuf.wrappers_pb2 import UInt32Value
 
 from control_plane.model.mesh import Affinity
 from control_plane.xds.identity import AUTH_NAMESPACE
-from control_plane.xds.lua_template import fill
+from control_plane.xds.lua_template import fill, lua_string
 from infermesh.wire import AFFINITY_HEADER
 
 PROMPT_INPUT = "text_input"  # the generative models' prompt tensor (BYTES)
@@ -51,12 +51,12 @@ def hash_policy(action: rc_pb2.RouteAction) -> rc_pb2.RouteAction:
 
 
 def lua_table(affinities: Iterable[tuple[str, Affinity]]) -> str:
-    """The models' affinity settings as a Lua table constructor (model names are
-    ``[A-Za-z0-9_.-]``, header names ``[a-z0-9-]``: nothing to escape)."""
+    """The models' affinity settings as a Lua table constructor."""
     rows = [
-        f'["{name}"] = {{session = {str(a.mode == "session").lower()}, '
+        f"[{lua_string(name)}] = {{session = {str(a.mode == 'session').lower()}, "
         f"bytes = {a.prefix_bytes}, block = {a.block_bytes}, "
-        f'header = "{a.session_header}", streams = {str(a.one_request_streams).lower()}}}'
+        f"header = {lua_string(a.session_header)}, "
+        f"streams = {str(a.one_request_streams).lower()}}}"
         for name, a in sorted(affinities)
     ]
     return "{" + ", ".join(rows) + "}"

@@ -238,12 +238,15 @@ class KvCache:
         self._observe("prefix_eviction", 1)
         return block
 
-    def _copy(self, source: int, target: int) -> None:
+    def _slots(self, block: int, offset: int = 0, count: int | None = None) -> slice:
+        """The pool's slots (its second axis) of ``block``, from ``offset``, ``count`` of them
+        (the rest of the block by default)."""
         size = self.shape.block_tokens
-        to, of = (
-            slice(target * size, (target + 1) * size),
-            slice(source * size, (source + 1) * size),
-        )
+        first = block * size + offset
+        return slice(first, first + (size - offset if count is None else count))
+
+    def _copy(self, source: int, target: int) -> None:
+        to, of = self._slots(target), self._slots(source)
         for layer in range(self.shape.layers):
             self.keys[layer][:, to] = self.keys[layer][:, of]
             self.values[layer][:, to] = self.values[layer][:, of]
@@ -273,7 +276,7 @@ class KvCache:
                 raise RuntimeError(f"{sequence}: a write into shared block {block}")
             n = min(size - offset, start + count - position)
             source = slice(position - start, position - start + n)
-            target = slice(block * size + offset, block * size + offset + n)
+            target = self._slots(block, offset, n)
             for layer in range(self.shape.layers):
                 self.keys[layer][:, target] = keys[layer][:, source]
                 self.values[layer][:, target] = values[layer][:, source]
