@@ -271,6 +271,9 @@ def grpc_error(
     return route(name, match, lua=lua, direct_response=response, response_headers_to_add=add)
 
 
+HEDGE_BACK_OFF_S = 0.001  # Envoy's least retry back-off base interval
+
+
 def retry_policy(
     state: MeshState, timeout_s: float | None = None, retries: int | None = None
 ) -> rc_pb2.RetryPolicy:
@@ -324,6 +327,10 @@ def model_action(
     )
     if hedged:  # a try past its per-try timeout races another host, and is not cancelled
         action.hedge_policy.hedge_on_per_try_timeout = True
+        # Envoy delays a hedge by its retry back-off like any retry: 0-24 ms for the first,
+        # 0-74 and 0-174 ms after, by default. A hedge is due at the per-try timeout, so the
+        # back-off is Envoy's least (1 ms, at most 10 ms); the retry budget bounds the load.
+        action.retry_policy.retry_back_off.base_interval.CopyFrom(duration(HEDGE_BACK_OFF_S))
     if model.affinity is not None:  # Maglev on the key the edge's Lua sets
         affinity.hash_policy(action)
     weights = [] if cluster else split_weights(model)

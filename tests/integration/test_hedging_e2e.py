@@ -73,6 +73,7 @@ def test_a_slow_try_races_another_server_and_the_client_never_waits_for_it(mesh:
     assert 5 <= in_force["per_try_ms"] <= 100  # the floor, and never above the SLA P99
     dump = envoy.admin("/config_dump?resource=dynamic_route_configs")
     assert '"hedge_on_per_try_timeout": true' in dump
+    assert '"base_interval": "0.001s"' in dump  # the hedge goes at the per-try timeout
     before = envoy.counter(HEDGED)
     post_faults(slow, {"latency_ms": SLOW_MS})
     try:

@@ -112,6 +112,8 @@ def test_a_hedged_model_races_a_slow_try_on_another_host() -> None:
     assert unary.hedge_policy.hedge_on_per_try_timeout
     assert unary.retry_policy.per_try_timeout.ToMilliseconds() == 18
     assert unary.retry_policy.num_retries.value >= 1
+    # at the per-try timeout, not after Envoy's default retry back-off (0-24 ms, then more)
+    assert unary.retry_policy.retry_back_off.base_interval.ToMilliseconds() == 1
     predicates = [p.name for p in unary.retry_policy.retry_host_predicate]
     assert predicates == ["envoy.retry_host_predicates.previous_hosts"]  # never the same host
     stream = routes[f"{model_cluster('classifier')}:stream"].route
@@ -129,6 +131,7 @@ def test_without_a_p99_or_with_hedging_off_a_try_has_the_whole_timeout() -> None
         unary = routes[model_cluster("classifier")].route
         assert not unary.HasField("hedge_policy")
         assert unary.retry_policy.per_try_timeout.ToMilliseconds() == 2000
+        assert not unary.retry_policy.HasField("retry_back_off")  # Envoy's, for failures
     (limits,) = clusters[model_cluster("classifier")].circuit_breakers.thresholds
     assert limits.retry_budget.budget_percent.value == 25  # the listener's
 
