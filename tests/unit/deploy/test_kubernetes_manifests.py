@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import shlex
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -197,8 +198,9 @@ def test_the_control_plane_reads_cert_managers_secrets_as_its_pki(tmp_path: Path
     assert {e.rsplit(":", 1)[0] for e in endpoints} <= names
 
 
-def test_each_envoy_proves_its_pod_name(tmp_path: Path) -> None:
+def test_each_envoy_proves_its_pod_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Envoy StatefulSet's pods are their xDS node ids; each finds its own certificate."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the SDS directory, removed after
     envoy = workload("infermesh-envoy")
     assert envoy["kind"] == "StatefulSet"
     pki_dir = mount_as_cert_manager(tmp_path, "infermesh-envoy")

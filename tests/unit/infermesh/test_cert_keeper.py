@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -78,7 +79,10 @@ def test_a_bad_workload_name_fails_the_start_naming_it(tmp_path: Path) -> None:
         cert_keeper.parse_workload("envoy", "infermesh.local")
 
 
-def test_envoys_start_names_a_missing_or_expired_certificate(tmp_path: Path) -> None:
+def test_envoys_start_names_a_missing_or_expired_certificate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the SDS directory, removed after
     directory = tmp_path / "pki"
     cert_keeper.keep_once(directory, MESH, "infermesh.local", 24)
     with pytest.raises(pki.CertificateError, match=r"envoy_envoy-2\.crt: certificate file not"):
