@@ -94,6 +94,33 @@ async def test_concurrent_sequences_of_different_lengths_batch_correctly() -> No
     await e.stop()
 
 
+async def test_a_steady_batch_decodes_from_the_last_steps_outputs_without_a_gather() -> None:
+    """Sequences of different lengths, one of them ending early: steps whose batch did not
+    change reuse the last step's keys and values (the fake decoder checks every column and
+    position); a step after a sequence left gathers again from the pool."""
+    e = engine()
+    prompts = [tuple(range(1, n + 1)) for n in (3, 7, 10)]
+    budgets = (12, 12, 5)
+    gathers = 0
+    gather = e.cache.gather
+
+    def counted(names: list[str]) -> Any:
+        nonlocal gathers
+        gathers += 1
+        return gather(names)
+
+    e.cache.gather = counted  # type: ignore[method-assign,assignment]
+    results = await asyncio.gather(
+        *(collect(e, GenerationRequest(p, n)) for p, n in zip(prompts, budgets, strict=True))
+    )
+    for prompt, n, events in zip(prompts, budgets, results, strict=True):
+        assert [ev.token for ev in events] == expected_tokens(prompt, n), prompt
+    steps, carried = e.stats.decode_steps, e.stats.carried_steps
+    assert steps >= 11 and carried >= steps - 4, (steps, carried)
+    assert gathers == steps - carried + 3  # and one per prefill
+    await e.stop()
+
+
 async def test_stop_sequences_and_eos_end_early() -> None:
     e = engine()
     full = expected_tokens((7,), 6)

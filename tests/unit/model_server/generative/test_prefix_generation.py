@@ -25,15 +25,32 @@ from tests.unit.model_server.generative.test_generation import EOS, expected_tok
 Waves = list[list[GenerationRequest]]
 
 
+class GatheringEngine(GenerationEngine):
+    """Gathers every decode step's past from the pool, never reusing the last step's outputs."""
+
+    def _past(
+        self, names: tuple[str, ...], lengths: np.ndarray
+    ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+        self._carry = None
+        return super()._past(names, lengths)
+
+
 async def run_waves(
-    decoder: Decoder, shape: KvShape, eos: int, waves: Waves, prefix: bool, rows: int, running: int
+    decoder: Decoder,
+    shape: KvShape,
+    eos: int,
+    waves: Waves,
+    prefix: bool,
+    rows: int,
+    running: int,
+    carry: bool = True,
 ) -> tuple[list[list[int]], PrefixStats, int]:
     """Each wave's requests together, one wave after the other: their tokens, the cache's
-    prefix counters and the preemptions."""
+    prefix counters and the preemptions. ``carry`` False: every step gathers."""
     pool = ThreadPoolExecutor(max_workers=1)
     loop = asyncio.get_running_loop()
     cache = KvCache(shape, prefix_caching=prefix)
-    engine = GenerationEngine(
+    engine = (GenerationEngine if carry else GatheringEngine)(
         decoder, cache, lambda job: loop.run_in_executor(pool, job), eos, 512,
         max_running=running, max_prefill_rows=rows,
     )  # fmt: skip
@@ -138,4 +155,7 @@ def test_the_demo_lm_generates_the_same_with_the_cache_on_and_off(
     shape = KvShape(c.layers, c.heads, c.head_dim, 8, budget(waves, 8, extra))
     on, _, _ = asyncio.run(run_waves(demo_lm, shape, EOS_ID, waves, True, rows, 4))
     off, _, _ = asyncio.run(run_waves(demo_lm, shape, EOS_ID, waves, False, rows, 4))
-    assert on == off
+    gathered, _, _ = asyncio.run(
+        run_waves(demo_lm, shape, EOS_ID, waves, True, rows, 4, carry=False)
+    )
+    assert on == off == gathered  # nor with each step's past gathered from the pool
