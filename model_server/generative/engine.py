@@ -12,8 +12,9 @@ one flagged ``final``. One scheduler task on the event loop runs the model on a 
   left-padded past and new tokens); their keys/values go into their blocks and each first
   token is sampled from its row's last position.
 - **Decode**: every running sequence advances one token per step, together: the last token of
-  each, their cached keys/values gathered left-padded, an attention mask that hides the padding,
-  and position ids that continue each sequence. New sequences are prefilled between steps.
+  each, their cached keys/values gathered left-padded (or the step before's outputs, when the
+  batch did not change: ``step_past.py``), an attention mask that hides the padding, and
+  position ids that continue each sequence. New sequences are prefilled between steps.
 - A sequence ends at EOS, ``max_tokens``, a stop sequence, or when its consumer goes away
   (client cancelled or disconnected); its blocks go back at once.
 
@@ -38,6 +39,7 @@ import numpy as np
 from model_server.core.errors import InferenceError, InvalidInput
 from model_server.generative.kv_cache import KvCache, KvCacheFull
 from model_server.generative.prefill import prefill_groups, prefill_inputs
+from model_server.generative.step_past import PastKeeper
 
 Feeds = dict[str, np.ndarray]
 Decoder = Callable[[Feeds], Mapping[str, np.ndarray]]
@@ -111,22 +113,6 @@ class GenerationStats:
     refused: int = 0
     preempted: int = 0
     decode_steps: int = 0
-    carried_steps: int = 0  # decode steps that reused the last step's outputs (no gather)
-
-
-@dataclass(frozen=True)
-class _Carry:
-    """The last decode step's batch and what it produced: when the next step runs the same
-    sequences (none joined, left or was preempted), ONNX Runtime's ``present`` tensors are
-    exactly the past that ``KvCache.gather`` would copy out of the pool (the past columns are a
-    copy of its input, and the new column is what the step appended), so the step reuses them.
-    Under bench_affinity's load the gather cost 0.7-0.9 ms a step, most of it memory traffic."""
-
-    names: tuple[str, ...]
-    lengths: np.ndarray  # each sequence's cached tokens after the step
-    keys: list[np.ndarray]
-    values: list[np.ndarray]
-    mask: np.ndarray  # the step's attention mask: the columns of ``keys``
 
 
 class GenerationEngine:
@@ -158,7 +144,7 @@ class GenerationEngine:
         self._names = itertools.count()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._carry: _Carry | None = None
+        self.step_past = PastKeeper(cache)  # a decode step's past: the last step's, or gathered
         self.stats = GenerationStats()
 
     def start(self) -> None:
@@ -262,7 +248,7 @@ class GenerationEngine:
 
     async def _prefill(self, group: list[_Sequence]) -> None:
         """One run for ``group``'s uncached tokens (more than the prompt if resumed)."""
-        self._carry = None  # the next decode step's batch has new rows
+        self.step_past.forget()  # the next decode step's batch has new rows
         names = [s.name for s in group]
         cached = [self.cache.length(name) for name in names]
         rows = [s.tokens[done:] for s, done in zip(group, cached, strict=True)]
@@ -302,10 +288,9 @@ class GenerationEngine:
             return
         names = tuple(s.name for s in batch)
         lengths = np.array([self.cache.length(n) for n in names], dtype=np.int64)
-        keys, values, mask = self._past(names, lengths)
+        past = self.step_past.past(names, lengths)
         last = np.array([[s.generated[-1]] for s in batch], dtype=np.int64)
-        feeds = self._feeds(last, mask, lengths[:, None], keys, values)
-        self._carry = None
+        feeds = self._feeds(last, past.mask, lengths[:, None], past.keys, past.values)
         self.stats.decode_steps += 1
         try:
             outputs = await self._offload(lambda: self._decoder(feeds))
@@ -321,7 +306,7 @@ class GenerationEngine:
             [outputs[f"present.{i}.value"] for i in range(layers)],
         )
         if not any(s.gone for s in batch):  # a gone row appends nothing: the next step gathers
-            self._carry = _Carry(names, lengths + 1, *present, mask)
+            self.step_past.keep(names, lengths, past, present)
         for row, sequence in enumerate(batch):
             if sequence.gone:
                 continue
@@ -330,23 +315,6 @@ class GenerationEngine:
             self.cache.append(sequence.name, new_keys, new_values, sequence.generated[-1:])
             self._emit(sequence, outputs["logits"][row, -1])
 
-    def _past(
-        self, names: tuple[str, ...], lengths: np.ndarray
-    ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
-        """The batch's past keys and values, left-padded, and the step's attention mask (one
-        column more, for the new token): the last step's outputs when the batch is the same
-        and each sequence grew by that step's token alone, else gathered from the pool."""
-        carry = self._carry
-        if carry is not None and carry.names == names and np.array_equal(carry.lengths, lengths):
-            self.stats.carried_steps += 1
-            ones = np.ones((len(names), 1), np.int64)
-            return carry.keys, carry.values, np.concatenate([carry.mask, ones], axis=1)
-        keys, values, longest = self.cache.gather(list(names))
-        mask = np.zeros((len(names), longest + 1), np.int64)
-        for row, length in enumerate(lengths):
-            mask[row, longest - length :] = 1  # left padding is hidden
-        return keys, values, mask
-
     def _preempt(self, sequence: _Sequence) -> None:
         """Frees a running sequence's blocks; it waits first in line and is prefilled again
         with everything it has generated (recomputed, never corrupted)."""
@@ -354,7 +322,7 @@ class GenerationEngine:
         self.cache.release(sequence.name)
         self.waiting.appendleft(sequence)
         self.stats.preempted += 1
-        self._carry = None
+        self.step_past.forget()
 
     def _feeds(
         self,

@@ -115,7 +115,7 @@ async def test_a_steady_batch_decodes_from_the_last_steps_outputs_without_a_gath
     )
     for prompt, n, events in zip(prompts, budgets, results, strict=True):
         assert [ev.token for ev in events] == expected_tokens(prompt, n), prompt
-    steps, carried = e.stats.decode_steps, e.stats.carried_steps
+    steps, carried = e.stats.decode_steps, e.step_past.carried
     assert steps >= 11 and carried >= steps - 4, (steps, carried)
     assert gathers == steps - carried + 3  # and one per prefill
     await e.stop()

@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -20,19 +21,17 @@ from model_server.demo_lm import build_demo_lm, output_names
 from model_server.generative.engine import Decoder, GenerationEngine, GenerationRequest
 from model_server.generative.kv_cache import KvCache, KvShape, PrefixStats
 from model_server.generative.lm_reference import DEFAULT_CONFIG, EOS_ID
+from model_server.generative.step_past import PastKeeper
 from tests.unit.model_server.generative.test_generation import EOS, expected_tokens, fake_decoder
 
 Waves = list[list[GenerationRequest]]
 
 
-class GatheringEngine(GenerationEngine):
+class AlwaysGather(PastKeeper):
     """Gathers every decode step's past from the pool, never reusing the last step's outputs."""
 
-    def _past(
-        self, names: tuple[str, ...], lengths: np.ndarray
-    ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
-        self._carry = None
-        return super()._past(names, lengths)
+    def keep(self, *args: Any) -> None:
+        pass
 
 
 async def run_waves(
@@ -50,10 +49,12 @@ async def run_waves(
     pool = ThreadPoolExecutor(max_workers=1)
     loop = asyncio.get_running_loop()
     cache = KvCache(shape, prefix_caching=prefix)
-    engine = (GenerationEngine if carry else GatheringEngine)(
+    engine = GenerationEngine(
         decoder, cache, lambda job: loop.run_in_executor(pool, job), eos, 512,
         max_running=running, max_prefill_rows=rows,
     )  # fmt: skip
+    if not carry:
+        engine.step_past = AlwaysGather(cache)
     engine.start()
 
     async def tokens(request: GenerationRequest) -> list[int]:
