@@ -21,6 +21,9 @@ from tests.support import MODEL, ServerProcess, metric_value, start_server, text
 pytestmark = pytest.mark.integration
 
 
+FILLER_PROMPT = "Once upon a time, " * 25  # 450 tokens of the demo LM's byte vocabulary
+
+
 def small_cache_repo(target: Path, blocks: int) -> Path:
     build_demo_lm(target)
     config = target / MODEL / "config.pbtxt"
@@ -36,11 +39,11 @@ def requests_served(server: ServerProcess) -> float:
         return metric_value(r.read().decode(), "inference_requests_total", model=MODEL)
 
 
-def stream(url: str, max_tokens: int, header: bool) -> None:
+def stream(url: str, max_tokens: int, header: bool, prompt: str = "Once ") -> None:
     metadata = (("x-model-name", MODEL),) if header else ()
     with grpc.insecure_channel(url) as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-        request = text_request("Once ", max_tokens=max_tokens)
+        request = text_request(prompt, max_tokens=max_tokens)
         for _ in stub.ModelStreamInfer(iter([request]), metadata=metadata, timeout=120):
             pass
 
@@ -78,8 +81,11 @@ def test_new_streams_avoid_the_server_whose_kv_cache_is_full(
     stop = threading.Event()
 
     def keep_full() -> None:  # long sequences straight to one server, one after another
+        # A long prompt: each sequence holds 28-31 of the 32 blocks from its first step to its
+        # last. (A short one with 480 tokens to generate grew from one block, and the cache's
+        # use, so the full server's weight, swung with where its sequences stood.)
         while not stop.is_set():
-            stream(full.url, 480, header=False)
+            stream(full.url, 40, header=False, prompt=FILLER_PROMPT)
 
     fillers = [threading.Thread(target=keep_full, daemon=True) for _ in range(3)]
     for thread in fillers:
@@ -97,8 +103,10 @@ def test_new_streams_avoid_the_server_whose_kv_cache_is_full(
             interval=0.2,
         )
         before = {s.url: requests_served(s) for s in (full, free)}
+        seen = []  # the weights in force as the streams went, for a failure's message
         for _ in range(30):
             stream(f"127.0.0.1:{listener}", 4, header=True)
+            seen.append((weights().get(full.url), weights().get(free.url)))
         served = {s.url: requests_served(s) - before[s.url] for s in (full, free)}
     finally:
         stop.set()
@@ -106,4 +114,5 @@ def test_new_streams_avoid_the_server_whose_kv_cache_is_full(
             thread.join(timeout=60)
     # The full server's counter also counts its long sequences (a few end meanwhile): judge
     # by the free one. With its weight under half the other's, it should get two thirds.
-    assert served[free.url] >= 0.6 * 30, served
+    print(f"\nserved {served}; weights (full, free) after each stream: {seen}")
+    assert served[free.url] >= 0.6 * 30, (served, seen)
