@@ -138,7 +138,7 @@ class GenerationEngine:
         self.when_full = when_full
         self.max_prefill_rows = max_prefill_rows  # new sequences per prefill run (1: alone)
         self._clock = clock
-        self._observe = observe  # ("ttft"|"tpot", seconds) and ("token", 1) as they happen
+        self._observe = observe  # ("ttft"|"tpot", s), ("token"|"decode_step_carried|gathered", 1)
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
         self._names = itertools.count()
@@ -292,6 +292,7 @@ class GenerationEngine:
         last = np.array([[s.generated[-1]] for s in batch], dtype=np.int64)
         feeds = self._feeds(last, past.mask, lengths[:, None], past.keys, past.values)
         self.stats.decode_steps += 1
+        self._observe("decode_step_carried" if past.carried else "decode_step_gathered", 1.0)
         try:
             outputs = await self._offload(lambda: self._decoder(feeds))
         except Exception as exc:

@@ -29,6 +29,7 @@ class StepPast:
     keys: list[np.ndarray]
     values: list[np.ndarray]
     mask: np.ndarray
+    carried: bool = False  # the step before's outputs, not a gather
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,8 @@ class PastKeeper:
             self.carried += 1
             ones = np.ones((len(names), 1), np.int64)
             kept = carry.past
-            return StepPast(kept.keys, kept.values, np.concatenate([kept.mask, ones], axis=1))
+            mask = np.concatenate([kept.mask, ones], axis=1)
+            return StepPast(kept.keys, kept.values, mask, carried=True)
         keys, values, longest = self.cache.gather(list(names))
         mask = np.zeros((len(names), longest + 1), np.int64)
         for row, length in enumerate(lengths):

@@ -293,7 +293,7 @@ def build_engine(
 
 def generation_observer(metrics: ServerMetrics, model: str) -> Callable[[str, float], None]:
     """The engine's and its cache's ``observe`` hook: tokens, time to first token, time per
-    output token, prefix-cache lookups, hits and evictions."""
+    output token, prefix-cache lookups, hits and evictions, decode steps carried or gathered."""
     tokens = metrics.generated_tokens.labels(model)
     ttft = metrics.time_to_first_token.labels(model)
     tpot = metrics.time_per_output_token.labels(model)
@@ -302,6 +302,8 @@ def generation_observer(metrics: ServerMetrics, model: str) -> Callable[[str, fl
         "prefix_lookup": metrics.prefix_lookup_tokens.labels(model),
         "prefix_hit": metrics.prefix_hit_tokens.labels(model),
         "prefix_eviction": metrics.prefix_evictions.labels(model),
+        "decode_step_carried": metrics.decode_steps.labels(model, "carried"),
+        "decode_step_gathered": metrics.decode_steps.labels(model, "gathered"),
     }
 
     def observe(what: str, value: float) -> None:

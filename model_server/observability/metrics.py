@@ -141,6 +141,12 @@ class ServerMetrics:
             "generation_tokens", "Tokens generated (rate: tokens per second)", ["model"],
             registry=r,
         )  # fmt: skip
+        self.decode_steps = Counter(
+            "generation_decode_steps",
+            "Decode steps by where their past came from: carried (the step before's outputs, "
+            "the batch unchanged) or gathered (copied out of the KV pool)",
+            ["model", "past"], registry=r,
+        )  # fmt: skip
         self.sequences = Gauge(
             "generation_sequences", "Sequences generating (running) or waiting for KV blocks",
             ["model", "state"], registry=r,

@@ -78,6 +78,11 @@ def test_streaming_with_tritonclient_yields_tokens_then_a_final_flag(
     assert metric_value(metrics, "generation_tokens_total", model=MODEL) >= len(pieces)
     assert metric_value(metrics, "generation_time_to_first_token_seconds_count", model=MODEL) >= 1
     assert metric_value(metrics, "generation_sequences", model=MODEL, state="running") == 0
+    # A lone sequence's first decode step gathers its past; the ones after reuse the step
+    # before's outputs
+    steps = {p: metric_value(metrics, "generation_decode_steps_total", model=MODEL, past=p)
+             for p in ("gathered", "carried")}  # fmt: skip
+    assert steps["gathered"] >= 1 and steps["carried"] >= len(pieces) - 2, steps
 
 
 def test_metadata_shows_text_in_and_text_out(server: ServerProcess) -> None:

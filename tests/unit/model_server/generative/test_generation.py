@@ -98,7 +98,8 @@ async def test_a_steady_batch_decodes_from_the_last_steps_outputs_without_a_gath
     """Sequences of different lengths, one of them ending early: steps whose batch did not
     change reuse the last step's keys and values (the fake decoder checks every column and
     position); a step after a sequence left gathers again from the pool."""
-    e = engine()
+    observed: dict[str, float] = {}
+    e = engine(observe=lambda what, n: observed.update({what: observed.get(what, 0) + n}))
     prompts = [tuple(range(1, n + 1)) for n in (3, 7, 10)]
     budgets = (12, 12, 5)
     gathers = 0
@@ -118,6 +119,8 @@ async def test_a_steady_batch_decodes_from_the_last_steps_outputs_without_a_gath
     steps, carried = e.stats.decode_steps, e.step_past.carried
     assert steps >= 11 and carried >= steps - 4, (steps, carried)
     assert gathers == steps - carried + 3  # and one per prefill
+    assert observed["decode_step_carried"] == carried  # the metric's two series
+    assert observed["decode_step_gathered"] == steps - carried
     await e.stop()
 
 

@@ -70,6 +70,19 @@ def test_hits_lookups_and_evictions_reach_the_control_plane() -> None:
     assert document["endpoints"]["10.0.0.1:1"]["prefix_cache_hit_rate"]["value"] == seen.value
 
 
+def test_decode_steps_are_counted_by_where_their_past_came_from() -> None:
+    metrics = ServerMetrics(CollectorRegistry())
+    observe = generation_observer(metrics, "lm")
+    for what in ("decode_step_carried", "decode_step_carried", "decode_step_gathered"):
+        observe(what, 1.0)
+
+    def steps(past: str) -> float | None:
+        labels = {"model": "lm", "past": past}
+        return metrics.registry.get_sample_value("generation_decode_steps_total", labels)
+
+    assert (steps("carried"), steps("gathered")) == (2, 1)
+
+
 def test_a_server_without_prefix_counters_reads_none() -> None:
     store = TelemetryStore(window_s=10)
     store.ingest(build_request(ServerMetrics(CollectorRegistry()).registry, "e:1"), 100.0)
