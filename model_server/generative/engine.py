@@ -301,18 +301,16 @@ class GenerationEngine:
                 self.cache.release(sequence.name)
                 self._finish(sequence, InferenceError(f"decode step failed: {exc}"))
             return
-        layers = self.cache.shape.layers
-        present = (
-            [outputs[f"present.{i}.key"] for i in range(layers)],
-            [outputs[f"present.{i}.value"] for i in range(layers)],
-        )
+        layers = range(self.cache.shape.layers)
+        keys = [outputs[f"present.{i}.key"] for i in layers]
+        values = [outputs[f"present.{i}.value"] for i in layers]
         if not any(s.gone for s in batch):  # a gone row appends nothing: the next step gathers
-            self.step_past.keep(names, lengths, past, present)
+            self.step_past.keep(names, lengths, past, (keys, values))
         for row, sequence in enumerate(batch):
             if sequence.gone:
                 continue
-            new_keys = [outputs[f"present.{i}.key"][row, :, -1:] for i in range(layers)]
-            new_values = [outputs[f"present.{i}.value"][row, :, -1:] for i in range(layers)]
+            new_keys = [k[row, :, -1:] for k in keys]
+            new_values = [v[row, :, -1:] for v in values]
             self.cache.append(sequence.name, new_keys, new_values, sequence.generated[-1:])
             self._emit(sequence, outputs["logits"][row, -1])
 

@@ -44,7 +44,6 @@ class PastKeeper:
 
     def __init__(self, cache: KvCache) -> None:
         self.cache = cache
-        self.carried = 0  # steps that reused the last step's outputs
         self._carry: _Carry | None = None
 
     def forget(self) -> None:
@@ -56,7 +55,6 @@ class PastKeeper:
         fails or leaves a sequence behind must not hand its outputs on."""
         carry, self._carry = self._carry, None
         if carry is not None and carry.names == names and np.array_equal(carry.lengths, lengths):
-            self.carried += 1
             ones = np.ones((len(names), 1), np.int64)
             kept = carry.past
             mask = np.concatenate([kept.mask, ones], axis=1)

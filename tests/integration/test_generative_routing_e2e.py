@@ -106,7 +106,8 @@ def test_new_streams_avoid_the_server_whose_kv_cache_is_full(
         seen = []  # the weights in force as the streams went, for a failure's message
         for _ in range(30):
             stream(f"127.0.0.1:{listener}", 4, header=True)
-            seen.append((weights().get(full.url), weights().get(free.url)))
+            now = weights()
+            seen.append((now.get(full.url), now.get(free.url)))
         served = {s.url: requests_served(s) - before[s.url] for s in (full, free)}
     finally:
         stop.set()
