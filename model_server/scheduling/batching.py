@@ -22,11 +22,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import math
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -64,12 +65,12 @@ class _Pending:
     deadline: float | None  # monotonic seconds
     queued_at: float  # monotonic seconds
     future: asyncio.Future[list[np.ndarray]]
-    key: tuple[tuple[str, tuple[int, ...], str], ...] = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.key = tuple(
-            sorted((n, tuple(a.shape[1:]), a.dtype.str) for n, a in self.feeds.items())
-        )
+    @functools.cached_property
+    def key(self) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+        """What a batch's requests share (input names, non-batch shapes, types); computed only
+        when the request queues: one that runs at once is never compared."""
+        return tuple(sorted((n, tuple(a.shape[1:]), a.dtype.str) for n, a in self.feeds.items()))
 
 
 @dataclass
@@ -186,7 +187,7 @@ class DynamicBatcher:
         policy = self.policy
         return (
             self._free_slots > 0
-            and not self.queued
+            and not any(self._queues)
             and (deadline is None or deadline > now)
             and (
                 policy.max_queue_delay_s <= 0
@@ -211,7 +212,7 @@ class DynamicBatcher:
         while True:
             self._expire()
             self._wake.clear()  # nothing awaits between here and the wait: no lost wake-up
-            if self._free_slots <= 0 or not self.queued:
+            if self._free_slots <= 0 or not any(self._queues):
                 await self._wait(None)
                 continue
             batch, rows, oldest = self._gather()
@@ -280,7 +281,7 @@ class DynamicBatcher:
     ) -> None:
         """Frees the instance and answers every request of the batch (a failure is shared)."""
         self._free_slots += 1
-        if self.queued:  # with nothing queued the next arrival finds the free instance itself
+        if any(self._queues):  # with none queued the next arrival finds the free instance itself
             self._wake.set()
         if isinstance(results, BaseException):
             for p in batch:
