@@ -81,6 +81,7 @@ class Server:
     peer_args: tuple[str, ...] = ()  # extra flags for the peer script
     delay_us: int | None = None  # InferMesh dynamic_batching delay; None: --delay-us; -1: off
     frontends: int = 1  # InferMesh --frontends
+    event_loop: str = "auto"  # InferMesh's and the naive server's --event-loop
 
 
 SERVERS = [
@@ -91,7 +92,15 @@ SERVERS = [
     Server("infermesh-before", "InferMesh from --before-source, dynamic batching"),
     Server("infermesh-f2", "InferMesh, dynamic batching, --frontends 2", frontends=2),
     Server("infermesh-f4", "InferMesh, dynamic batching, --frontends 4", frontends=4),
-    Server("naive", "naive grpc.aio + ORT in a thread (bench/naive_server.py)"),
+    Server(
+        "infermesh-asyncio",
+        "InferMesh, dynamic batching, asyncio's event loop",
+        event_loop="asyncio",
+    ),
+    Server(
+        "naive", "naive grpc.aio + ORT in a thread (bench/naive_server.py)", event_loop="asyncio"
+    ),
+    Server("naive-uvloop", "naive grpc.aio + ORT in a thread, on uvloop", event_loop="uvloop"),
     Server("pytriton", "PyTriton, dynamic batcher", "pytriton"),
     Server("pytriton-d0", "PyTriton, dynamic batcher, 0 us delay", "pytriton", ("--delay-us", "0")),
     Server("kserve", "KServe, async predict in a thread (no batching)", "kserve"),
@@ -175,26 +184,29 @@ def write_repository(path: Path, batched: bool, delay_us: int, instances: int) -
 
 
 def model_server_spec(repo: Path, name: str, source: Path | None = None,
-                      frontends: int = 1) -> bms.ServerSpec:  # fmt: skip
+                      frontends: int = 1, loop: str = "auto") -> bms.ServerSpec:  # fmt: skip
     cmd = [sys.executable, "-m", "model_server", "--model-repository", str(repo), "--host", HOST,
            "--port", "0", "--metrics-port", "0", "--models", MODEL_NAME]  # fmt: skip
     if frontends > 1:
         cmd += ["--frontends", str(frontends)]
+    if loop != "auto":
+        cmd += ["--event-loop", loop]
     return bms.ServerSpec(name, cmd, bms.LISTEN_RE, bms.READY_RE, source=source)
 
 
 @contextmanager
 def start_infermesh(repo: Path, log: Path, source: Path | None = None,
-                    frontends: int = 1) -> Iterator[Target]:  # fmt: skip
-    spec = model_server_spec(repo, "InferMesh", source, frontends)
+                    frontends: int = 1, loop: str = "auto") -> Iterator[Target]:  # fmt: skip
+    spec = model_server_spec(repo, "InferMesh", source, frontends, loop)
     with bms.start_server(spec, log) as (pid, port, mport):
         yield Target(port, False, pid, f"http://{HOST}:{mport}/metrics")
 
 
 @contextmanager
-def start_naive(model: Path, log: Path) -> Iterator[Target]:
+def start_naive(model: Path, log: Path, loop: str) -> Iterator[Target]:
     """bench/naive_server.py: ModelInfer only, no checks, metrics or batching (its CPU counted)."""
-    cmd = [sys.executable, str(HERE / "naive_server.py"), "--port", "0", "--model", str(model)]
+    cmd = [sys.executable, str(HERE / "naive_server.py"), "--port", "0", "--model", str(model),
+           "--event-loop", loop]  # fmt: skip
     with bms.start_server(bms.ServerSpec("naive", cmd, bms.NAIVE_RE), log) as (pid, port, _):
         yield Target(port, False, pid, None)
 
@@ -295,8 +307,8 @@ def start(args: argparse.Namespace, server: Server, repos: dict[str, Path],
     log = logdir / f"{server.key}.log"
     if server.peer is not None:
         return start_peer(args, server, bms.latest_model(repos["unbatched"]), log)
-    if server.key == "naive":
-        return start_naive(bms.latest_model(repos["unbatched"]), log)
+    if server.key.startswith("naive"):
+        return start_naive(bms.latest_model(repos["unbatched"]), log, server.event_loop)
     delay = args.delay_us if server.delay_us is None else server.delay_us
     repo = repos[f"delay{delay}" if delay >= 0 else "unbatched"]
     if server.key == "infermesh-envoy":
@@ -305,7 +317,7 @@ def start(args: argparse.Namespace, server: Server, repos: dict[str, Path],
         if args.before_source is None:
             sys.exit("infermesh-before needs --before-source DIR (a worktree of an earlier commit)")
         return start_infermesh(repo, log, args.before_source.resolve())
-    return start_infermesh(repo, log, frontends=server.frontends)
+    return start_infermesh(repo, log, frontends=server.frontends, loop=server.event_loop)
 
 
 # ---------------------------------------------------------------------------------------
@@ -472,7 +484,7 @@ def issue29_verdicts(samples: list[Sample], levels: list[int]) -> list[Verdict]:
     """Issue 29's targets against the naive server: c64 QPS >= c16 QPS; c1 p50 within 1.1x
     of naive's; c64 QPS >= 1.5x naive's (medians; only the levels measured)."""
     out = []
-    for key in ("infermesh", "infermesh-before"):
+    for key in ("infermesh", "infermesh-before", "infermesh-asyncio"):
         at = {c: medians(samples, key, c) for c in (1, 16, 64) if c in levels}
         naive = {c: medians(samples, "naive", c) for c in (1, 64) if c in levels}
         if any(m is None for m in at.values()):
@@ -496,7 +508,8 @@ def print_ratios(samples: list[Sample], levels: list[int], keys: list[str]) -> N
     print("| --- " * (2 + 2 * len(levels)) + "|")
     for ours in ("infermesh", "infermesh-envoy"):
         for peer in ("pytriton", "pytriton-d0", "kserve", "mlserver", "infermesh-unbatched",
-                     "infermesh-d500", "infermesh-before", "naive"):  # fmt: skip
+                     "infermesh-d500", "infermesh-before", "infermesh-asyncio", "naive",
+                     "naive-uvloop"):  # fmt: skip
             if ours not in keys or peer not in keys:
                 continue
             cells = []

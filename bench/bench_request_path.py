@@ -42,6 +42,12 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="drive bench/naive_server.py's ModelInfer instead (the floor, same file and load)",
     )
+    p.add_argument(
+        "--event-loop",
+        choices=("asyncio", "uvloop"),
+        default="asyncio",
+        help="the loop the path runs on (the server's default is uvloop where installed)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON line per level")
     return p.parse_args()
 
@@ -125,10 +131,12 @@ def main() -> None:
     import model_server
 
     where = Path(model_server.__file__).resolve().parent.parent
-    samples = asyncio.run(run(args))
+    from infermesh import event_loop
+
+    samples = event_loop.run(run(args), args.event_loop)
     for c in sorted({int(s["c"]) for s in samples}):
         rows = [s for s in samples if s["c"] == c]
-        source = "naive" if args.naive else str(where)
+        source = ("naive" if args.naive else str(where)) + f" on {args.event_loop}"
         summary: dict[str, Any] = {"source": source, "c": c, "rounds": len(rows)}
         shown = []
         for key, unit in (("qps", "req/s"), ("loop_us", "us/req loop CPU"),

@@ -21,6 +21,8 @@ import numpy as np
 import onnxruntime as ort
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from infermesh import event_loop
+
 HOST = "127.0.0.1"
 
 
@@ -65,8 +67,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description="Naive grpc.aio + onnxruntime ModelInfer server.")
     p.add_argument("--model", required=True, help="path to model.onnx")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--event-loop", choices=event_loop.CHOICES, default="asyncio",
+                   help="asyncio's own (default: the naive reference) or uvloop")  # fmt: skip
     args = p.parse_args()
-    asyncio.run(serve(args.model, args.port))
+    event_loop.run(serve(args.model, args.port), args.event_loop)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import os
 import signal
 from pathlib import Path
 
-from infermesh import pki
+from infermesh import event_loop, pki
 from infermesh.labels import LABEL_TEXT_RULE, is_label_text
 from infermesh.logs import add_log_level, configure_logging
 from model_server.core import allocator
@@ -216,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_POOL_BYTES,
         help="shared memory each front end's tensors cross to the engine in (with --frontends)",
     )
+    event_loop.add_event_loop_argument(p)
     add_log_level(p)
     return p
 
@@ -325,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if args.frontends > 1 and tls is not None:
         parser.error("--frontends above 1 does not serve TLS yet: run one process with --tls-*")
+    try:
+        event_loop.loop_factory(args.event_loop)
+    except event_loop.EventLoopUnavailable as exc:
+        parser.error(str(exc))
     configure_logging(args.log_level)
     allocator.keep_freed_memory(args.malloc_keep_mib)
     settings = ServerSettings(
@@ -359,9 +364,10 @@ def main(argv: list[str] | None = None) -> int:
             args.frontend_pool,
             tuple(f"{','.join(sorted(r.groups))}:{r.header}=@{r.path}" for r in args.restrictions),
             args.log_level,
+            args.event_loop,
         )
     try:
-        return asyncio.run(serve(settings, frontends))
+        return event_loop.run(serve(settings, frontends), args.event_loop)
     except pki.CertificateError as exc:  # names the file and the problem; never key material
         log.error("cannot start: %s", exc)
         return 2

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from tritonclient.grpc import service_pb2_grpc
 
-from infermesh import pki
+from infermesh import event_loop, pki
 from model_server.core.faults import FaultInjector
 from model_server.core.memory import (
     MemoryGuard,
@@ -245,10 +245,11 @@ class ModelServer:
         if s.enable_fault_injection:
             log.warning("fault injection enabled: POST /faults on the metrics port")
         log.info(
-            "model control mode %s; restricted API groups: %s",
+            "model control mode %s; restricted API groups: %s; event loop %s",
             s.model_control_mode,
             ", ".join(f"{g} (header {r.header!r})" for g, r in sorted(restricted.items()))
             or "none",
+            event_loop.running_loop_name(),
         )
         log.info(
             "%s: grpc=%s metrics=%s http=%s advertise=%s device=%s memory=%s (%s of %s)",

@@ -17,6 +17,7 @@ import gc
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import grpc
 from prometheus_client import Counter
@@ -73,8 +74,8 @@ class _Connection(asyncio.Protocol):
         self.tasks: dict[int, asyncio.Task[None]] = {}
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport; uvloop's are duck-typed (not asyncio.Transport subclasses).
+        self.transport = cast(asyncio.Transport, transport)
         self.channel.connections.add(self)
 
     def data_received(self, data: bytes) -> None:

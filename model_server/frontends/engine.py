@@ -36,6 +36,7 @@ class FrontendSettings:
     pool_bytes: int = DEFAULT_POOL_BYTES
     restricted_api: tuple[str, ...] = ()  # the --restricted-api values, as given
     log_level: str = "INFO"
+    event_loop: str = "auto"  # the front ends run on the engine's choice
 
 
 def resident_bytes(pid: int) -> int:
@@ -105,6 +106,7 @@ class FrontendEngine:
             "--host", s.host, "--port", str(self.port), "--pool-bytes", str(f.pool_bytes),
             "--max-request-bytes", str(s.max_request_bytes),
             "--max-concurrent-rpcs", str(s.max_concurrent_rpcs), "--log-level", f.log_level,
+            "--event-loop", f.event_loop,
         ]  # fmt: skip
         for spec in f.restricted_api:
             arguments += ["--restricted-api", spec]

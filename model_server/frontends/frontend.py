@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grpc
 
+from infermesh import event_loop
 from infermesh.logs import add_log_level, configure_logging
 from infermesh.pdeathsig import set_parent_death_signal
 from model_server.frontends import wire
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, required=True)
     p.add_argument("--max-concurrent-rpcs", type=int, default=0)
     p.add_argument("--restricted-api", action="append", default=[])
+    event_loop.add_event_loop_argument(p)
     add_log_level(p)
     return p
 
@@ -99,8 +101,8 @@ async def serve(options: FrontendOptions) -> int:
         return 2
     await server.start()
     link.send(wire.frame(wire.Kind.READY, os.getpid()))
-    log.info("front end %d (pid %d) listening on %s:%d", options.index, os.getpid(),
-             options.host, options.port)  # fmt: skip
+    log.info("front end %d (pid %d) listening on %s:%d, event loop %s", options.index,
+             os.getpid(), options.host, options.port, event_loop.running_loop_name())  # fmt: skip
     await stop.wait()
     await server.stop(STOP_GRACE_S)
     link.close()
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         restrictions=tuple(args.restricted_api),
     )
     try:
-        return asyncio.run(serve(options))
-    except (RestrictionError, OSError) as exc:
+        return event_loop.run(serve(options), args.event_loop)
+    except (RestrictionError, OSError, event_loop.EventLoopUnavailable) as exc:
         log.error("front end %d cannot start: %s", args.index, exc)
         return 2

@@ -14,7 +14,7 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from tritonclient.grpc import service_pb2
@@ -61,8 +61,8 @@ class EngineLink(asyncio.Protocol):
         return link
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport; uvloop's are duck-typed (not asyncio.Transport subclasses).
+        self.transport = cast(asyncio.Transport, transport)
 
     def send(self, data: bytes) -> None:
         if self.transport is None or self.transport.is_closing():

@@ -58,7 +58,7 @@ def frontends(server: ServerProcess) -> set[int]:
 def test_answers_equal_one_process_and_front_ends_hold_no_model(
     two: ServerProcess, repo: Path, tmp_path: Path
 ) -> None:
-    one = start_server(repo, tmp_path)
+    one = start_server(repo, tmp_path, "--event-loop", "asyncio")  # and the standard loop
     try:
         for version in ("1", "2"):
             want = infer_classifier(one.client(), IMAGES, version).as_numpy("probs")
@@ -69,6 +69,12 @@ def test_answers_equal_one_process_and_front_ends_hold_no_model(
         )
     finally:
         one.stop()
+    assert "event loop asyncio" in one.log()
+    # uvloop by default, in the engine and in each front end (the engine passes its choice on)
+    assert re.search(r"restricted API groups: .*; event loop uvloop", two.log())
+    for index in (0, 1):
+        assert re.search(rf"front end {index} \(pid \d+\) listening on .*, event loop uvloop",
+                         two.log())  # fmt: skip
     pids = frontends(two)
     assert len(pids) == 2
     for pid in pids:
