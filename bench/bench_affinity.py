@@ -136,7 +136,7 @@ def mesh(args: argparse.Namespace, arm: str, workdir: Path) -> Iterator[Mesh]:
             cmd = [sys.executable, "-m", "model_server", "--model-repository", str(args.models),
                    "--host", bms.HOST, "--port", "0", "--metrics-port", "0", "--models", MODEL,
                    "--otlp-endpoint", f"{bms.HOST}:{otlp}",
-                   "--telemetry-interval", "0.2"]  # fmt: skip
+                   "--telemetry-interval", "0.2", "--event-loop", args.event_loop]  # fmt: skip
             spec = bms.ServerSpec(f"server {i}", cmd, bms.LISTEN_RE, bms.READY_RE)
             servers.append(stack.enter_context(bms.start_server(spec, workdir / f"s{i}.log")))
         ports = [p for _, p, _ in servers]
@@ -354,6 +354,8 @@ def main() -> int:
     p.add_argument("--hot-duration", type=float, default=6.0)
     p.add_argument("--hot-share", type=float, default=0.8)
     p.add_argument("--factor", type=int, default=125, help="hash_balance_factor")
+    p.add_argument("--event-loop", default="auto", choices=("auto", "uvloop", "asyncio"),
+                   help="the model servers' --event-loop")  # fmt: skip
     p.add_argument(
         "--hysteresis",
         type=float,
