@@ -53,7 +53,7 @@ def run(main: Coroutine[Any, Any, T], choice: str = "auto") -> T:
 
 
 def running_loop_name() -> str:
-    """ "uvloop" or "asyncio": which loop runs the caller (for the start-up log line)."""
+    """Which loop runs the caller, "uvloop" or "asyncio" (for the start-up log line)."""
     module = type(asyncio.get_running_loop()).__module__
     return "uvloop" if module.startswith("uvloop") else "asyncio"
 
