@@ -131,9 +131,12 @@ def main() -> None:
     import model_server
 
     where = Path(model_server.__file__).resolve().parent.parent
-    from infermesh import event_loop
+    if args.event_loop == "asyncio":  # also for a --source tree older than infermesh.event_loop
+        samples = asyncio.run(run(args))
+    else:
+        from infermesh import event_loop  # after --source, as model_server: the tree's own
 
-    samples = event_loop.run(run(args), args.event_loop)
+        samples = event_loop.run(run(args), args.event_loop)
     for c in sorted({int(s["c"]) for s in samples}):
         rows = [s for s in samples if s["c"] == c]
         source = ("naive" if args.naive else str(where)) + f" on {args.event_loop}"
