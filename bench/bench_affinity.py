@@ -63,6 +63,8 @@ from bench_prefix_cache import (
 )
 from tritonclient.grpc import service_pb2_grpc
 
+from infermesh import event_loop
+
 MODEL = "demo_lm"
 ARMS = ("affinity", "least_request", "round_robin")
 FIELDS = "rq_total|rq_active|health_flags"
@@ -354,7 +356,7 @@ def main() -> int:
     p.add_argument("--hot-duration", type=float, default=6.0)
     p.add_argument("--hot-share", type=float, default=0.8)
     p.add_argument("--factor", type=int, default=125, help="hash_balance_factor")
-    p.add_argument("--event-loop", default="auto", choices=("auto", "uvloop", "asyncio"),
+    p.add_argument("--event-loop", default="auto", choices=event_loop.CHOICES,
                    help="the model servers' --event-loop")  # fmt: skip
     p.add_argument(
         "--hysteresis",

@@ -27,12 +27,13 @@ class EventLoopUnavailable(RuntimeError):
     """``uvloop`` was asked for and does not import here."""
 
 
-def loop_factory(choice: str) -> tuple[str, LoopFactory]:
-    """(the loop's name, what makes it) for ``choice``, one of CHOICES."""
+def loop_factory(choice: str) -> LoopFactory:
+    """What makes the loop ``choice`` (one of CHOICES) names; ``running_loop_name`` says
+    which one it made."""
     if choice not in CHOICES:
         raise ValueError(f"event loop: expected one of {', '.join(CHOICES)}, got {choice!r}")
     if choice == "asyncio":
-        return "asyncio", asyncio.new_event_loop
+        return asyncio.new_event_loop
     try:
         uvloop = importlib.import_module("uvloop")
     except ImportError as exc:
@@ -40,15 +41,14 @@ def loop_factory(choice: str) -> tuple[str, LoopFactory]:
             raise EventLoopUnavailable(
                 f"--event-loop uvloop: uvloop does not import ({exc})"
             ) from exc
-        return "asyncio", asyncio.new_event_loop
+        return asyncio.new_event_loop
     factory: LoopFactory = uvloop.new_event_loop
-    return "uvloop", factory
+    return factory
 
 
 def run(main: Coroutine[Any, Any, T], choice: str = "auto") -> T:
     """``asyncio.run(main)`` on the loop ``choice`` names."""
-    _, factory = loop_factory(choice)
-    with asyncio.Runner(loop_factory=factory) as runner:
+    with asyncio.Runner(loop_factory=loop_factory(choice)) as runner:
         return runner.run(main)
 
 

@@ -17,8 +17,8 @@ async def _loop_name() -> str:
 
 
 def test_auto_runs_on_uvloop_where_it_is_installed() -> None:
-    pytest.importorskip("uvloop")
-    assert event_loop.loop_factory("auto")[0] == "uvloop"
+    uvloop = pytest.importorskip("uvloop")
+    assert event_loop.loop_factory("auto") is uvloop.new_event_loop
     assert event_loop.run(_loop_name()) == "uvloop"
     assert event_loop.run(_loop_name(), "uvloop") == "uvloop"
 
@@ -43,7 +43,7 @@ def without_uvloop(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("without_uvloop")
 def test_auto_falls_back_to_asyncio_without_uvloop() -> None:
-    assert event_loop.loop_factory("auto")[0] == "asyncio"
+    assert event_loop.loop_factory("auto") is asyncio.new_event_loop
     assert event_loop.run(_loop_name()) == "asyncio"
 
 
