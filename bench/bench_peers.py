@@ -82,6 +82,7 @@ class Server:
     delay_us: int | None = None  # InferMesh dynamic_batching delay; None: --delay-us; -1: off
     frontends: int = 1  # InferMesh --frontends
     event_loop: str = "auto"  # InferMesh's and the naive server's --event-loop
+    memo: bool = False  # the naive server's --memo: no model work, grpc.aio's ceiling
 
 
 SERVERS = [
@@ -101,6 +102,18 @@ SERVERS = [
         "naive", "naive grpc.aio + ORT in a thread (bench/naive_server.py)", event_loop="asyncio"
     ),
     Server("naive-uvloop", "naive grpc.aio + ORT in a thread, on uvloop", event_loop="uvloop"),
+    Server(
+        "grpc-floor",
+        "grpc.aio answering from memory, no model (naive_server.py --memo)",
+        event_loop="asyncio",
+        memo=True,
+    ),
+    Server(
+        "grpc-floor-uvloop",
+        "grpc.aio answering from memory, no model, on uvloop",
+        event_loop="uvloop",
+        memo=True,
+    ),
     Server("pytriton", "PyTriton, dynamic batcher", "pytriton"),
     Server("pytriton-d0", "PyTriton, dynamic batcher, 0 us delay", "pytriton", ("--delay-us", "0")),
     Server("kserve", "KServe, async predict in a thread (no batching)", "kserve"),
@@ -203,10 +216,10 @@ def start_infermesh(repo: Path, log: Path, source: Path | None = None,
 
 
 @contextmanager
-def start_naive(model: Path, log: Path, loop: str) -> Iterator[Target]:
+def start_naive(model: Path, log: Path, loop: str, memo: bool) -> Iterator[Target]:
     """bench/naive_server.py: ModelInfer only, no checks, metrics or batching (its CPU counted)."""
     cmd = [sys.executable, str(HERE / "naive_server.py"), "--port", "0", "--model", str(model),
-           "--event-loop", loop]  # fmt: skip
+           "--event-loop", loop] + (["--memo"] if memo else [])  # fmt: skip
     with bms.start_server(bms.ServerSpec("naive", cmd, bms.NAIVE_RE), log) as (pid, port, _):
         yield Target(port, False, pid, None)
 
@@ -307,8 +320,9 @@ def start(args: argparse.Namespace, server: Server, repos: dict[str, Path],
     log = logdir / f"{server.key}.log"
     if server.peer is not None:
         return start_peer(args, server, bms.latest_model(repos["unbatched"]), log)
-    if server.key.startswith("naive"):
-        return start_naive(bms.latest_model(repos["unbatched"]), log, server.event_loop)
+    if server.key.startswith(("naive", "grpc-floor")):
+        model = bms.latest_model(repos["unbatched"])
+        return start_naive(model, log, server.event_loop, server.memo)
     delay = args.delay_us if server.delay_us is None else server.delay_us
     repo = repos[f"delay{delay}" if delay >= 0 else "unbatched"]
     if server.key == "infermesh-envoy":
@@ -509,7 +523,7 @@ def print_ratios(samples: list[Sample], levels: list[int], keys: list[str]) -> N
     for ours in ("infermesh", "infermesh-envoy"):
         for peer in ("pytriton", "pytriton-d0", "kserve", "mlserver", "infermesh-unbatched",
                      "infermesh-d500", "infermesh-before", "infermesh-asyncio", "naive",
-                     "naive-uvloop"):  # fmt: skip
+                     "naive-uvloop", "grpc-floor", "grpc-floor-uvloop"):  # fmt: skip
             if ours not in keys or peer not in keys:
                 continue
             cells = []
