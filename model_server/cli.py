@@ -12,7 +12,7 @@ from pathlib import Path
 from infermesh import event_loop, pki
 from infermesh.labels import LABEL_TEXT_RULE, is_label_text
 from infermesh.logs import add_log_level, configure_logging
-from model_server.core import allocator
+from model_server.core import allocator, collector
 from model_server.core.memory import DeviceUnavailable, parse_bytes
 from model_server.frontends.engine import FrontendEngine, FrontendSettings
 from model_server.frontends.pool import DEFAULT_POOL_BYTES
@@ -106,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=allocator.DEFAULT_KEEP_MIB,
         help="freed heap memory (MiB) glibc keeps for the next model run instead of faulting "
         "in fresh pages (model_server.core.allocator); 0: glibc's defaults (default: %(default)s)",
+    )
+    p.add_argument(
+        "--gc-threshold",
+        type=_non_negative_int,
+        default=collector.DEFAULT_GEN0_THRESHOLD,
+        help="allocations between young garbage collections; with it, what is alive once the "
+        "models load is frozen out of later collections (model_server.core.collector); 0: "
+        "CPython's defaults (default: %(default)s)",
     )
     p.add_argument(
         "--drain-delay",
@@ -332,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     configure_logging(args.log_level)
     allocator.keep_freed_memory(args.malloc_keep_mib)
+    collector.tune(args.gc_threshold)
     settings = ServerSettings(
         host=args.host,
         port=args.port,
@@ -356,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         labels=tuple(args.labels),
         tls=tls,
         tls_pod=args.tls_pod or "",
+        settle_collector=args.gc_threshold > 0,
     )
     frontends = None
     if args.frontends > 1:
@@ -365,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             tuple(f"{','.join(sorted(r.groups))}:{r.header}=@{r.path}" for r in args.restrictions),
             args.log_level,
             args.event_loop,
+            args.gc_threshold,
         )
     try:
         return event_loop.run(serve(settings, frontends), args.event_loop)

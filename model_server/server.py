@@ -21,6 +21,7 @@ from grpc_health.v1._async import HealthServicer
 from tritonclient.grpc import service_pb2_grpc
 
 from infermesh import event_loop, pki
+from model_server.core import collector
 from model_server.core.faults import FaultInjector
 from model_server.core.memory import (
     MemoryGuard,
@@ -85,6 +86,10 @@ class ServerSettings:
     tls_pod: str = ""  # NAMESPACE/POD: on Kubernetes the certificate names the pod
     # gRPC on this address instead of host:port ("unix:PATH": the engine of --frontends N)
     listen_address: str | None = None
+    # Freeze what is alive once the models load and after each load or unload, out of later
+    # garbage collections (core.collector; the CLI's --gc-threshold). Off by default, so a
+    # server built in a test process does not freeze that process's objects.
+    settle_collector: bool = False
 
     def resolved_metrics_port(self) -> int:
         if self.metrics_port is not None:
@@ -183,7 +188,12 @@ class ModelServer:
             self.required.add(name)
         elif not loaded:
             self.required.discard(name)
+        self._settle_collector()  # an unloaded model's cycles are freed, a new one frozen
         self._spawn(self.refresh_health())
+
+    def _settle_collector(self) -> None:
+        if self.settings.settle_collector:
+            collector.settle()
 
     async def start(self) -> None:
         s = self.settings
@@ -309,6 +319,7 @@ class ModelServer:
             except Exception as exc:  # the others still load; the reason is in the index
                 log.error("model %r did not load: %s", name, exc)
         self.startup_done = True
+        self._settle_collector()
         await self.refresh_health()
         log.info("startup loading done: ready=%s (%s)", self.is_ready(), ", ".join(names) or "none")
         if self.settings.model_control_mode == "poll":

@@ -23,6 +23,7 @@ import grpc
 from infermesh import event_loop
 from infermesh.logs import add_log_level, configure_logging
 from infermesh.pdeathsig import set_parent_death_signal
+from model_server.core import collector
 from model_server.frontends import wire
 from model_server.frontends.link import EngineLink
 from model_server.frontends.pool import FrontendPool
@@ -50,6 +51,7 @@ class FrontendOptions:
     max_request_bytes: int
     max_concurrent_rpcs: int
     restrictions: tuple[str, ...]  # --restricted-api values, their files read here
+    gc_threshold: int = 0  # the engine's --gc-threshold (core.collector); 0: CPython's
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, required=True)
     p.add_argument("--max-concurrent-rpcs", type=int, default=0)
     p.add_argument("--restricted-api", action="append", default=[])
+    p.add_argument("--gc-threshold", type=int, default=0)
     event_loop.add_event_loop_argument(p)
     add_log_level(p)
     return p
@@ -100,6 +103,8 @@ async def serve(options: FrontendOptions) -> int:
         log.error("front end %d: cannot bind %s:%d", options.index, options.host, options.port)
         return 2
     await server.start()
+    if collector.tune(options.gc_threshold):
+        collector.settle()
     link.send(wire.frame(wire.Kind.READY, os.getpid()))
     log.info("front end %d (pid %d) listening on %s:%d, event loop %s", options.index,
              os.getpid(), options.host, options.port, event_loop.running_loop_name())  # fmt: skip
@@ -129,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         max_request_bytes=args.max_request_bytes,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
         restrictions=tuple(args.restricted_api),
+        gc_threshold=args.gc_threshold,
     )
     try:
         return event_loop.run(serve(options), args.event_loop)

@@ -58,7 +58,8 @@ def frontends(server: ServerProcess) -> set[int]:
 def test_answers_equal_one_process_and_front_ends_hold_no_model(
     two: ServerProcess, repo: Path, tmp_path: Path
 ) -> None:
-    one = start_server(repo, tmp_path, "--event-loop", "asyncio")  # and the standard loop
+    # and the standard loop, with CPython's garbage collector settings
+    one = start_server(repo, tmp_path, "--event-loop", "asyncio", "--gc-threshold", "0")
     try:
         for version in ("1", "2"):
             want = infer_classifier(one.client(), IMAGES, version).as_numpy("probs")
@@ -70,6 +71,11 @@ def test_answers_equal_one_process_and_front_ends_hold_no_model(
     finally:
         one.stop()
     assert "event loop asyncio" in one.log()
+    assert "garbage collector" not in one.log()
+    # --gc-threshold's default in the engine and, passed on, in each front end: the young
+    # threshold raised, and what start-up left alive frozen once the models loaded
+    assert two.log().count("garbage collector: young generation threshold 10000") == 3
+    assert len(re.findall(r"garbage collector: \d+ objects frozen", two.log())) >= 3
     # uvloop by default, in the engine and in each front end (the engine passes its choice on)
     assert re.search(r"restricted API groups: .*; event loop uvloop", two.log())
     for index in (0, 1):
