@@ -4,6 +4,7 @@ groups (--restricted-api), over gRPC and over REST, with tritonclient and raw HT
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -27,11 +28,12 @@ from model_server.security.access import (
     rest_group,
     restriction_table,
 )
-from tests.support import EXPLICIT, ROOT, ServerProcess, start_server
+from tests.support import EXPLICIT, ROOT, ServerProcess, start_server, wait_for
 
 pytestmark = pytest.mark.integration
 HEADER = "infermesh-operator-key"
 SECRET = "s3cr3t-operator-credential-0123456789"
+FROZEN = re.compile(r"garbage collector: \d+ objects frozen")
 
 
 @pytest.fixture(scope="module")
@@ -141,11 +143,15 @@ def test_restricted_grpc_calls_without_the_credential_are_refused_naming_the_gro
 def test_restricted_grpc_calls_with_the_credential_work(restricted: ServerProcess) -> None:
     client = restricted.client()
     creds = {HEADER: SECRET}
+    frozen = len(FROZEN.findall(restricted.log()))
     client.unload_model("classifier", headers=creds)
     rows = {m.name: m.state for m in client.get_model_repository_index(headers=creds).models}
     assert rows["classifier"] == "UNAVAILABLE"
     client.load_model("classifier", headers=creds)
     assert client.is_model_ready("classifier")
+    # the collector settles again after each: the unloaded version's cycles freed, the new
+    # version frozen out of later collections (model_server.core.collector)
+    wait_for(lambda: len(FROZEN.findall(restricted.log())) >= frozen + 2, 10, "two settles")
     stats = client.get_inference_statistics("classifier", headers=creds).model_stats
     assert stats[0].name == "classifier"
     assert _infer(client).shape == (1, 10)
