@@ -4,7 +4,8 @@ With CPython's default thresholds (700, 10, 10) a model server under load collec
 generation every few requests, and the objects of requests still in flight survived those
 collections, moved up, and set off full collections: about once a second at c64, each walking
 the ~72,000 objects start-up had left alive (modules, protobuf descriptors, the models) for
-15-35 ms while the event loop held the GIL (``bench/README.md``, "The garbage collector").
+15-35 ms while the event loop held the GIL (``bench/README.md``, "grpc.aio's floor, and the
+garbage collector").
 
 Two settings, both from the command line (``--gc-threshold``):
 
@@ -16,7 +17,7 @@ Two settings, both from the command line (``--gc-threshold``):
   collecting first, so an unloaded model's reference cycles are freed then.
 
 What it costs: cyclic garbage waits for up to ``threshold`` allocations (kilobytes to a few
-MiB) before it is freed; an object alive at a settle that later becomes part of unreachable
+MiB) before it is freed; an object alive at a settle that later becomes part of an unreachable
 cycle waits for the next settle; each settle is one full collection on the loop thread
 (tens of milliseconds, once per load or unload). Reference counting, which frees almost
 everything, is not changed.
