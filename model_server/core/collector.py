@@ -19,7 +19,7 @@ Two settings, both from the command line (``--gc-threshold``):
 What it costs: cyclic garbage waits for up to ``threshold`` allocations (kilobytes to a few
 MiB) before it is freed; an object alive at a settle that later becomes part of an unreachable
 cycle waits for the next settle; each settle is one full collection on the loop thread
-(tens of milliseconds, once per load or unload). Reference counting, which frees almost
+(10-20 ms with the demo models, once per load or unload). Reference counting, which frees almost
 everything, is not changed.
 """
 
