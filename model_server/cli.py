@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         labels=tuple(args.labels),
         tls=tls,
         tls_pod=args.tls_pod or "",
-        settle_collector=args.gc_threshold > 0,
+        gc_threshold=args.gc_threshold,
     )
     frontends = None
     if args.frontends > 1:
@@ -375,7 +375,6 @@ def main(argv: list[str] | None = None) -> int:
             tuple(f"{','.join(sorted(r.groups))}:{r.header}=@{r.path}" for r in args.restrictions),
             args.log_level,
             args.event_loop,
-            args.gc_threshold,
         )
     try:
         return event_loop.run(serve(settings, frontends), args.event_loop)

@@ -86,10 +86,11 @@ class ServerSettings:
     tls_pod: str = ""  # NAMESPACE/POD: on Kubernetes the certificate names the pod
     # gRPC on this address instead of host:port ("unix:PATH": the engine of --frontends N)
     listen_address: str | None = None
-    # Freeze what is alive once the models load and after each load or unload, out of later
-    # garbage collections (core.collector; the CLI's --gc-threshold). Off by default, so a
-    # server built in a test process does not freeze that process's objects.
-    settle_collector: bool = False
+    # --gc-threshold (core.collector; the CLI tunes the process with it): above 0, what is
+    # alive once the models load, and after each load or unload, is frozen out of later
+    # garbage collections, here and in the front ends. 0 by default, so a server built in a
+    # test process does not freeze that process's objects.
+    gc_threshold: int = 0
 
     def resolved_metrics_port(self) -> int:
         if self.metrics_port is not None:
@@ -192,7 +193,7 @@ class ModelServer:
         self._spawn(self.refresh_health())
 
     def _settle_collector(self) -> None:
-        if self.settings.settle_collector:
+        if self.settings.gc_threshold > 0:
             collector.settle()
 
     async def start(self) -> None:

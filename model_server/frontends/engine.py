@@ -37,7 +37,6 @@ class FrontendSettings:
     restricted_api: tuple[str, ...] = ()  # the --restricted-api values, as given
     log_level: str = "INFO"
     event_loop: str = "auto"  # the front ends run on the engine's choice
-    gc_threshold: int = 0  # and with its garbage collector settings (0: CPython's)
 
 
 def resident_bytes(pid: int) -> int:
@@ -107,7 +106,7 @@ class FrontendEngine:
             "--host", s.host, "--port", str(self.port), "--pool-bytes", str(f.pool_bytes),
             "--max-request-bytes", str(s.max_request_bytes),
             "--max-concurrent-rpcs", str(s.max_concurrent_rpcs), "--log-level", f.log_level,
-            "--event-loop", f.event_loop, "--gc-threshold", str(f.gc_threshold),
+            "--event-loop", f.event_loop, "--gc-threshold", str(s.gc_threshold),
         ]  # fmt: skip
         for spec in f.restricted_api:
             arguments += ["--restricted-api", spec]
