@@ -1,8 +1,9 @@
 """One model version's life: INITIALIZING -> LOADING -> WARMING -> READY (or FAILED) -> UNLOADING.
 
 Loading and warm-up run in a worker thread, never on the event loop. Inference runs through a
-fixed number of execution slots (the instance_group count) on a thread pool of the same size;
-requests waiting for a slot are the queue. Unloading waits for the requests in flight.
+fixed number of execution slots (the instance_group count), each a worker thread
+(scheduling.workers); requests waiting for a slot are the queue. Unloading waits for the
+requests in flight.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,12 +22,10 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import model_config_pb2
 
-from model_server.core.datatypes import BY_CONFIG_TYPE, Datatype, to_onnx_strings
 from model_server.core.errors import ModelUnavailable
 from model_server.core.memory import MemoryGuard, estimate_model_bytes, process_rss
 from model_server.core.model_config import (
     ModelSpec,
-    TensorSpec,
     batching_policy,
     complete_spec,
     instance_count,
@@ -43,6 +41,7 @@ from model_server.generative.text import (
     special_ids,
     text_spec,
 )
+from model_server.lifecycle.warmup import warmup_inputs
 from model_server.observability.metrics import ServerMetrics
 from model_server.scheduling.batching import DynamicBatcher
 from model_server.scheduling.schedulers import (
@@ -51,6 +50,7 @@ from model_server.scheduling.schedulers import (
     GenerationScheduler,
     Scheduler,
 )
+from model_server.scheduling.workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,14 @@ class VersionStats:
     last_inference_ms: int = 0
 
 
+@dataclass(slots=True)
+class _DirectCall:
+    """One request of a model without batching, from the loop to a worker."""
+
+    queued_ns: int  # time.monotonic_ns() as it was handed to the workers
+    left: bool = False  # its client left before a worker took it
+
+
 class ModelVersion:
     """A loadable, servable version of a model. Owned by the repository; not thread-safe."""
 
@@ -121,7 +129,7 @@ class ModelVersion:
         self.memory_bytes = 0
         self.load_ms = 0.0
         self.slots_total = instance_count(declared)
-        self._executor: ThreadPoolExecutor | None = None
+        self._workers: Workers | None = None  # a thread per instance, from load to unload
         # How requests run, chosen once at load (scheduling.py): None until READY.
         self.scheduler: Scheduler[Any] | None = None
         self._stats_lock = threading.Lock()
@@ -157,14 +165,12 @@ class ModelVersion:
             expected = estimate_model_bytes(self.path) * self.slots_total  # a session each
             guard.reserve(self.label, expected)
             before = process_rss()
-            self._executor = ThreadPoolExecutor(
-                max_workers=self.slots_total, thread_name_prefix=f"{self.name}-v{self.version}"
-            )
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._executor, self._open_session)
+            self._workers = Workers(self.slots_total, f"{self.name}-v{self.version}", loop)
+            await self._workers.run(self._open_session)
             self.memory_bytes = max(0, process_rss() - before)
             self._set_state(ModelState.WARMING)
-            await loop.run_in_executor(self._executor, self._warm_up)
+            await self._workers.run(self._warm_up)
         except Exception as exc:
             self._close()
             self._set_state(ModelState.FAILED, f"{type(exc).__name__}: {exc}")
@@ -174,22 +180,21 @@ class ModelVersion:
         self.load_ms = (time.monotonic() - started) * 1000
         self.metrics.model_load_time.labels(self.name).observe(self.load_ms)
         assert self.session is not None and self.spec is not None
-        self.scheduler = self._scheduler(loop)
+        self.scheduler = self._scheduler()
         self.scheduler.start()
         if isinstance(self.scheduler, GenerationScheduler):
             publish_engine(self.metrics, self.name, self.scheduler.engine)
         self._set_state(ModelState.READY, f"on {self.session.provider}")
 
-    def _scheduler(self, loop: asyncio.AbstractEventLoop) -> Scheduler[Any]:
+    def _scheduler(self) -> Scheduler[Any]:
         """The one place a version's way of running requests is chosen: a decoder (Optimum's
         names) generates; config.pbtxt's dynamic_batching batches; the rest run directly."""
-        assert self.session is not None and self.spec is not None and self._executor is not None
-        session, executor = self.session, self._executor
-        in_worker = lambda job: loop.run_in_executor(executor, job)  # noqa: E731
+        assert self.session is not None and self.spec is not None and self._workers is not None
+        session, workers = self.session, self._workers
         if is_decoder(session.inputs, session.outputs):
             engine = build_engine(
                 session.inputs, [o.name for o in session.outputs], session.run, self.declared,
-                in_worker, generation_observer(self.metrics, self.name),
+                workers.run, generation_observer(self.metrics, self.name),
             )  # fmt: skip
             return GenerationScheduler(
                 engine, self.name, self.version, special_ids(self.declared)[0]
@@ -197,7 +202,7 @@ class ModelVersion:
         policy = batching_policy(self.spec.config)
         if policy is not None:
             batcher = DynamicBatcher(
-                policy, self._run_batch, self.slots_total, executor.submit, label=self.label,
+                policy, self._run_batch, self.slots_total, workers.submit, label=self.label,
                 on_dequeue=self._dequeued,
             )  # fmt: skip
             refused = self.metrics.rejections
@@ -245,18 +250,18 @@ class ModelVersion:
     ) -> list[np.ndarray]:
         """Runs one request on the version's worker threads (the instance_group count).
 
-        Requests beyond the slots wait in the executor's queue: that wait is the queue depth,
+        Requests beyond the slots wait in the workers' queue: that wait is the queue depth,
         and a request whose client cancels while it waits never runs.
         """
-        if self.session is None or self._executor is None:
+        workers = self._workers
+        if self.session is None or workers is None:
             raise ModelUnavailable(f"{self.label} is {self.state.value}")
-        job = self._executor.submit(self._run, outputs, feeds, batch, time.monotonic_ns())
+        call = _DirectCall(time.monotonic_ns())
         self._submitted += 1
         try:
-            return await asyncio.wrap_future(job)
+            return await workers.run(lambda: self._run(outputs, feeds, batch, call))
         except asyncio.CancelledError:
-            if job.cancelled():  # cancelled before a worker took it
-                self._submitted -= 1
+            call.left = True  # a worker that takes it after this skips it
             raise
 
     def _run(
@@ -264,12 +269,15 @@ class ModelVersion:
         outputs: Sequence[str],
         feeds: Mapping[str, np.ndarray],
         batch: int,
-        queued_ns: int,
+        call: _DirectCall,
     ) -> list[np.ndarray]:
-        """In a worker thread: the request leaves the queue, runs, and is counted."""
+        """In a worker thread: the request leaves the queue, runs, and is counted; one whose
+        client left while it waited does not run (nobody awaits its outcome)."""
         with self._stats_lock:
             self._started += 1
-        self._dequeued((time.monotonic_ns() - queued_ns) / 1e9)
+        if call.left:
+            return []
+        self._dequeued((time.monotonic_ns() - call.queued_ns) / 1e9)
         return self._compute(outputs, feeds, batch)
 
     def _run_batch(
@@ -349,52 +357,6 @@ class ModelVersion:
         self.session = None
         self._instances = queue.SimpleQueue()
         self.scheduler = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
-            self._executor = None
-
-
-def _synthetic(spec: TensorSpec, batch_dims: list[int], zero: bool, seed: int) -> np.ndarray:
-    shape = batch_dims + [d if d > 0 else 1 for d in spec.dims]
-    return _fill(spec.datatype, shape, zero, seed)
-
-
-def _fill(datatype: Datatype, shape: list[int], zero: bool, seed: int) -> np.ndarray:
-    if datatype.is_bytes:
-        return np.full(shape, "" if zero else "warmup", dtype=object)
-    if zero:
-        return np.zeros(shape, dtype=datatype.numpy)
-    rng = np.random.default_rng(seed)
-    if datatype.numpy.kind == "f":
-        return rng.random(shape).astype(datatype.numpy)
-    if datatype.numpy.kind == "b":
-        return rng.integers(0, 2, shape).astype(bool)
-    return rng.integers(0, 100, shape).astype(datatype.numpy)
-
-
-def warmup_inputs(spec: ModelSpec, model_dir: Path) -> list[tuple[dict[str, np.ndarray], int]]:
-    """Feeds for warm-up: the config's model_warmup entries, else one sample of zeros."""
-    batch_dims = [1] if spec.max_batch_size > 0 else []
-    warmups = list(spec.config.model_warmup)
-    if not warmups:
-        feeds = {t.name: _synthetic(t, batch_dims, True, 0) for t in spec.inputs}
-        return [({k: _onnx_ready(v) for k, v in feeds.items()}, 1)]
-    runs = []
-    for index, warmup in enumerate(warmups):
-        batch = [max(1, warmup.batch_size)] if spec.max_batch_size > 0 else []
-        feeds = {}
-        for name, source in warmup.inputs.items():
-            datatype = BY_CONFIG_TYPE[source.data_type]
-            shape = batch + list(source.dims)
-            choice = source.WhichOneof("input_data_type")
-            if choice == "input_data_file":
-                raw = (model_dir / "warmup" / source.input_data_file).read_bytes()
-                feeds[name] = np.frombuffer(raw, dtype=datatype.numpy).reshape(shape)
-            else:
-                feeds[name] = _fill(datatype, shape, choice != "random_data", index)
-        runs.append(({k: _onnx_ready(v) for k, v in feeds.items()}, max(1, warmup.count)))
-    return runs
-
-
-def _onnx_ready(array: np.ndarray) -> np.ndarray:
-    return to_onnx_strings(array) if array.dtype == object else array
+        if self._workers is not None:
+            self._workers.stop()
+            self._workers = None

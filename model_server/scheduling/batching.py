@@ -20,7 +20,6 @@ whose client cancels while queued leaves the queue.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import functools
 import math
@@ -34,18 +33,9 @@ import numpy as np
 
 from model_server.core.errors import InferenceError, InvalidInput
 from model_server.core.model_config import BatchingPolicy
+from model_server.scheduling.workers import Execute
 
 RunBatch = Callable[[Mapping[str, np.ndarray], Sequence[str], int], list[np.ndarray]]
-# A batch's run: an asyncio future, or (cheaper) the worker pool's own concurrent future,
-# whose completion the batcher posts to the loop itself.
-Running = asyncio.Future[list[np.ndarray]] | concurrent.futures.Future[list[np.ndarray]]
-
-
-def _post(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: object) -> None:
-    """``callback(*args)`` in ``loop``'s thread, from a worker; dropped once the loop is closed
-    (the server stopped: nobody waits for the answer)."""
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(callback, *args)
 
 
 class QueueFull(InferenceError):
@@ -89,7 +79,7 @@ class DynamicBatcher:
         policy: BatchingPolicy,
         run_batch: RunBatch,
         slots: int,
-        execute: Callable[[Callable[[], list[np.ndarray]]], Running],
+        execute: Execute,
         label: str = "model",
         clock: Callable[[], float] = time.monotonic,
         on_dequeue: Callable[[float], None] = lambda waited_s: None,
@@ -97,10 +87,8 @@ class DynamicBatcher:
         self.policy = policy
         self.label = label
         self._run_batch = run_batch  # blocking: joins nothing, runs one ONNX Runtime call
-        # Runs a blocking callable on the version's worker threads. When it returns the pool's
-        # concurrent future, the worker posts the batch's end to the loop directly: one loop
-        # step per batch fewer than asyncio.wrap_future (which sets an asyncio future whose
-        # callbacks then run in a step of their own).
+        # Runs a blocking callable on the version's worker threads and hands its outcome back
+        # on the loop (workers.Workers.submit): the batch ends in that one loop step.
         self._execute = execute
         self._free_slots = slots
         self._slots = slots
@@ -109,7 +97,6 @@ class DynamicBatcher:
         self._queues: list[deque[_Pending]] = [deque() for _ in range(policy.priority_levels)]
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._running: set[Running] = set()  # batches on instances
         self._wait_until = math.inf  # when the scheduler's current wait ends (inf: none)
         self.stats = BatchStats()
 
@@ -233,7 +220,7 @@ class DynamicBatcher:
 
     def _start(self, batch: list[_Pending], rows: int, now: float) -> None:
         """Takes an instance and runs ``batch`` (already out of the queues) on it. No task: the
-        worker's future calls ``_finish``, one loop step fewer per batch than awaiting it."""
+        worker posts ``_finish`` to the loop."""
         for pending in batch:
             self._on_dequeue(now - pending.queued_at)
         self._free_slots -= 1
@@ -246,31 +233,12 @@ class DynamicBatcher:
                     name: np.concatenate([p.feeds[name] for p in batch]) for name in batch[0].feeds
                 }
             )
-            running = self._execute(lambda: self._run_batch(feeds, outputs, rows))
-        except Exception as exc:  # the inputs did not join: the whole batch shares the failure
-            self._finish(batch, outputs, rows, exc)
-            return
-        self._running.add(running)
-        if isinstance(running, concurrent.futures.Future):
-            loop = asyncio.get_running_loop()
-            running.add_done_callback(
-                lambda done: _post(loop, self._finished, batch, outputs, rows, done)
+            self._execute(
+                lambda: self._run_batch(feeds, outputs, rows),
+                lambda outcome: self._finish(batch, outputs, rows, outcome),
             )
-        else:
-            running.add_done_callback(lambda done: self._finished(batch, outputs, rows, done))
-
-    def _finished(
-        self,
-        batch: list[_Pending],
-        outputs: list[str],
-        rows: int,
-        done: Running,
-    ) -> None:
-        self._running.discard(done)
-        if done.cancelled():
-            self._finish(batch, outputs, rows, asyncio.CancelledError())
-        else:
-            self._finish(batch, outputs, rows, done.exception() or done.result())
+        except Exception as exc:  # the inputs did not join, or the workers stopped
+            self._finish(batch, outputs, rows, exc)
 
     def _finish(
         self,

@@ -6,7 +6,6 @@ import asyncio
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -24,6 +23,7 @@ from model_server.core.model_config import (
 )
 from model_server.core.validation import request_scheduling
 from model_server.scheduling.batching import DeadlineExceeded, DynamicBatcher, QueueFull
+from model_server.scheduling.workers import Workers
 
 WEIGHTS = np.arange(12, dtype=np.float32).reshape(4, 3)
 
@@ -65,14 +65,12 @@ class Clock:
 
 def batcher(
     model: Model, slots: int = 1, clock: Clock | None = None, **policy: Any
-) -> tuple[DynamicBatcher, ThreadPoolExecutor]:
-    pool = ThreadPoolExecutor(max_workers=slots)
-    loop = asyncio.get_running_loop()
+) -> tuple[DynamicBatcher, Workers]:
+    pool = Workers(slots, "test", asyncio.get_running_loop())
     settings = {"max_batch_size": 8, **policy}
     b = DynamicBatcher(
-        BatchingPolicy(**settings), model.run, slots, lambda job: loop.run_in_executor(pool, job),
-        clock=clock or time.monotonic,
-    )  # fmt: skip
+        BatchingPolicy(**settings), model.run, slots, pool.submit, clock=clock or time.monotonic
+    )
     b.start()
     return b, pool
 
@@ -115,7 +113,7 @@ async def test_concurrent_requests_run_as_fewer_calls_with_the_same_results() ->
         np.testing.assert_array_equal(outputs[1], x.sum(axis=1, keepdims=True))
     assert b.stats.batches == len(model.calls) and b.stats.rows == 10
     await b.stop()
-    pool.shutdown()
+    pool.stop()
 
 
 async def test_batches_never_exceed_max_batch_size_and_shapes_do_not_mix() -> None:
@@ -132,7 +130,7 @@ async def test_batches_never_exceed_max_batch_size_and_shapes_do_not_mix() -> No
     for i, task in enumerate(narrow):
         np.testing.assert_array_equal(task.result()[0], [[2.0 * i]])
     await b.stop()
-    pool.shutdown()
+    pool.stop()
 
 
 async def test_higher_priority_runs_first() -> None:
@@ -149,7 +147,7 @@ async def test_higher_priority_runs_first() -> None:
     with pytest.raises(InvalidInput, match=r"priority 4 must be in 1\.\.3"):
         await b.submit(sample(0), ["s"], 1, priority=4)
     await b.stop()
-    pool.shutdown()
+    pool.stop()
 
 
 async def test_a_request_past_its_deadline_never_runs() -> None:
@@ -163,7 +161,7 @@ async def test_a_request_past_its_deadline_never_runs() -> None:
     await blocker
     assert model.order == [0] and b.stats.expired == 1
     await b.stop()
-    pool.shutdown()
+    pool.stop()
 
 
 async def test_timeouts_count_from_arrival_not_from_the_queue() -> None:
@@ -179,7 +177,7 @@ async def test_timeouts_count_from_arrival_not_from_the_queue() -> None:
     model.gate.set()
     await blocker
     await b.stop()
-    pool.shutdown()
+    pool.stop()
 
 
 async def test_the_queue_policy_timeout_applies_without_a_request_timeout() -> None:
@@ -191,7 +189,7 @@ async def test_the_queue_policy_timeout_applies_without_a_request_timeout() -> N
     model.gate.set()
     await blocker
     await b.stop()
-    pool.shutdown()
+    pool.stop()
 
 
 async def test_a_full_queue_rejects_at_once() -> None:
@@ -210,7 +208,7 @@ async def test_a_full_queue_rejects_at_once() -> None:
     await asyncio.gather(blocker, *queued)
     assert b.stats.rejected_full == 1 and model.order == [0, 1, 2]
     await b.stop()
-    pool.shutdown()
+    pool.stop()
 
 
 async def settle() -> None:
@@ -231,7 +229,7 @@ async def test_queue_delay_is_honoured_on_an_idle_model_as_triton_does() -> None
     await asyncio.gather(first, second, third)
     assert model.calls == [3]  # one batch: the delay bought company
     await b.stop()
-    pool.shutdown()
+    pool.stop()
 
 
 async def test_a_preferred_size_runs_at_once_without_the_delay() -> None:
@@ -240,7 +238,7 @@ async def test_a_preferred_size_runs_at_once_without_the_delay() -> None:
     await b.submit(sample(1, rows=2), ["s"], 2)  # the clock never moves: no delay was waited
     assert model.calls == [2]
     await b.stop()
-    pool.shutdown()
+    pool.stop()
 
 
 async def test_skip_delay_when_idle_runs_a_lone_request_at_once_but_waits_when_busy() -> None:
@@ -262,7 +260,7 @@ async def test_skip_delay_when_idle_runs_a_lone_request_at_once_but_waits_when_b
     await blocker
     assert model.calls == [1, 2, 1]  # alone; the pair after the delay; then the blocker
     await b.stop()
-    pool.shutdown()
+    pool.stop()
 
 
 async def test_a_cancelled_request_leaves_the_queue() -> None:
@@ -277,7 +275,7 @@ async def test_a_cancelled_request_leaves_the_queue() -> None:
     await blocker
     assert model.order == [0]
     await b.stop()
-    pool.shutdown()
+    pool.stop()
 
 
 async def test_a_failing_call_fails_every_request_of_the_batch_and_the_batcher_goes_on() -> None:
@@ -291,22 +289,18 @@ async def test_a_failing_call_fails_every_request_of_the_batch_and_the_batcher_g
             raise RuntimeError("onnxruntime said no")
         return model.run(feeds, outputs, rows)
 
-    pool = ThreadPoolExecutor(max_workers=1)
-    loop = asyncio.get_running_loop()
-    b = DynamicBatcher(
-        BatchingPolicy(max_batch_size=4), flaky, 1, lambda job: loop.run_in_executor(pool, job)
-    )
+    pool = Workers(1, "test", asyncio.get_running_loop())
+    b = DynamicBatcher(BatchingPolicy(max_batch_size=4), flaky, 1, pool.submit)
     b.start()
     with pytest.raises(RuntimeError, match="said no"):
         await b.submit(sample(1), ["s"], 1)
     assert (await b.submit(sample(2), ["s"], 1))[0].tolist() == [[8.0]]
     await b.stop()
-    pool.shutdown()
+    pool.stop()
 
 
-async def test_the_worker_pools_own_futures_answer_as_asyncio_ones() -> None:
-    """The model server hands the batcher ``executor.submit`` (a concurrent future, whose end
-    the worker posts to the loop): batches form, rows come back to their requests, a failure
+async def test_a_failing_batch_fails_its_own_requests_only() -> None:
+    """Through the workers' hand-off: batches form, rows come back to their requests, a failure
     reaches its batch only and the instance is free again afterwards."""
     model = Model()
     model.hold = {0.0}
@@ -319,7 +313,7 @@ async def test_the_worker_pools_own_futures_answer_as_asyncio_ones() -> None:
             raise RuntimeError("onnxruntime said no")
         return model.run(feeds, outputs, rows)
 
-    pool = ThreadPoolExecutor(max_workers=1)
+    pool = Workers(1, "test", asyncio.get_running_loop())
     b = DynamicBatcher(BatchingPolicy(max_batch_size=8), run, 1, pool.submit)
     b.start()
     blocker = await occupy(b, model)
@@ -334,7 +328,7 @@ async def test_the_worker_pools_own_futures_answer_as_asyncio_ones() -> None:
         await b.submit(sample(9), ["s"], 1)
     assert (await b.submit(sample(2), ["s"], 1))[0].tolist() == [[8.0]]
     await b.stop()
-    pool.shutdown()
+    pool.stop()
 
 
 # -- configuration ----------------------------------------------------------------------------
