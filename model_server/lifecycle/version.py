@@ -203,7 +203,7 @@ class ModelVersion:
         if policy is not None:
             batcher = DynamicBatcher(
                 policy, self._run_batch, self.slots_total, workers.submit, label=self.label,
-                on_dequeue=self._dequeued,
+                on_dequeue=self._dequeued, ahead=1,
             )  # fmt: skip
             refused = self.metrics.rejections
             return BatchingScheduler(

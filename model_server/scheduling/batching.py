@@ -15,6 +15,14 @@ A request whose deadline (the sooner of its gRPC deadline, its "timeout" paramet
 queue policy's default timeout) passes while it is queued is answered DEADLINE_EXCEEDED and
 never runs. A full queue (``max_queue_size``) answers RESOURCE_EXHAUSTED at once. A request
 whose client cancels while queued leaves the queue.
+
+With ``ahead`` (the model server passes 1), that many batches more than the instances may be
+handed to the workers: while every instance runs, the next batch waits at the workers, and an
+instance that finishes starts it at once instead of idling through a round trip to the event
+loop (the worker posts its answer, the loop forms the next batch, hands it back). A batch
+waiting there has left the queue: its requests no longer expire or give way to a higher
+priority; the wait is at most one batch's run, and it counts as queue time (measured when the
+batch starts).
 """
 
 from __future__ import annotations
@@ -83,6 +91,7 @@ class DynamicBatcher:
         label: str = "model",
         clock: Callable[[], float] = time.monotonic,
         on_dequeue: Callable[[float], None] = lambda waited_s: None,
+        ahead: int = 0,
     ) -> None:
         self.policy = policy
         self.label = label
@@ -90,10 +99,11 @@ class DynamicBatcher:
         # Runs a blocking callable on the version's worker threads and hands its outcome back
         # on the loop (workers.Workers.submit): the batch ends in that one loop step.
         self._execute = execute
-        self._free_slots = slots
-        self._slots = slots
+        self._free_slots = slots + ahead  # batches that may be handed to the workers now
+        self._slots = slots + ahead
         self._clock = clock
-        self._on_dequeue = on_dequeue  # each request's time in the queue, as it leaves
+        # Each request's time in the queue, as its batch starts (on the worker's thread).
+        self._on_dequeue = on_dequeue
         self._queues: list[deque[_Pending]] = [deque() for _ in range(policy.priority_levels)]
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -155,7 +165,7 @@ class DynamicBatcher:
         future: asyncio.Future[list[np.ndarray]] = asyncio.get_running_loop().create_future()
         pending = _Pending(feeds, tuple(outputs), rows, level, deadline, now, future)
         if self._runs_at_once(rows, deadline, now):
-            self._start([pending], rows, now)  # what the scheduler would do, without its pass
+            self._start([pending], rows)  # what the scheduler would do, without its pass
         else:
             self._enqueue(pending)
         try:
@@ -168,9 +178,10 @@ class DynamicBatcher:
 
     def _runs_at_once(self, rows: int, deadline: float | None, now: float) -> bool:
         """Whether a request arriving now would leave in the scheduler's next pass: nothing is
-        queued, an instance is free and its batch of one may run (no delay to wait, a preferred
-        or full size, or an idle model with skip_delay_when_idle). At c1 this is every request:
-        starting it here saves the scheduler's pass (a task switch, an Event, a queue scan)."""
+        queued, a slot is free (an instance, or a place ahead) and its batch of one may run (no
+        delay to wait, a preferred or full size, or an idle model with skip_delay_when_idle). At
+        c1 this is every request: starting it here saves the scheduler's pass (a task switch, an
+        Event, a queue scan)."""
         policy = self.policy
         return (
             self._free_slots > 0
@@ -216,15 +227,20 @@ class DynamicBatcher:
                 await self._wait(remaining)  # for more requests, or the delay to run out
                 continue
             self._dequeue(batch)
-            self._start(batch, rows, self._clock())
+            self._start(batch, rows)
 
-    def _start(self, batch: list[_Pending], rows: int, now: float) -> None:
-        """Takes an instance and runs ``batch`` (already out of the queues) on it. No task: the
-        worker posts ``_finish`` to the loop."""
-        for pending in batch:
-            self._on_dequeue(now - pending.queued_at)
+    def _start(self, batch: list[_Pending], rows: int) -> None:
+        """Hands ``batch`` (already out of the queues) to the workers. No task: the worker
+        posts ``_finish`` to the loop."""
         self._free_slots -= 1
         outputs = sorted({name for p in batch for name in p.outputs})
+
+        def run() -> list[np.ndarray]:  # on a worker thread
+            started = self._clock()
+            for pending in batch:
+                self._on_dequeue(started - pending.queued_at)
+            return self._run_batch(feeds, outputs, rows)
+
         try:
             feeds = (
                 batch[0].feeds
@@ -233,10 +249,7 @@ class DynamicBatcher:
                     name: np.concatenate([p.feeds[name] for p in batch]) for name in batch[0].feeds
                 }
             )
-            self._execute(
-                lambda: self._run_batch(feeds, outputs, rows),
-                lambda outcome: self._finish(batch, outputs, rows, outcome),
-            )
+            self._execute(run, lambda outcome: self._finish(batch, outputs, rows, outcome))
         except Exception as exc:  # the inputs did not join, or the workers stopped
             self._finish(batch, outputs, rows, exc)
 

@@ -64,13 +64,19 @@ class Clock:
 
 
 def batcher(
-    model: Model, slots: int = 1, clock: Clock | None = None, **policy: Any
+    model: Model,
+    slots: int = 1,
+    clock: Clock | None = None,
+    ahead: int = 0,
+    on_dequeue: Any = lambda waited_s: None,
+    **policy: Any,
 ) -> tuple[DynamicBatcher, Workers]:
     pool = Workers(slots, "test", asyncio.get_running_loop())
     settings = {"max_batch_size": 8, **policy}
     b = DynamicBatcher(
-        BatchingPolicy(**settings), model.run, slots, pool.submit, clock=clock or time.monotonic
-    )
+        BatchingPolicy(**settings), model.run, slots, pool.submit, clock=clock or time.monotonic,
+        on_dequeue=on_dequeue, ahead=ahead,
+    )  # fmt: skip
     b.start()
     return b, pool
 
@@ -327,6 +333,62 @@ async def test_a_failing_batch_fails_its_own_requests_only() -> None:
     with pytest.raises(RuntimeError, match="said no"):
         await b.submit(sample(9), ["s"], 1)
     assert (await b.submit(sample(2), ["s"], 1))[0].tolist() == [[8.0]]
+    await b.stop()
+    pool.stop()
+
+
+async def test_one_batch_ahead_waits_at_the_workers_and_starts_when_the_instance_frees() -> None:
+    """ahead=1: while the only instance runs, the next request is handed to the workers at once
+    (it leaves the queue, alone) and runs as soon as the instance is free; later ones queue and
+    form the batch after it."""
+    model = Model()
+    b, pool = batcher(model, ahead=1)
+    blocker = await occupy(b, model)
+    second = asyncio.create_task(b.submit(sample(1), ["s"], 1))
+    await until(lambda: b._free_slots == 0, "the second handed to the workers")
+    assert b.queued == 0
+    rest = [asyncio.create_task(b.submit(sample(v), ["s"], 1)) for v in (2, 3, 4)]
+    await until(lambda: b.queued == 3, "three queued behind the batch ahead")
+    model.gate.set()
+    answers = await asyncio.gather(blocker, second, *rest)
+    assert [a[0].tolist() for a in answers] == [[[0.0]], [[4.0]], [[8.0]], [[12.0]], [[16.0]]]
+    assert model.calls == [1, 1, 3]  # the blocker, the batch ahead, then the three together
+    await b.stop()
+    pool.stop()
+
+
+async def test_time_waiting_at_the_workers_counts_as_queue_time() -> None:
+    """A batch ahead is dequeued when it starts on the instance, not when it is handed over."""
+    model, clock = Model(), Clock()
+    waits: list[float] = []
+    b, pool = batcher(model, clock=clock, ahead=1, on_dequeue=waits.append)
+    blocker = await occupy(b, model)
+    second = asyncio.create_task(b.submit(sample(1), ["s"], 1))
+    await until(lambda: b._free_slots == 0, "the second handed to the workers")
+    clock.now = 5.0  # the blocker runs for "5 s" while the second waits at the workers
+    model.gate.set()
+    await asyncio.gather(blocker, second)
+    assert waits == [0.0, 5.0]
+    await b.stop()
+    pool.stop()
+
+
+async def test_skip_delay_when_idle_means_nothing_handed_to_the_workers() -> None:
+    """With a batch ahead allowed, "idle" still means no batch running or waiting: a request
+    arriving while one runs waits for company (the queue delay) instead of going ahead."""
+    model, clock = Model(), Clock()
+    b, pool = batcher(
+        model, clock=clock, ahead=1, max_queue_delay_s=10.0, skip_delay_when_idle=True
+    )
+    blocker = await occupy(b, model)  # idle: ran at once despite the delay
+    waiting = asyncio.create_task(b.submit(sample(1), ["s"], 1))
+    await until(lambda: b.queued == 1, "the second queued for company")
+    clock.now = 10.0  # its delay is over: it goes ahead of the running blocker
+    b._wake.set()
+    await until(lambda: b.queued == 0, "the second handed to the workers")
+    model.gate.set()
+    assert (await waiting)[0].tolist() == [[4.0]]
+    await blocker
     await b.stop()
     pool.stop()
 
