@@ -101,6 +101,7 @@ class DynamicBatcher:
         self._execute = execute
         self._free_slots = slots + ahead  # batches that may be handed to the workers now
         self._slots = slots + ahead
+        self._ahead = ahead
         self._clock = clock
         # Each request's time in the queue, as its batch starts (on the worker's thread).
         self._on_dequeue = on_dequeue
@@ -183,8 +184,10 @@ class DynamicBatcher:
         c1 this is every request: starting it here saves the scheduler's pass (a task switch, an
         Event, a queue scan)."""
         policy = self.policy
+        # Only onto a free instance: a batch going ahead is formed by the scheduler's pass, after
+        # the loop has taken in the other requests that arrived with this one.
         return (
-            self._free_slots > 0
+            self._free_slots > self._ahead
             and not any(self._queues)
             and (deadline is None or deadline > now)
             and (

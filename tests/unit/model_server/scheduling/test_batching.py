@@ -357,6 +357,22 @@ async def test_one_batch_ahead_waits_at_the_workers_and_starts_when_the_instance
     pool.stop()
 
 
+async def test_requests_arriving_together_go_ahead_as_one_batch() -> None:
+    """The batch ahead is formed by the scheduler's pass, after the loop has taken in the other
+    requests that arrived with the first: they go ahead together, not one alone."""
+    model = Model()
+    b, pool = batcher(model, ahead=1)
+    blocker = await occupy(b, model)
+    together = [asyncio.create_task(b.submit(sample(v), ["s"], 1)) for v in (1, 2, 3)]
+    await until(lambda: b._free_slots == 0, "a batch handed to the workers")
+    assert b.queued == 0
+    model.gate.set()
+    await asyncio.gather(blocker, *together)
+    assert model.calls == [1, 3]
+    await b.stop()
+    pool.stop()
+
+
 async def test_time_waiting_at_the_workers_counts_as_queue_time() -> None:
     """A batch ahead is dequeued when it starts on the instance, not when it is handed over."""
     model, clock = Model(), Clock()
