@@ -179,13 +179,12 @@ class DynamicBatcher:
 
     def _runs_at_once(self, rows: int, deadline: float | None, now: float) -> bool:
         """Whether a request arriving now would leave in the scheduler's next pass: nothing is
-        queued, a slot is free (an instance, or a place ahead) and its batch of one may run (no
-        delay to wait, a preferred or full size, or an idle model with skip_delay_when_idle). At
-        c1 this is every request: starting it here saves the scheduler's pass (a task switch, an
-        Event, a queue scan)."""
+        queued, an instance is free and its batch of one may run (no delay to wait, a preferred
+        or full size, or an idle model with skip_delay_when_idle). At c1 this is every request:
+        starting it here saves the scheduler's pass (a task switch, an Event, a queue scan). A
+        batch going ahead is left to the pass, which runs after the loop has taken in the other
+        requests that arrived with this one, so they go ahead together."""
         policy = self.policy
-        # Only onto a free instance: a batch going ahead is formed by the scheduler's pass, after
-        # the loop has taken in the other requests that arrived with this one.
         return (
             self._free_slots > self._ahead
             and not any(self._queues)
