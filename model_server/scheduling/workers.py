@@ -6,7 +6,7 @@ One thread per instance (instance_group count). The loop hands a job over with o
 ``ThreadPoolExecutor`` this replaced did more on both sides of every hand-off: a work item and a
 concurrent future per job, a lock and a Condition to set its result, its own callbacks, then
 the post to the loop. Side by side its cost was within this host's noise (bench/README.md,
-"Where the request path's time goes"); this is kept for being less code on both sides.
+"The worker hand-off, and one batch ahead"); this is kept for being less code on both sides.
 """
 
 from __future__ import annotations
