@@ -236,13 +236,6 @@ class DynamicBatcher:
         posts ``_finish`` to the loop."""
         self._free_slots -= 1
         outputs = sorted({name for p in batch for name in p.outputs})
-
-        def run() -> list[np.ndarray]:  # on a worker thread
-            started = self._clock()
-            for pending in batch:
-                self._on_dequeue(started - pending.queued_at)
-            return self._run_batch(feeds, outputs, rows)
-
         try:
             feeds = (
                 batch[0].feeds
@@ -251,6 +244,13 @@ class DynamicBatcher:
                     name: np.concatenate([p.feeds[name] for p in batch]) for name in batch[0].feeds
                 }
             )
+
+            def run() -> list[np.ndarray]:  # on a worker thread
+                started = self._clock()
+                for pending in batch:
+                    self._on_dequeue(started - pending.queued_at)
+                return self._run_batch(feeds, outputs, rows)
+
             self._execute(run, lambda outcome: self._finish(batch, outputs, rows, outcome))
         except Exception as exc:  # the inputs did not join, or the workers stopped
             self._finish(batch, outputs, rows, exc)
