@@ -40,7 +40,7 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -157,14 +157,14 @@ def start(rung: str, repo: Path, model: Path, log: Path) -> Iterator[bp.Target]:
         with bp.start_naive(model, log, "uvloop", rung == "floor") as target:
             yield target
         return
-    cmd = [sys.executable, str(Path(__file__).resolve())]
-    if rung in CUT:
-        cmd += ["--serve", rung, "--"]
-    else:
-        cmd = [sys.executable, "-m", "model_server"]
-    cmd += ["--model-repository", str(repo), "--host", bms.HOST, "--port", "0",
-            "--metrics-port", "0", "--models", bp.MODEL_NAME]  # fmt: skip
-    with bms.start_server(bms.ServerSpec(rung, cmd, bms.LISTEN_RE, bms.READY_RE), log) as started:
+    if rung not in CUT:  # full: the server as bench_peers starts it
+        with bp.start_infermesh(repo, log) as target:
+            yield target
+        return
+    spec = bp.model_server_spec(repo, rung)
+    assert spec.cmd[1:3] == ["-m", "model_server"]  # its arguments follow
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", rung, "--", *spec.cmd[3:]]
+    with bms.start_server(bms.ServerSpec(rung, cmd, spec.listen, spec.ready), log) as started:
         pid, port, _ = started
         yield bp.Target(port, False, pid, None)
 
@@ -246,7 +246,7 @@ def main() -> int:
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     exe = bms.ensure_h2load()
     results: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    with tempfile.TemporaryDirectory(prefix="ladder-") as tmp, ExitStack():
+    with tempfile.TemporaryDirectory(prefix="ladder-") as tmp:
         work = Path(tmp)
         repo = bp.write_repository(work / "repo", True, 0, 1)
         model = sorted(repo.glob(f"{bp.MODEL_NAME}/*/model.onnx"))[-1]
