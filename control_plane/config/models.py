@@ -51,6 +51,7 @@ _ROUTING = {
     "backoff_base_s": "positive", "backoff_max_s": "positive", "slow_start_s": "nonnegative",
     "ewma_alpha": "fraction", "hysteresis": "fraction", "max_step": "fraction",
     "over_sla_exponent": "nonnegative", "recompute_tolerance": "fraction",
+    "kv_full_at": "fraction",
 }  # fmt: skip
 # A generative pool is scored mostly on KV-cache headroom and waiting sequences: a server whose
 # cache is nearly full loses weight before it has to turn sequences away.

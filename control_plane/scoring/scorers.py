@@ -207,6 +207,22 @@ def over_sla_factor(p99_ms: float | None, policy: PoolPolicy) -> float:
     return float((policy.sla_p99_ms / p99_ms) ** policy.over_sla_exponent)
 
 
+def kv_full_factor(endpoint: EndpointSignals, policy: PoolPolicy) -> float:
+    """(1 - used/total) / (1 - kv_full_at) above ``policy.kv_full_at`` of the blocks used, else 1.
+
+    The KV-cache scorer alone is gentle too: at 35% of a generative pool's weights, a server
+    whose cache was 97% used kept half the weight of an empty one from its other headroom,
+    yet every new sequence there waits for blocks to free. With kv_full_at 0.8, a server at
+    90% used keeps half its score, at 97% 15%, and a full one none (its weight floors at 1).
+    """
+    if policy.kv_full_at >= 1.0:
+        return 1.0
+    headroom = _headroom(endpoint.kv_blocks_used, endpoint.kv_blocks_total)
+    if headroom is None or headroom >= 1.0 - policy.kv_full_at:
+        return 1.0
+    return headroom / (1.0 - policy.kv_full_at)
+
+
 def scorer_weights(policy: PoolPolicy, scorers: Sequence[Scorer] = SCORERS) -> dict[str, float]:
     """Each scorer's weight in the pool's policy (0.0 for a scorer ScoreWeights does not name)."""
     return {s.name: float(getattr(policy.score_weights, s.name, 0.0)) for s in scorers}
@@ -230,4 +246,8 @@ def combine(
     if score is not None and factor < 1.0:
         parts["over_sla"] = factor  # shown in the reason: "over_sla 0.25"
         score *= factor
+    kv_factor = kv_full_factor(endpoint, policy) if weights.get("kv_cache", 0) > 0 else 1.0
+    if score is not None and kv_factor < 1.0:
+        parts["kv_full"] = kv_factor  # "kv_full 0.15"
+        score *= kv_factor
     return EndpointScore(endpoint.endpoint, score, parts)

@@ -62,6 +62,10 @@ class PoolPolicy:
     # Above the SLA the combined score is multiplied by (SLA / p99) ** over_sla_exponent
     # (0 turns it off: the source article's plain weighted sum).
     over_sla_exponent: float = 2.0
+    # Above this share of its KV blocks in use, the combined score is multiplied by the
+    # headroom left as a share of the headroom at this share: falling linearly to 0 when full
+    # (1 turns it off). A nearly full cache makes new sequences wait for blocks.
+    kv_full_at: float = 0.8
     # Integer EDS weights: the best endpoint gets max_weight; nobody healthy gets 0.
     max_weight: int = 100
     ewma_alpha: float = 0.5  # smoothing of scores per RECOMPUTE_PERIOD_S (1: no smoothing)

@@ -96,12 +96,16 @@ def test_new_streams_avoid_the_server_whose_kv_cache_is_full(
             pool = plane.admin_get("/status")["routing"].get(MODEL, {}).get("endpoints", {})
             return {ep: int(e["weight"] or 0) for ep, e in pool.items()}
 
-        wait_for(
-            lambda: (w := weights()) and w.get(full.url, 0) * 2 < w.get(free.url, 0),
-            20,
-            "the full server's weight to fall under half the other's",
-            interval=0.2,
-        )
+        last: list[dict[str, int]] = [{}]  # the weights at the last poll, for a failure's message
+
+        def full_under_half() -> bool:
+            last[0] = w = weights()
+            return bool(w) and w.get(full.url, 0) * 2 < w.get(free.url, 0)
+
+        try:
+            wait_for(full_under_half, 20, "the full server's weight to fall under half", 0.2)
+        except TimeoutError as e:
+            raise AssertionError(f"{e}; weights at the end {last[0]}, full {full.url}") from e
         before = {s.url: requests_served(s) for s in (full, free)}
         seen = []  # the weights in force as the streams went, for a failure's message
         for _ in range(30):

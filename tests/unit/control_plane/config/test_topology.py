@@ -469,6 +469,7 @@ models:
       memory_watermark: 0.9
       latency_eject_windows: 2
       slow_start_s: 0
+      kv_full_at: 0.9
   - name: classifier
     sla_p99_ms: 50
     capacity_qps: 1000
@@ -477,9 +478,10 @@ models:
     llm = topology.policy("llm")
     assert llm.capacity_qps == 50 and llm.sla_p99_ms == 200
     assert llm.score_weights.kv_cache == 0.2 and llm.memory_watermark == 0.9
-    assert llm.latency_eject_windows == 2 and llm.slow_start_s == 0
+    assert llm.latency_eject_windows == 2 and llm.slow_start_s == 0 and llm.kv_full_at == 0.9
     default = topology.policy("classifier")
     assert default.score_weights.qps == 0.4 and default.memory_watermark == 0.95
+    assert default.kv_full_at == 0.8
 
 
 def test_model_routing_policy_errors_are_all_reported() -> None:
@@ -494,6 +496,7 @@ models:
       score_weights: {qps: 0, latency: 0, memory: 0, speed: 1}
       memory_watermark: 1.5
       latency_eject_windows: 0
+      kv_full_at: -0.1
       surprise: true
 """
     with pytest.raises(TopologyError) as caught:
@@ -503,6 +506,7 @@ models:
         "models[0].routing.score_weights.speed: unknown key",
         "models[0].routing.memory_watermark: must be in 0..1",
         "models[0].routing.latency_eject_windows: must be >= 1",
+        "models[0].routing.kv_full_at: must be in 0..1",
         "models[0].routing.surprise: unknown key",
         "models[0].routing.score_weights: at least one weight must be > 0",
     ):

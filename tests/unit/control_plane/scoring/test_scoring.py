@@ -19,6 +19,7 @@ from control_plane.scoring.scorers import (
     QueueScorer,
     Scorer,
     combine,
+    kv_full_factor,
     over_sla_factor,
 )
 from control_plane.scoring.types import EndpointSignals, PoolPolicy, ScoreWeights
@@ -187,6 +188,46 @@ def test_a_slow_server_loses_most_of_its_score() -> None:
     assert got.score == pytest.approx((0.4 * 0.5 + 0.2 * 0.5) * 0.25)
     gentle = combine(slow, [fast, slow], PoolPolicy(100.0, 100.0, over_sla_exponent=0.0))
     assert "over_sla" not in gentle.parts and gentle.score == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize(
+    ("used", "full_at", "factor"),
+    [
+        (None, 0.8, 1.0),  # no KV signal: no factor
+        (50.0, 0.8, 1.0),
+        (80.0, 0.8, 1.0),  # at the threshold: none yet
+        (90.0, 0.8, 0.5),
+        (97.0, 0.8, 0.15),
+        (100.0, 0.8, 0.0),
+        (100.0, 1.0, 1.0),  # off
+        (60.0, 0.0, 0.4),  # 0: the plain headroom from the first block
+    ],
+)
+def test_kv_full_factor(used: float | None, full_at: float, factor: float) -> None:
+    total = None if used is None else 100.0
+    policy = PoolPolicy(100.0, 100.0, kv_full_at=full_at)
+    endpoint = sig(kv_blocks_used=used, kv_blocks_total=total)
+    assert kv_full_factor(endpoint, policy) == pytest.approx(factor)
+
+
+def test_a_server_whose_kv_cache_is_nearly_full_loses_most_of_its_score() -> None:
+    """Without the factor, 97% used kept about half an empty server's score from the rest."""
+    weights = ScoreWeights(qps=0.15, latency=0.2, memory=0.1, kv_cache=0.35, queue=0.2)
+    common = {"qps": 1.0, "p99_ms": 50.0, "queue_depth": 0.0}
+    empty = sig("e:1", kv_blocks_used=0.0, kv_blocks_total=32.0, **common)
+    full = sig("f:1", kv_blocks_used=31.0, kv_blocks_total=32.0, **common)
+    policy = PoolPolicy(100.0, 100.0, score_weights=weights)
+    best, worst = combine(empty, [empty, full], policy), combine(full, [empty, full], policy)
+    assert best.score is not None and worst.score is not None
+    assert "kv_full" not in best.parts
+    assert worst.parts["kv_full"] == pytest.approx((1 / 32) / 0.2)
+    assert worst.score < 0.1 * best.score
+    off = PoolPolicy(100.0, 100.0, score_weights=weights, kv_full_at=1.0)
+    gentle = combine(full, [empty, full], off).score
+    assert gentle is not None and gentle > 0.5 * best.score  # what the test above guards
+    # A pool that does not score the KV cache is not judged by it either.
+    plain = combine(full, [empty, full], POLICY)
+    assert "kv_full" not in plain.parts
 
 
 def test_combine_no_signal_is_neutral() -> None:
