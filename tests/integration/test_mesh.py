@@ -124,7 +124,10 @@ def test_weights_split_traffic_nine_to_one(mesh: Mesh) -> None:
     try:
         mesh.plane.admin_post(f"/endpoints/{first}", {"weight": 9})
         mesh.plane.admin_post(f"/endpoints/{second}", {"weight": 1})
-        wait_for(lambda: "::weight::9" in mesh.admin("/clusters"), 10, "weight 9 applied")
+        cluster = model_cluster("classifier")
+        wanted = (f"{cluster}::{first}::weight::9", f"{cluster}::{second}::weight::1")
+        # Both: the two posts may reach Envoy in two pushes.
+        wait_for(lambda: all(w in mesh.admin("/clusters") for w in wanted), 10, "weights 9 and 1")
         before = mesh.served()
         client = mesh.client()
         for _ in range(400):

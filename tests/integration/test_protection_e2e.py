@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -85,10 +86,15 @@ def test_the_rate_limit_trips_at_the_configured_burst_and_refills(mesh: Mesh) ->
     wait_for(lambda: call(listener, SMALL)[0] is not None, 10, "a token")  # a full bucket again
     # The bucket refills at 2 tokens/s up to its burst of 4: what is tested is time itself.
     time.sleep(2.5)
+    started = time.monotonic()
     outcomes = [call(listener, SMALL) for _ in range(10)]
+    took = time.monotonic() - started
     served = [r for r, _ in outcomes if r is not None]
     limited = [e for r, e in outcomes if r is None]
-    assert 4 <= len(served) <= 5, len(served)  # the burst (plus a refill while calling)
+    # The burst, plus a token for each half second the calls took (each opens its own
+    # connection, so on a loaded host they may take a second or more).
+    assert 4 <= len(served) <= 4 + math.ceil(took / 0.5), (len(served), took)
+    assert limited, took
     assert {e.code() for e in limited} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
     trailers = dict(limited[0].trailing_metadata() or ())
     assert trailers.get("retry-after") == "1"
@@ -105,7 +111,9 @@ def test_the_rate_limit_trips_at_the_configured_burst_and_refills(mesh: Mesh) ->
 
     limited = wait_for(lambda: logged(8), 5, "RESOURCE_EXHAUSTED in the access log")
     assert len(limited) >= len(outcomes) - len(served)
-    assert all(e["upstream"] is None and e["duration_ms"] <= 5 for e in limited)  # in Envoy
+    # Answered in Envoy: no upstream, and the local rate limit's response flag (a duration
+    # bound here failed whenever the host preempted Envoy's one worker for a few ms).
+    assert all(e["upstream"] is None and "RL" in e["flags"].split(",") for e in limited), limited
     assert logged(0) and all(e["upstream"] for e in logged(0))
 
 

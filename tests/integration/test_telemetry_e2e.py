@@ -78,11 +78,17 @@ def client_p99_ms(server: ServerProcess, seconds: float, clients: int = 2) -> fl
     return float(np.percentile(latencies, 99))
 
 
+# Large against what a loaded host adds (a few ms to either server, and to the clients' own
+# view, which shares this process with the control plane): with 20 ms the bounds below were
+# within a few ms of what a busy host produced.
+INJECTED_MS = 50
+
+
 def test_injected_latency_shows_in_the_control_planes_p99(
     telemetry_mesh: tuple[list[ServerProcess], ControlPlaneThread],
 ) -> None:
     (slow, fast), plane = telemetry_mesh
-    post_faults(slow, {"latency_ms": 20})
+    post_faults(slow, {"latency_ms": INJECTED_MS})
     try:
         results: dict[str, float] = {}
         threads = [
@@ -108,12 +114,13 @@ def test_injected_latency_shows_in_the_control_planes_p99(
             f"p99 slow/fast: control plane {seen_slow:.2f}/{seen_fast:.2f} ms, "
             f"clients {client_slow:.2f}/{client_fast:.2f} ms"
         )
-        assert seen_slow >= 20, (seen_slow, client_slow)
+        assert seen_slow >= INJECTED_MS, (seen_slow, client_slow)
         # The server's P99 tracks what clients saw: never above it (beyond bucket error), and
         # not far below (clients add their own queueing on a busy host, so not equal).
         assert 0.6 * client_slow <= seen_slow <= 1.2 * client_slow, (seen_slow, client_slow)
-        # The 20 ms injected keeps them apart even when this shared host slows both down.
-        assert seen_fast < seen_slow - 15, (seen_fast, seen_slow)
+        # The latency injected keeps them apart even when this shared host slows both down (the
+        # fast server serves several times the requests, so it is the busier one).
+        assert seen_fast < seen_slow - INJECTED_MS / 2, (seen_fast, seen_slow)
         assert seen_fast <= client_fast * 1.2, (seen_fast, client_fast)
         assert value(endpoint(plane, slow)["qps"]) > 0
     finally:
@@ -151,9 +158,13 @@ def test_a_stopped_server_goes_stale(
     os.kill(server.proc.pid, signal.SIGSTOP)
     try:
         started = time.monotonic()
+        # The interval the plane has learned from the arrivals (a smoothed gap: one export
+        # late on a busy host lifts it above INTERVAL_S); no export changes it from here.
+        learned = float(endpoint(plane, server)["interval_s"])
         wait_for(lambda: endpoint(plane, server).get("stale") is True, 5, "stale", interval=0.02)
         # Stale after 3 intervals (topology default) with a little scheduling slack.
-        assert time.monotonic() - started <= 3 * INTERVAL_S + 0.6
+        assert learned < 2 * INTERVAL_S, learned
+        assert time.monotonic() - started <= 3 * learned + 0.6, learned
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
     wait_for(lambda: endpoint(plane, server).get("stale") is False, 5, "fresh again")
