@@ -28,7 +28,10 @@ HEDGED = "cluster.model_classifier.upstream_rq_retry"
 TRIES = "cluster.model_classifier.upstream_rq_total"
 EJECTIONS = "cluster.model_classifier.outlier_detection.ejections_enforced_total"
 EJECTED_NOW = "cluster.model_classifier.outlier_detection.ejections_active"
-SLOW_MS = 400
+# Far above a hedged call's worst case (a per-try of at most the 100 ms SLA, then the hedge),
+# so a client that waited for the slow server stands out even when the host stalls this
+# process for a while; under the classifier's 2 s timeout.
+SLOW_MS = 1000
 
 
 Mesh = tuple[list[ServerProcess], ControlPlaneThread, Envoy, int]
