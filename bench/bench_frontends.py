@@ -42,8 +42,7 @@ MiB = 1024 * 1024
 
 def thread_seconds(pid: int) -> float:
     """CPU seconds of ``pid``'s main thread (the asyncio loop: Python work under the GIL)."""
-    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return bms.stat_cpu_seconds(Path(f"/proc/{pid}/task/{pid}/stat"))
 
 
 def children(pid: int) -> list[int]:

@@ -95,11 +95,14 @@ def make_request(batch: int) -> tuple[np.ndarray, service_pb2.ModelInferRequest]
     return x, req
 
 
-def cpu_seconds(pid: int | None) -> float | None:
-    if pid is None:
-        return None
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def stat_cpu_seconds(stat: Path) -> float:
+    """User + system CPU seconds from a /proc ``stat`` file (a process's or one thread's)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    return None if pid is None else stat_cpu_seconds(Path(f"/proc/{pid}/stat"))
 
 
 def settled_counts(metrics_url: str | None) -> dict[str, float] | None:

@@ -137,17 +137,16 @@ def serve(rung: str, argv: list[str]) -> int:
 
 def thread_counters(pid: int) -> dict[str, tuple[str, float, int]]:
     """Per thread id: (name, user + system CPU seconds, context switches)."""
-    tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             name = (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            cpu = bms.stat_cpu_seconds(task / "stat")
             status = (task / "status").read_text().splitlines()
         except OSError:  # the thread ended
             continue
         switches = sum(int(line.split()[1]) for line in status if "ctxt_switches" in line)
-        out[task.name] = (name, (int(fields[11]) + int(fields[12])) / tick, switches)
+        out[task.name] = (name, cpu, switches)
     return out
 
 
