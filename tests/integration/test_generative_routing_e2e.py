@@ -8,6 +8,7 @@ import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -92,8 +93,14 @@ def test_new_streams_avoid_the_server_whose_kv_cache_is_full(
         thread.start()
     try:
 
-        def weights() -> dict[str, int]:
-            pool = plane.admin_get("/status")["routing"].get(MODEL, {}).get("endpoints", {})
+        def endpoints() -> dict[str, dict[str, Any]]:
+            found: dict[str, dict[str, Any]] = (
+                plane.admin_get("/status")["routing"].get(MODEL, {}).get("endpoints", {})
+            )
+            return found
+
+        def weights(pool: dict[str, dict[str, Any]] | None = None) -> dict[str, int]:
+            pool = endpoints() if pool is None else pool
             return {ep: int(e["weight"] or 0) for ep, e in pool.items()}
 
         last: list[dict[str, int]] = [{}]  # the weights at the last poll, for a failure's message
@@ -108,10 +115,13 @@ def test_new_streams_avoid_the_server_whose_kv_cache_is_full(
             raise AssertionError(f"{e}; weights at the end {last[0]}, full {full.url}") from e
         before = {s.url: requests_served(s) for s in (full, free)}
         seen = []  # the weights in force as the streams went, for a failure's message
+        reasons = []  # why the full server had its weight, as an operator reads it
         for _ in range(30):
             stream(f"127.0.0.1:{listener}", 4, header=True)
-            now = weights()
+            pool = endpoints()
+            now = weights(pool)
             seen.append((now.get(full.url), now.get(free.url)))
+            reasons.append(pool[full.url]["reason"])
         served = {s.url: requests_served(s) - before[s.url] for s in (full, free)}
     finally:
         stop.set()
@@ -121,3 +131,5 @@ def test_new_streams_avoid_the_server_whose_kv_cache_is_full(
     # by the free one. With its weight under half the other's, it should get two thirds.
     print(f"\nserved {served}; weights (full, free) after each stream: {seen}")
     assert served[free.url] >= 0.6 * 30, (served, seen)
+    # The decision explains itself: the nearly full cache's factor is named in the reason.
+    assert any("kv_full 0." in reason for reason in reasons), reasons[-3:]
