@@ -14,6 +14,7 @@ import contextlib
 import http.client
 import itertools
 import json
+import re
 import shutil
 import threading
 import time
@@ -145,9 +146,11 @@ def token_mesh(
             xds_tls=envoy_tls,
         )
         stops.callback(envoy.stop)
-        wait_for(
-            lambda: "::health_flags::healthy" in envoy.admin("/clusters"), 30, "a healthy server"
-        )
+        # The model's own cluster: the token limiter's static cluster reads healthy from the
+        # start, and every probe sent before the model is routable reserves tokens that no
+        # answer settles (five of them empty team-d's burst; it refills at one a second).
+        healthy = re.compile(rf"^model:{MODEL}::[^:]+:\d+::health_flags::healthy$", re.M)
+        wait_for(lambda: healthy.search(envoy.admin("/clusters")), 30, "a healthy server")
         mesh = TokenMesh(planes[0], listener_port, keys)
         last: list[tuple[str, Any]] = []
 
@@ -156,7 +159,7 @@ def token_mesh(
             return last[0][0] == "OK"
 
         try:
-            wait_for(answered, 30, "the demo LM through Envoy")
+            wait_for(answered, 30, "the demo LM through Envoy", interval=0.5)
         except TimeoutError as exc:  # say what Envoy answered and how it saw the limiter
             limiter = [line for line in envoy.admin("/clusters").splitlines()
                        if line.startswith(TOKEN_LIMITER_CLUSTER) and "::cx_" in line]  # fmt: skip
