@@ -43,6 +43,7 @@ class ComposeMesh:
     server_ports: dict[str, int] = field(default_factory=dict)  # "model-server-1" -> port
     server_flags: tuple[str, ...] = ()  # added to every model server's command
     plane_flags: tuple[str, ...] = ()  # added to every control-plane replica's command
+    sla_p99_ms: dict[str, int] = field(default_factory=dict)  # a model's SLA in the topology
 
     @property
     def log(self) -> Path:
@@ -102,6 +103,11 @@ class ComposeMesh:
             port = re.compile(rf"(?<!\d){old}(?!\d)")  # not the 8001 inside 18001
             compose, topology = port.sub(new, compose), port.sub(new, topology)
             self.server_ports[f"model-server-{index}"] = int(new)
+        for model, sla in self.sla_p99_ms.items():
+            topology, found = re.subn(
+                rf"(- name: {model}\n\s+sla_p99_ms: )\d+", rf"\g<1>{sla}", topology
+            )
+            assert found == 1, f"no sla_p99_ms for {model} in deploy/topology.yaml"
         if self.plane_flags:
             extra = "".join(f', "{flag}"' for flag in self.plane_flags)
             compose = re.sub(r'("--otlp-port", "\$\{INFERMESH_OTLP2?_PORT:-\d+\}")', rf"\1{extra}",

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.integration
 # Fast canary steps, as in tests/integration/test_canary_e2e.py. The P99 margin is wide
 # because a P99 of a
 # few hundred requests on a busy shared host is noise; only the injected errors must roll back.
+CANARY_SLA_MS = 250
 FAST = ("--steps", "10,50,100", "--dwell-s", "1.5", "--min-requests", "20", "--p99-margin", "20")
 FIRST_STEP = 0.10
 
@@ -109,7 +110,13 @@ def test_canary_rolls_a_bad_v2_back_by_itself_and_promotes_a_good_one_under_load
     """v1 serves (an operator pins the split). A v2 that fails half its requests (injected on
     every server, for v2 only) is rolled back by its canary at the first step; once fixed, the
     same v2 is promoted to 100% with no failed request."""
-    with ComposeMesh(tmp_path, demo_repo, server_flags=("--enable-fault-injection",)) as mesh:
+    # The canary rolls back on any P99 over the model's SLA. The shipped 50 ms is within what
+    # a loaded 2-core host adds to both versions alike (a good v2 was rolled back at "p99 66 ms
+    # > SLA 50 ms" with one busy loop beside the tests), and the bad v2 here fails by its
+    # error rate, so the scenario gives the classifier a wider SLA.
+    flags = ("--enable-fault-injection",)
+    sla = {"classifier": CANARY_SLA_MS}
+    with ComposeMesh(tmp_path, demo_repo, server_flags=flags, sla_p99_ms=sla) as mesh:
         wait_for(lambda: mesh.envoy_healthy() == len(mesh.server_ports), 30, "all servers routed")
         assert '"1": 100' in mesh.cli("split", "classifier", "1=100", "2=0")
         with mesh.traffic(clients=4, deadline_s=150) as traffic:
@@ -167,7 +174,7 @@ def test_canary_rolls_a_bad_v2_back_by_itself_and_promotes_a_good_one_under_load
         f"\ncanary of a good v2 under load: {good['status']} after steps "
         f"{[p for p, _ in good_history]} in {promotion_s:.1f} s (seen after "
         f"{promoted_seen - good_started:.1f} s; its server-side P99 at most "
-        f"{max(judged, default=float('nan')):.1f} ms, the SLA 50 ms); served since it "
+        f"{max(judged, default=float('nan')):.1f} ms, the SLA {CANARY_SLA_MS} ms); served since it "
         f"started {good_served}; "
         f"{traffic.ok} OK, {len(traffic.errors)} failed in all"
     )
