@@ -207,18 +207,16 @@ def over_sla_factor(p99_ms: float | None, policy: PoolPolicy) -> float:
     return float((policy.sla_p99_ms / p99_ms) ** policy.over_sla_exponent)
 
 
-def kv_full_factor(endpoint: EndpointSignals, policy: PoolPolicy) -> float:
-    """(1 - used/total) / (1 - kv_full_at) above ``policy.kv_full_at`` of the blocks used, else 1.
+def kv_full_factor(headroom: float | None, policy: PoolPolicy) -> float:
+    """headroom / (1 - kv_full_at) once the KV cache's headroom (the kv_cache scorer's
+    1 - used/total) is under 1 - ``policy.kv_full_at``, else 1.
 
     The KV-cache scorer alone is gentle too: at 35% of a generative pool's weights, a server
     whose cache was 97% used kept half the weight of an empty one from its other headroom,
     yet every new sequence there waits for blocks to free. With kv_full_at 0.8, a server at
     90% used keeps half its score, at 97% 15%, and a full one none (its weight floors at 1).
     """
-    if policy.kv_full_at >= 1.0:
-        return 1.0
-    headroom = _headroom(endpoint.kv_blocks_used, endpoint.kv_blocks_total)
-    if headroom is None or headroom >= 1.0 - policy.kv_full_at:
+    if headroom is None or headroom >= 1.0 - policy.kv_full_at:  # kv_full_at 1: never
         return 1.0
     return headroom / (1.0 - policy.kv_full_at)
 
@@ -241,13 +239,15 @@ def combine(
     measured = [v for n, v in parts.items() if n != "labels" and v is not None]
     # Labels are placement, not evidence: with no telemetry at all the endpoint stays neutral.
     score = weighted_mean(parts, weights) if measured else None
-    # Only when latency counts at all (its weight 0 means the operator routes without it).
-    factor = over_sla_factor(endpoint.p99_ms, policy) if weights.get("latency", 0) > 0 else 1.0
-    if score is not None and factor < 1.0:
-        parts["over_sla"] = factor  # shown in the reason: "over_sla 0.25"
-        score *= factor
-    kv_factor = kv_full_factor(endpoint, policy) if weights.get("kv_cache", 0) > 0 else 1.0
-    if score is not None and kv_factor < 1.0:
-        parts["kv_full"] = kv_factor  # "kv_full 0.15"
-        score *= kv_factor
+    # Each only when its signal counts at all (weight 0 means the operator routes without it;
+    # the kv_cache part is absent then).
+    latency_counts = weights.get("latency", 0) > 0
+    factors = {
+        "over_sla": over_sla_factor(endpoint.p99_ms, policy) if latency_counts else 1.0,
+        "kv_full": kv_full_factor(parts.get("kv_cache"), policy),
+    }
+    for name, factor in factors.items():
+        if score is not None and factor < 1.0:
+            parts[name] = factor  # shown in the reason: "over_sla 0.25", "kv_full 0.15"
+            score *= factor
     return EndpointScore(endpoint.endpoint, score, parts)

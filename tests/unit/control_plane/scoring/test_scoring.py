@@ -206,8 +206,8 @@ def test_a_slow_server_loses_most_of_its_score() -> None:
 def test_kv_full_factor(used: float | None, full_at: float, factor: float) -> None:
     total = None if used is None else 100.0
     policy = PoolPolicy(100.0, 100.0, kv_full_at=full_at)
-    endpoint = sig(kv_blocks_used=used, kv_blocks_total=total)
-    assert kv_full_factor(endpoint, policy) == pytest.approx(factor)
+    headroom = KvCacheScorer().score(sig(kv_blocks_used=used, kv_blocks_total=total), [], policy)
+    assert kv_full_factor(headroom, policy) == pytest.approx(factor)
 
 
 def test_a_server_whose_kv_cache_is_nearly_full_loses_most_of_its_score() -> None:
