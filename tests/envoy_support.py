@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -101,6 +102,11 @@ class Envoy:
             return self.admin("/ready").strip() == "LIVE"
         except OSError:
             return False
+
+    def host_stats(self, cluster: str, stat: str) -> dict[str, str]:
+        """Each host of ``cluster``'s ``stat`` in /clusters (rq_active, weight, health_flags)."""
+        line = re.compile(rf"^{re.escape(cluster)}::([^:]+:\d+)::{stat}::(.*)$", re.M)
+        return dict(line.findall(self.admin("/clusters")))
 
     def counter(self, name: str) -> int:
         text = self.admin(f"/stats?filter=^{name}$")

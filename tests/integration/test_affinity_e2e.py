@@ -9,7 +9,6 @@ import collections
 import contextlib
 import json
 import math
-import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -100,10 +99,7 @@ def generate(listener: int, prompt: str, max_tokens: int = 2) -> None:
 
 def host_stat(envoy: Envoy, stat: str) -> dict[str, int]:
     """Each of the model's endpoints' ``stat`` (rq_active, weight) from Envoy's /clusters."""
-    found = re.findall(
-        rf"^model:{MODEL}::([\d.:]+)::{stat}::(\d+)$", envoy.admin("/clusters"), re.M
-    )
-    return {endpoint: int(value) for endpoint, value in found}
+    return {host: int(value) for host, value in envoy.host_stats(f"model:{MODEL}", stat).items()}
 
 
 def prefix(i: int) -> str:

@@ -14,7 +14,6 @@ import contextlib
 import http.client
 import itertools
 import json
-import re
 import shutil
 import threading
 import time
@@ -149,8 +148,11 @@ def token_mesh(
         # The model's own cluster: the token limiter's static cluster reads healthy from the
         # start, and every probe sent before the model is routable reserves tokens that no
         # answer settles (five of them empty team-d's burst; it refills at one a second).
-        healthy = re.compile(rf"^model:{MODEL}::[^:]+:\d+::health_flags::healthy$", re.M)
-        wait_for(lambda: healthy.search(envoy.admin("/clusters")), 30, "a healthy server")
+        wait_for(
+            lambda: "healthy" in envoy.host_stats(f"model:{MODEL}", "health_flags").values(),
+            30,
+            "a healthy server",
+        )
         mesh = TokenMesh(planes[0], listener_port, keys)
         last: list[tuple[str, Any]] = []
 

@@ -99,14 +99,13 @@ def test_new_streams_avoid_the_server_whose_kv_cache_is_full(
             )
             return found
 
-        def weights(pool: dict[str, dict[str, Any]] | None = None) -> dict[str, int]:
-            pool = endpoints() if pool is None else pool
+        def weights(pool: dict[str, dict[str, Any]]) -> dict[str, int]:
             return {ep: int(e["weight"] or 0) for ep, e in pool.items()}
 
         last: list[dict[str, int]] = [{}]  # the weights at the last poll, for a failure's message
 
         def full_under_half() -> bool:
-            last[0] = w = weights()
+            last[0] = w = weights(endpoints())
             return bool(w) and w.get(full.url, 0) * 2 < w.get(free.url, 0)
 
         try:
