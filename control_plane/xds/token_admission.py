@@ -19,8 +19,9 @@ The chain, after the tenants' rules and rate limits (``control_plane.xds.resourc
    ``reserve``, the script's reservation id) with ``hits_addend`` = the bound; when the stream ends
    (``apply_on_stream_done``), the same with ``settle`` and ``hits_addend`` = the tokens used.
    A descriptor whose metadata is absent is not sent: no bound, no call; no usage reported,
-   no settlement (the reservation stays charged). A model's routes skip both filters when no
-   tenant has a token limit on it (``skip_unlimited``). The service is
+   no settlement (the reservation stays charged). A reply Envoy made itself, before any model
+   server answered (no ``x-envoy-upstream-service-time``), settles 0. A model's routes skip
+   both filters when no tenant has a token limit on it (``skip_unlimited``). The service is
    ``control_plane.xds.token_limiter`` on ``token_limiter_cluster`` (the bootstrap's).
 
 Over the limit: 429 (REST) / RESOURCE_EXHAUSTED (gRPC), ``retry-after``,
@@ -213,6 +214,10 @@ function envoy_on_response(handle)
   if meta == nil or meta["reserve"] == nil then return end
   local headers = handle:headers()
   local used = headers:get(USED)
+  -- Envoy's router adds this to every answer from a model server; a reply without it is one
+  -- Envoy made itself (no healthy server, a refused connection, a timeout before any answer):
+  -- no model ran, so nothing is used and the whole reservation goes back.
+  if used == nil and headers:get("x-envoy-upstream-service-time") == nil then used = 0 end
   if used == nil then
     local sse = string.find(headers:get("content-type") or "", "text/event-stream", 1, true)
     local tail = ""

@@ -50,6 +50,7 @@ class TokenMesh:
     plane: ControlPlaneThread
     port: int
     keys: dict[str, str]
+    server: Any  # the model server's process (tests/support.ServerProcess)
 
     def metadata(self, who: str, **more: str) -> tuple[tuple[str, str], ...]:
         return (("authorization", basic_authorization(self.keys[who])), *more.items())
@@ -146,14 +147,14 @@ def token_mesh(
         )
         stops.callback(envoy.stop)
         # The model's own cluster: the token limiter's static cluster reads healthy from the
-        # start, and every probe sent before the model is routable reserves tokens that no
-        # answer settles (five of them empty team-d's burst; it refills at one a second).
+        # start. (Probes Envoy answers itself settle 0 now, but each still costs a round trip
+        # to the limiter and a refused call.)
         wait_for(
             lambda: "healthy" in envoy.host_stats(f"model:{MODEL}", "health_flags").values(),
             30,
             "a healthy server",
         )
-        mesh = TokenMesh(planes[0], listener_port, keys)
+        mesh = TokenMesh(planes[0], listener_port, keys, server)
         last: list[tuple[str, Any]] = []
 
         def answered() -> bool:
@@ -382,6 +383,26 @@ def test_the_limiter_unreachable_refuses_by_default(mesh: TokenMesh) -> None:
         limiter.decide = original  # type: ignore[method-assign]
     assert outcome == "UNAVAILABLE", error
     assert mesh.generate("team-e", 8)[0] == "OK"
+
+
+def test_a_request_no_model_server_answered_is_not_charged(tmp_path: Path) -> None:
+    """With the only server stopped, Envoy answers every call itself (UNAVAILABLE): each one
+    reserved more than half the burst and settles 0, so the next is not refused for tokens and
+    the tenant's budget is whole again once the server is back. (Before, each such reservation
+    stayed charged: the second call was RESOURCE_EXHAUSTED for tokens no model spent.)"""
+    with token_mesh(tmp_path) as (mesh, _):
+        mesh.server.stop()
+        for call in range(1, 5):
+            outcome, error = mesh.generate("team-f", 200)  # reserves 200 + the body's bytes
+            assert outcome == "UNAVAILABLE", error
+            wait_for(
+                lambda: mesh.counted("team-f", "refunded") >= 200 * call,  # noqa: B023
+                10,
+                "the reservation of a call Envoy answered itself given back",
+            )
+        assert mesh.counted("team-f", "used") == 0
+        available = mesh.available("team-f")
+        assert available is not None and available > BURST - 200, available
 
 
 def test_two_replicas_keep_one_ledger_and_the_second_takes_over(tmp_path: Path) -> None:
