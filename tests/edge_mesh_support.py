@@ -104,7 +104,9 @@ def edge_mesh(
             top={"listener": {**options, **listener}, **(top or {})},
             more_models=more,
         )  # fmt: skip
-        plane, envoy = start_plane_and_envoy(stops, workdir, topology, listener_port, 4)
+        plane, envoy = start_plane_and_envoy(
+            stops, workdir, topology, listener_port, len(servers) * (3 + len(more))
+        )  # each server in servers, rest:servers and each model's cluster
         yield EdgeMesh(servers, plane, envoy, listener_port)
 
 

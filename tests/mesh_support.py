@@ -21,7 +21,14 @@ from typing import Any, TypeVar
 import yaml
 
 from control_plane.app.server import ControlPlane, ControlPlaneSettings
-from control_plane.xds.bootstrap import XdsTls, render_bootstrap, write_sds_files
+from control_plane.xds.bootstrap import (
+    OTLP_CLUSTER,
+    TOKEN_LIMITER_CLUSTER,
+    XDS_CLUSTER,
+    XdsTls,
+    render_bootstrap,
+    write_sds_files,
+)
 from tests.envoy_support import Envoy, free_port, start_envoy
 from tests.support import ROOT, ServerProcess, post_json, start_server, wait_for
 
@@ -156,8 +163,10 @@ def start_plane_and_envoy(
     xds_tls: XdsTls | None = None,
 ) -> tuple[ControlPlaneThread, Envoy]:
     """The control plane (in a thread) and Envoy over SotW ADS, stopped by ``stops``; returns
-    once Envoy's /clusters lists ``healthy`` healthy endpoint entries. ``envoy_stats``: Envoy
-    sends its stats to the control plane's OTLP receiver."""
+    once Envoy's /clusters lists ``healthy`` healthy hosts in the clusters the control plane
+    pushed (each server counts once per cluster that lists it: ``servers``, ``rest:servers``,
+    ``model:NAME``; the bootstrap's static clusters read healthy at once and do not count).
+    ``envoy_stats``: Envoy sends its stats to the control plane's OTLP receiver."""
     plane = ControlPlaneThread(topology, otlp_port=otlp_port)
     stops.callback(plane.stop)
     sink = plane.plane.otlp_port if envoy_stats else None
@@ -165,12 +174,32 @@ def start_plane_and_envoy(
         workdir, plane.plane.xds_port, listener_port, False, otlp_port=sink, xds_tls=xds_tls
     )
     stops.callback(envoy.stop)
-    wait_for(
-        lambda: envoy.admin("/clusters").count("::health_flags::healthy") >= healthy,
-        30,
-        f"{healthy} healthy endpoint entries in Envoy",
-    )
+    seen: dict[str, int] = {}
+
+    def enough() -> bool:
+        seen.clear()
+        seen.update(pushed_healthy_hosts(envoy))
+        return sum(seen.values()) >= healthy
+
+    try:
+        wait_for(enough, 30, f"{healthy} healthy hosts in the pushed clusters")
+    except TimeoutError as exc:
+        raise TimeoutError(f"{exc}; healthy per cluster: {seen}") from None
     return plane, envoy
+
+
+def pushed_healthy_hosts(envoy: Envoy) -> dict[str, int]:
+    """Healthy hosts per cluster in Envoy's /clusters, leaving out the bootstrap's static
+    clusters (xDS, OTLP, token limiter)."""
+    static = (XDS_CLUSTER, OTLP_CLUSTER, TOKEN_LIMITER_CLUSTER)
+    counts: dict[str, int] = {}
+    for line in envoy.admin("/clusters").splitlines():
+        if not line.endswith("::health_flags::healthy"):
+            continue
+        cluster = line.split("::", 1)[0]
+        if not cluster.startswith(static):
+            counts[cluster] = counts.get(cluster, 0) + 1
+    return counts
 
 
 def start_control_plane(topology: Path, log: Path) -> tuple[subprocess.Popen[bytes], Path]:

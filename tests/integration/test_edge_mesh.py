@@ -102,7 +102,7 @@ def mesh(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             workdir / "topology.yaml", listener_port, [s.url for s in servers],
             top={"listener": listener}, more_models=more,
         )  # fmt: skip
-        plane, envoy = start_plane_and_envoy(stops, workdir, topology, listener_port, 2)
+        plane, envoy = start_plane_and_envoy(stops, workdir, topology, listener_port, 8)
         the_mesh = Mesh(servers, plane, envoy, listener_port)
         the_mesh.wait_healthy()
         yield the_mesh

@@ -107,7 +107,7 @@ def pod_mesh(
         if envoy:
             xds = XdsTls(str(pki_dir), authority.trust_domain)
             plane, proxy = start_plane_and_envoy(
-                stops, tmp_path, topology, listener, healthy=2, otlp_port=otlp, xds_tls=xds
+                stops, tmp_path, topology, listener, healthy=6, otlp_port=otlp, xds_tls=xds
             )
         else:
             plane = ControlPlaneThread(topology, otlp_port=otlp)

@@ -93,7 +93,7 @@ def tls_mesh(demo_repo: Path, tmp_path: Path, request: pytest.FixtureRequest) ->
         topology = write_topology(tmp_path / "topology.yaml", listener, addresses, top=top)
         envoy_tls = XdsTls(str(pki_dir), authority.trust_domain) if xds_tls else None
         plane, envoy = start_plane_and_envoy(
-            stops, tmp_path, topology, listener, healthy=2, envoy_stats=xds_tls, xds_tls=envoy_tls
+            stops, tmp_path, topology, listener, healthy=6, envoy_stats=xds_tls, xds_tls=envoy_tls
         )
         yield TlsMesh(pki_dir, authority, repo, logs, addresses, servers, plane, envoy, xds_tls)
 

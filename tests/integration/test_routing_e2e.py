@@ -39,7 +39,7 @@ def mesh(
         # Telemetry-driven weights and ejections alone (hedging is off by default;
         # test_hedging_e2e.py has it on)
         topology = write_topology(workdir / "t.yaml", listener, [s.url for s in servers])
-        plane, envoy = start_plane_and_envoy(stops, workdir, topology, listener, 3, otlp)
+        plane, envoy = start_plane_and_envoy(stops, workdir, topology, listener, 6, otlp)
         yield servers, plane, envoy, listener
 
 

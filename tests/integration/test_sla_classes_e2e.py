@@ -69,7 +69,7 @@ def mesh(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             top={"listener": {"host": "127.0.0.1", "port": listener, "rest": {
                 "port_offset": REST_OFFSET}, "health_check_interval_s": 0.5}},
         )  # fmt: skip
-        plane, envoy = start_plane_and_envoy(stops, workdir, topology, listener, 3, otlp)
+        plane, envoy = start_plane_and_envoy(stops, workdir, topology, listener, 9, otlp)
         yield servers[0], servers[1:], plane, envoy, listener
 
 

@@ -42,7 +42,7 @@ def mesh(
             stops.callback(server.stop)
             servers.append(server)
         topology = write_topology(tmp_path / "t.yaml", listener, [s.url for s in servers])
-        plane, envoy = start_plane_and_envoy(stops, tmp_path, topology, listener, 2, otlp)
+        plane, envoy = start_plane_and_envoy(stops, tmp_path, topology, listener, 4, otlp)
         yield servers, plane, envoy
 
 

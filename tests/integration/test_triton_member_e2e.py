@@ -119,7 +119,7 @@ def fleet(
             workdir / "t.yaml", listener, [], top=top, sla_p99_ms=SLA_P99_MS,
             routing={"slow_start_s": 2, "backoff_base_s": 2},
         )  # fmt: skip
-        plane, envoy = start_plane_and_envoy(stops, workdir, topology, listener, 2, otlp)
+        plane, envoy = start_plane_and_envoy(stops, workdir, topology, listener, 6, otlp)
         yield ours, triton, plane, envoy, listener
 
 
