@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
@@ -40,6 +41,8 @@ from model_server.core.errors import InferenceError, InvalidInput
 from model_server.generative.kv_cache import KvCache, KvCacheFull
 from model_server.generative.prefill import prefill_groups, prefill_inputs
 from model_server.generative.step_past import PastKeeper
+
+log = logging.getLogger(__name__)
 
 Feeds = dict[str, np.ndarray]
 Decoder = Callable[[Feeds], Mapping[str, np.ndarray]]
@@ -343,7 +346,15 @@ class GenerationEngine:
 
     # -- tokens -----------------------------------------------------------------------------
     def _emit(self, sequence: _Sequence, logits: np.ndarray) -> None:
-        token = sample(logits, sequence.request, sequence.rng)
+        try:
+            token = sample(logits, sequence.request, sequence.rng)
+        except Exception as exc:  # one request's sampling fails that request alone, never
+            log.exception("sampling failed for one sequence")  # the batch it ran in
+            if sequence in self.running:
+                self.running.remove(sequence)
+            self.cache.release(sequence.name)
+            self._finish(sequence, InferenceError(f"sampling failed: {exc!r}"))
+            return
         now = self._clock()
         if sequence.first_token_at is None:
             sequence.first_token_at = now
@@ -381,7 +392,11 @@ def sample(logits: np.ndarray, request: GenerationRequest, rng: np.random.Genera
     over the smallest set of the most likely ones whose probability reaches top_p."""
     if request.temperature == 0:
         return int(np.argmax(logits))
-    scaled = logits.astype(np.float64) / request.temperature
+    wide = logits.astype(np.float64)
+    # Shifted first, so the largest logit scales to 0 and the others to at most 0: a tiny
+    # temperature (1e-320) sends them to -inf (probability 0), never to inf - inf = NaN.
+    with np.errstate(over="ignore"):
+        scaled = (wide - wide.max()) / request.temperature
     if 0 < request.top_k < scaled.size:
         cutoff = np.partition(scaled, -request.top_k)[-request.top_k]
         scaled = np.where(scaled >= cutoff, scaled, -np.inf)

@@ -200,6 +200,50 @@ def test_sampling_greedy_temperature_and_top_k() -> None:
     ]
 
 
+def test_a_tiny_temperature_samples_the_most_likely_token_instead_of_nan() -> None:
+    """Logits over 1e-320 overflow to infinities; inf - inf was NaN, and rng.choice raised."""
+    logits = np.array([0.0, 5.0, 4.9, -3.0], np.float32)
+    for temperature in (1e-320, 5e-324, 1e-300):
+        request = GenerationRequest((1,), temperature=temperature, top_p=0.5, top_k=3)
+        assert sample(logits, request, np.random.default_rng(0)) == 1
+
+
+async def test_a_tiny_temperature_does_not_fail_the_sequences_beside_it() -> None:
+    e = engine()
+    tiny, plain = await asyncio.gather(
+        collect(e, GenerationRequest((3, 1, 4), max_tokens=6, temperature=1e-320)),
+        collect(e, GenerationRequest((2, 7), max_tokens=6)),
+    )
+    assert [ev.token for ev in tiny] == expected_tokens((3, 1, 4), 6)  # the greedy choice
+    assert [ev.token for ev in plain] == expected_tokens((2, 7), 6)
+
+
+async def test_a_sampling_error_fails_its_own_sequence_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whatever one request's parameters do to sampling, the batch it ran in goes on."""
+    import model_server.generative.engine as engine_module
+
+    real = engine_module.sample
+
+    def broken_for_one(logits: np.ndarray, request: GenerationRequest, rng: Any) -> int:
+        if request.temperature == 0.5:
+            raise ValueError("probabilities contain NaN")
+        return real(logits, request, rng)
+
+    monkeypatch.setattr(engine_module, "sample", broken_for_one)
+    e = engine(blocks=8)
+    bad, good = await asyncio.gather(
+        collect(e, GenerationRequest((3, 1, 4), max_tokens=6, temperature=0.5)),
+        collect(e, GenerationRequest((2, 7), max_tokens=6)),
+        return_exceptions=True,
+    )
+    assert isinstance(bad, InferenceError) and "sampling failed" in bad.message
+    assert not isinstance(good, BaseException)
+    assert [ev.token for ev in good] == expected_tokens((2, 7), 6)
+    assert e.cache.free_blocks == 8  # the failed sequence's blocks went back
+
+
 async def test_a_failed_scheduler_fails_its_sequences_instead_of_leaving_them_waiting() -> None:
     pool = ThreadPoolExecutor(max_workers=1)
     loop = asyncio.get_running_loop()
