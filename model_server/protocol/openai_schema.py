@@ -127,8 +127,10 @@ def number(
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise _bad(name, "a number", value)
+    if isinstance(value, float) and not math.isfinite(value):  # an int of 400 digits is
+        raise _bad(name, "a finite number", value)  # finite: the range check below refuses it
     if not (low < value if low_open else low <= value) or value > high:
         bound = f"greater than {low}" if low_open else f"at least {low}"
         raise OpenAIError(

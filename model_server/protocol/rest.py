@@ -35,6 +35,7 @@ from model_server.protocol.rest_codec import (
     BINARY_CONTENT_TYPE,
     HEADER_LENGTH,
     JSON_CONTENT_TYPE,
+    check_unicode,
     decode_infer,
     encode_infer,
     header_length,
@@ -299,6 +300,7 @@ class RestServer:
         if not isinstance(document, dict):
             kind = type(document).__name__
             raise InvalidInput(f"request body: expected a JSON object, got {kind}")
+        check_unicode(body, document)
         return document
 
     # -- inference ----------------------------------------------------------------------------

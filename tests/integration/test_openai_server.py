@@ -195,6 +195,17 @@ def _post(server: ServerProcess, path: str, body: bytes) -> tuple[int, dict[str,
         (b'{"model": 5, "prompt": "x"}', 400, "model"),
         (b'{"model": "demo_lm", "prompt": [1, 2, 3]}', 400, "token ids"),
         (b'{"model": "demo_lm", "prompt": "' + b"a" * 600 + b'"}', 400, "context length"),
+        (b'{"model": "demo_lm", "prompt": "\\ud800"}', 400, "prompt: a string holds a lone"),
+        (
+            b'{"model": "demo_lm", "messages": [{"role": "user", "content": "\\udfff"}]}',
+            400,
+            "messages[0].content",
+        ),
+        (
+            b'{"model": "demo_lm", "prompt": "x", "temperature": 1' + b"0" * 400 + b"}",
+            400,
+            "temperature: must be",
+        ),
     ],
 )
 def test_hostile_bodies_get_openai_errors(

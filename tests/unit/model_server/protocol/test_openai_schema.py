@@ -67,7 +67,9 @@ def test_a_completion_body_becomes_the_engines_parameters() -> None:
         ({"max_tokens": 2.0}, "max_tokens", "an integer"),
         ({"max_tokens": -1}, "max_tokens", "between"),
         ({"temperature": 2.5}, "temperature", "at most"),
-        ({"temperature": float("nan")}, "temperature", "a number"),
+        ({"temperature": float("nan")}, "temperature", "a finite number"),
+        ({"temperature": 10**400}, "temperature", "at most"),  # math.isfinite overflowed
+        ({"top_p": -(10**400)}, "top_p", "greater than"),
         ({"top_p": 0}, "top_p", "greater than"),
         ({"seed": 2**63}, "seed", "between"),
         ({"stream": "yes"}, "stream", "true or false"),

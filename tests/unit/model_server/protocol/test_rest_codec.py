@@ -159,6 +159,10 @@ X = {"name": "x", "shape": [2], "datatype": "INT8", "data": [1, 2]}
 BAD: dict[str, tuple[bytes, int | None, list[str]]] = {
     "not JSON": (b"{", None, ["not valid JSON"]),
     "not UTF-8": (b"\xff\xfe{}", None, ["request body"]),
+    "lone surrogate": (b'{"id": "\\ud800"}', None, ["id:", "lone UTF-16 surrogate"]),
+    "lone surrogate in data": (
+        body([{**X, "datatype": "BYTES", "shape": [1], "data": ["ok\udc00"]}]), None,
+        ["inputs[0].data[0]", "lone UTF-16 surrogate"]),
     "top level a list": (b"[]", None, ["request body", "JSON object"]),
     "id a number": (body([X], id=3), None, ["id", "string"]),
     "parameters a list": (body([X], parameters=[1]), None, ["parameters", "object"]),
