@@ -12,8 +12,12 @@ A settlement refunds only a reservation this ledger made (by request id, once): 
 nobody reserved, or a second one for the same request, changes nothing. Two reservations under
 one id (which Envoy's admission script never makes) are settled one each, oldest first, so the
 tokens charged in all still add up to the tokens used. Reservations never
-settled (the request's end was not reported) stay charged and are forgotten after
-``hold_s``. Thread-safe: one lock, O(1) per call.
+settled (the request's end was not reported) stay charged; after ``hold_s`` they move to a
+second, as bounded, record of expired reservations, so a settlement that comes later still
+counts: a ModelStreamInfer stream held open past ``hold_s`` that used more than it reserved
+is charged the difference (before, an expired reservation made its settlement a no-op, and
+a long stream was never charged beyond its reservation). Thread-safe: one lock, O(1) per
+call.
 """
 
 from __future__ import annotations
@@ -75,6 +79,8 @@ class TokenLedger:
         self._pending: OrderedDict[tuple[str, str, str, int], tuple[int, float]] = OrderedDict()
         self._serial = 0
         self._by_id: dict[tuple[str, str, str], deque[int]] = {}  # the serials of each id
+        # (tenant, model, request id) -> the tokens of its expired reservations, oldest first
+        self._expired: OrderedDict[tuple[str, str, str], deque[int]] = OrderedDict()
 
     def _bucket(self, key: tuple[str, str], limit: TokenLimit, now: float) -> _Bucket:
         bucket = self._buckets.get(key)
@@ -88,11 +94,15 @@ class TokenLedger:
             key, (_, when) = next(iter(self._pending.items()))
             if now - when <= self._hold_s and len(self._pending) < self._max_pending:
                 return
-            del self._pending[key]
+            tokens, _ = self._pending.pop(key)
             serials = self._by_id[key[:3]]
             serials.popleft()  # the oldest of its id: reservations expire in order
             if not serials:
                 del self._by_id[key[:3]]
+            self._expired.setdefault(key[:3], deque()).append(tokens)
+            self._expired.move_to_end(key[:3])
+            while len(self._expired) > self._max_pending:
+                self._expired.popitem(last=False)  # forgotten for good: it stays charged
 
     def reserve(
         self, tenant: str, model: str, limit: TokenLimit, tokens: int, request_id: str
@@ -119,14 +129,21 @@ class TokenLedger:
         given back (negative: charged beyond the reservation); 0 with no open reservation."""
         with self._lock:
             now = self._clock()
-            serials = self._by_id.get((tenant, model, request_id))
-            if not serials:
+            key = (tenant, model, request_id)
+            serials = self._by_id.get(key)
+            if serials:
+                serial = serials.popleft()  # the oldest open reservation under this id
+                if not serials:
+                    del self._by_id[key]
+                reserved = self._pending.pop((*key, serial))[0]
+            elif key in self._expired:  # settled after hold_s: it counts all the same
+                expired = self._expired[key]
+                reserved = expired.popleft()
+                if not expired:
+                    del self._expired[key]
+            else:
                 return 0
-            serial = serials.popleft()  # the oldest open reservation under this id
-            if not serials:
-                del self._by_id[(tenant, model, request_id)]
-            reserved = self._pending.pop((tenant, model, request_id, serial))
-            refund = reserved[0] - max(0, int(used))
+            refund = reserved - max(0, int(used))
             bucket = self._bucket((tenant, model), limit, now)
             bucket.level = min(float(limit.burst), bucket.level + refund)
             return refund

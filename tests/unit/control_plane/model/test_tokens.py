@@ -74,14 +74,19 @@ def test_tenants_and_models_have_buckets_of_their_own() -> None:
     assert ledger.reserve("a", "other-lm", LIMIT, 100, "r4").admitted
 
 
-def test_unsettled_reservations_stay_charged_and_are_forgotten_after_the_hold() -> None:
+def test_unsettled_reservations_stay_charged_and_a_late_settlement_still_counts() -> None:
+    """A stream held open past the hold that used more than it reserved is charged the rest
+    (before, its reservation had expired and the settlement changed nothing)."""
     clock = Clock()
     ledger = TokenLedger(clock, hold_s=60)
     assert ledger.reserve("a", "lm", LIMIT, 30, "r1").admitted
-    clock.now += 61
+    assert ledger.available("a", "lm") == 70  # charged while unsettled
+    clock.now += 61  # refilled to the burst
     assert ledger.reserve("a", "lm", LIMIT, 1, "r2").admitted  # expires r1
     assert ledger.pending() == 1
-    assert ledger.settle("a", "lm", LIMIT, 0, "r1") == 0  # too late: stays charged
+    assert ledger.settle("a", "lm", LIMIT, 500, "r1") == -470  # used 500 of the 30 reserved
+    assert ledger.available("a", "lm") == 100 - 1 - 470
+    assert ledger.settle("a", "lm", LIMIT, 500, "r1") == 0  # once
 
 
 def test_concurrent_reservations_never_admit_more_than_the_burst() -> None:
@@ -119,9 +124,11 @@ def test_reservations_under_one_id_are_settled_one_each_and_add_up() -> None:
 
 
 def test_the_oldest_reservations_are_forgotten_first_when_too_many_are_open() -> None:
+    """At most max_pending open and as many expired; past both, a reservation stays charged."""
     ledger = TokenLedger(Clock(), max_pending=2)
-    for n in range(3):
+    for n in range(5):
         assert ledger.reserve("a", "lm", LIMIT, 1, f"r{n}").admitted
-    assert ledger.pending() == 2
+    assert ledger.pending() == 2  # r3, r4 open; r1, r2 expired; r0 forgotten
     assert ledger.settle("a", "lm", LIMIT, 0, "r0") == 0  # forgotten: stays charged
-    assert ledger.settle("a", "lm", LIMIT, 0, "r2") == 1
+    assert ledger.settle("a", "lm", LIMIT, 0, "r1") == 1
+    assert ledger.settle("a", "lm", LIMIT, 0, "r4") == 1
