@@ -9,7 +9,9 @@ The chain, after the tenants' rules and rate limits (``control_plane.xds.resourc
    parameter; REST and OpenAI JSON: ``max_tokens`` / ``max_completion_tokens``, the largest
    found in the body's first 64 KiB (gRPC) or 1 MiB (JSON), a negative one read as 0;
    default 32, the model server's) plus the body's length,
-   an upper bound of the prompt's tokens for the byte-level demo LM. A ModelStreamInfer stream
+   an upper bound of the prompt's tokens for the byte-level demo LM. Where it cannot know the
+   bound (a chat without one, an escaped JSON key, a compressed body) it reserves the context
+   (``STREAM_RESERVE``). A ModelStreamInfer stream
    is not buffered: it reserves ``STREAM_RESERVE`` (at most the limit's burst, ``kind``
    ``stream``) and settles the whole stream's usage when it closes. On the response it copies
    the model server's ``x-infermesh-tokens-used`` (header or trailer) into
@@ -179,13 +181,28 @@ function envoy_on_request(handle)
   if kind == nil then return end
   local reserve = STREAM
   if kind ~= "stream" then
+    local path = handle:headers():get(":path")
+    local encoded = handle:headers():get("content-encoding")
     local body = handle:body()
     local size = body and body:length() or 0
-    local wanted = nil
+    local wanted, unread = nil, false
     if size > 0 then
-      local ok, value = pcall(kind == "grpc" and grpc_max_tokens or json_max_tokens,
-                              body:getBytes(0, math.min(size, READ[kind])))
+      local bytes = body:getBytes(0, math.min(size, READ[kind]))
+      local ok, value = pcall(kind == "grpc" and grpc_max_tokens or json_max_tokens, bytes)
       if ok then wanted = value end
+      if kind == "grpc" then
+        unread = string.byte(bytes, 1) ~= 0 -- a compressed message: its bound is unreadable
+      else
+        -- A key spelled with an escape ("max_tok\u0065ns") is max_tokens to the server's
+        -- JSON parser but not to the pattern above; a compressed body hides the key too.
+        unread = string.find(bytes, '"[^"]*\\u%x[^"]*"%s*:') ~= nil or
+                 (encoded ~= nil and encoded ~= "identity")
+      end
+    end
+    if unread then
+      wanted = math.max(wanted or 0, STREAM) -- at most the context: prompt plus completion
+    elseif wanted == nil and string.find(path or "", "^/v1/chat/completions") then
+      wanted = STREAM -- a chat without max_tokens may take the rest of the context
     end
     reserve = size + (wanted or DEFAULT)
   end

@@ -11,6 +11,7 @@ tenant is unaffected; concurrent requests never admit more than the burst. Hosti
 from __future__ import annotations
 
 import contextlib
+import gzip
 import http.client
 import itertools
 import json
@@ -218,16 +219,58 @@ def test_over_the_budget_is_refused_with_retry_after_naming_the_limit(mesh: Toke
     assert mesh.generate("team-a", 8)[0] == "OK"
 
 
-def rest(mesh: TokenMesh, who: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
+def rest(
+    mesh: TokenMesh, who: str, body: bytes, path: str = f"/v2/models/{MODEL}/infer", **more: str
+) -> tuple[int, dict[str, str], bytes]:
     connection = http.client.HTTPConnection("127.0.0.1", mesh.port, timeout=60)
     try:
         headers = {"content-type": "application/json",
-                   "authorization": basic_authorization(mesh.keys[who])}  # fmt: skip
-        connection.request("POST", f"/v2/models/{MODEL}/infer", body=body, headers=headers)
+                   "authorization": basic_authorization(mesh.keys[who]), **more}  # fmt: skip
+        connection.request("POST", path, body=body, headers=headers)
         response = connection.getresponse()
         return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
     finally:
         connection.close()
+
+
+def test_a_bound_the_admission_script_cannot_read_reserves_the_whole_context(
+    mesh: TokenMesh,
+) -> None:
+    """A max_tokens the script cannot read (a key spelled with a JSON escape, which the server's
+    parser honours; a gzip body or a compressed gRPC message, which the server inflates) or a
+    chat without one (the server's default is the rest of the context) reserves the model's
+    context, 512 tokens: more than this burst of 300, so each is refused before any work.
+    Before, each reserved the body plus 32 and could generate up to 200 (or 480) tokens."""
+    kserve = json.dumps(
+        {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["Once "]}],
+         "parameters": {"max_tokens": 200}}
+    ).encode()  # fmt: skip
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Once"}]}
+    cases = [
+        ("/v1/completions", b'{"model": "demo_lm", "prompt": "Once ", "max_tok\\u0065ns": 200}',
+         {}),
+        ("/v1/chat/completions", json.dumps(chat).encode(), {}),
+        (f"/v2/models/{MODEL}/infer", gzip.compress(kserve), {"content-encoding": "gzip"}),
+    ]  # fmt: skip
+    for path, body, more in cases:
+        status, _, reply = rest(mesh, "team-c", body, path, **more)
+        assert status == 429, (path, reply)
+        assert b"more than the burst" in reply and b"burst 300" in reply, (path, reply)
+    with grpc.insecure_channel(
+        f"127.0.0.1:{mesh.port}", compression=grpc.Compression.Gzip
+    ) as channel:  # a compressed gRPC message (sent plain unless gzip makes it smaller)
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            request = text_request("a" * 100, max_tokens=200)
+            named = mesh.metadata("team-c", **{"x-model-name": MODEL})  # the body is unread
+            stub.ModelInfer(request, metadata=named, timeout=60)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
+    assert "more than the burst" in (refused.value.details() or "")
+    # An escape in a value, not a key, is read as before: 8 tokens asked, answered.
+    body = b'{"model": "demo_lm", "prompt": "Caf\\u00e9 ", "max_tokens": 8}'
+    status, _, reply = rest(mesh, "team-c", body, "/v1/completions")
+    assert status == 200, reply
+    assert json.loads(reply)["usage"]["completion_tokens"] <= 8
 
 
 def test_the_openai_api_reserves_and_refunds_like_the_others(mesh: TokenMesh) -> None:
