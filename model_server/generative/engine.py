@@ -60,7 +60,7 @@ class GenerationRequest:
     max_tokens: int = 32
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: the whole vocabulary
-    seed: int = 0
+    seed: int | None = None  # None: fresh entropy, so unseeded samples differ call to call
     top_p: float = 1.0  # nucleus sampling: the smallest set of tokens holding this much mass
     stop: tuple[tuple[int, ...], ...] = ()  # token sequences that end the generation
 
@@ -78,7 +78,13 @@ class GenerationRequest:
             raise InvalidInput("temperature and top_k must be >= 0")
         if not 0 < self.top_p <= 1:
             raise InvalidInput(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed < 0:
+        if self.temperature == 0 and (self.top_p < 1 or self.top_k > 0):
+            name = "top_p" if self.top_p < 1 else "top_k"
+            raise InvalidInput(
+                f"{name} narrows the tokens sampled from, but temperature is 0 (greedy, the "
+                f"default): set temperature above 0 for {name} to have an effect"
+            )
+        if self.seed is not None and self.seed < 0:
             raise InvalidInput(f"seed must be >= 0, got {self.seed}")
 
 

@@ -9,10 +9,11 @@ A model whose ONNX graph has Hugging Face Optimum's decoder interface (``input_i
   text per response from ModelStreamInfer (a decoupled model: ``model_transaction_policy
   { decoupled: true }``), the last response carrying the parameter
   ``triton_final_response: true`` and ``finish_reason`` (eos, length, stop);
-- request parameters ``max_tokens`` (default 32), ``temperature`` (0: greedy), ``top_k``,
-  ``top_p`` (nucleus sampling, default 1), ``seed``, ``stop`` (a string; generation ends once
-  the text ends with it) and ``stop_sequences`` (a JSON array of up to ``MAX_STOPS`` such
-  strings, for several; the OpenAI API's list).
+- request parameters ``max_tokens`` (default 32), ``temperature`` (0: greedy, the default),
+  ``top_k`` and ``top_p`` (nucleus sampling, default 1; either one narrowed at temperature 0 is
+  refused, since greedy ignores it), ``seed`` (absent: fresh entropy each call), ``stop`` (a
+  string; generation ends once the text ends with it) and ``stop_sequences`` (a JSON array of
+  up to ``MAX_STOPS`` such strings, for several; the OpenAI API's list).
 
 The vocabulary is byte level (ids 0-255 are bytes; the ids above are specials), as in
 ``model_server.generative.lm_reference``; a config.pbtxt parameter ``eos_token_id`` /
@@ -140,7 +141,7 @@ def parse_generation(
         max_tokens=_integer(request, "max_tokens", DEFAULT_MAX_TOKENS),
         temperature=_number(request, "temperature", 0.0),
         top_k=_integer(request, "top_k", 0),
-        seed=_integer(request, "seed", 0),
+        seed=_integer(request, "seed", 0) if "seed" in request.parameters else None,
         stop=tuple(tuple(stop) for stop in stops),
         top_p=_number(request, "top_p", 1.0),
     )

@@ -295,6 +295,13 @@ def _common(body: Mapping[str, Any], chat: bool, prompt: str) -> Generation:
     ):
         if value is not None:
             parameters[name] = value
+    if not parameters.get("temperature"):  # greedy: nothing is sampled, so they would do nothing
+        for name, neutral in (("top_p", 1.0), ("top_k", 0)):
+            if parameters.get(name, neutral) != neutral:
+                raise OpenAIError(
+                    f"{name}: has no effect at temperature 0 (greedy, the default here; "
+                    f"OpenAI's is 1): set temperature above 0", name, "unsupported_value",
+                )  # fmt: skip
     return Generation(
         model_name(body), prompt, chat, stream, include_usage, max_tokens, parameters, stops(body)
     )

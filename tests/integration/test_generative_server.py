@@ -101,6 +101,8 @@ def test_metadata_shows_text_in_and_text_out(server: ServerProcess) -> None:
         (text_request(PROMPT, max_tokens=0), "max_tokens must be >= 1"),
         (text_request(PROMPT, max_tokens=600), "exceeds the model's 512 positions"),
         (text_request(PROMPT, temperature="hot"), "parameters['temperature']: expected"),
+        (text_request(PROMPT, top_p=0.5), "top_p narrows the tokens sampled from"),
+        (text_request(PROMPT, top_k=3, temperature=0.0), "top_k narrows"),
     ],
 )
 def test_bad_generation_requests_are_named(

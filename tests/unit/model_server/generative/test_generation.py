@@ -244,6 +244,31 @@ async def test_a_sampling_error_fails_its_own_sequence_alone(
     assert e.cache.free_blocks == 8  # the failed sequence's blocks went back
 
 
+async def test_unseeded_samples_differ_and_seeded_ones_repeat() -> None:
+    """Without a seed each sequence draws fresh entropy (it was seed 0: every unseeded call
+    sampled the same text); with one, the same seed gives the same tokens."""
+    e = engine()
+
+    async def tokens(seed: int | None) -> list[int]:
+        request = GenerationRequest((3, 1, 4), max_tokens=32, temperature=3.0, seed=seed)
+        return [ev.token for ev in await collect(e, request)]
+
+    unseeded = {tuple(await tokens(None)) for _ in range(3)}
+    assert len(unseeded) > 1  # each token is the likeliest with p 0.36 at this temperature
+    assert await tokens(7) == await tokens(7)
+
+
+def test_top_p_or_top_k_at_temperature_zero_is_refused_not_ignored() -> None:
+    for request, name in [
+        (GenerationRequest((1,), top_p=0.5), "top_p"),
+        (GenerationRequest((1,), top_k=2), "top_k"),
+    ]:
+        with pytest.raises(InvalidInput, match=f"^{name} narrows"):
+            request.check(64)
+    GenerationRequest((1,), top_p=1.0, top_k=0).check(64)  # the neutral values pass
+    GenerationRequest((1,), temperature=0.7, top_p=0.5, top_k=2).check(64)
+
+
 async def test_a_failed_scheduler_fails_its_sequences_instead_of_leaving_them_waiting() -> None:
     pool = ThreadPoolExecutor(max_workers=1)
     loop = asyncio.get_running_loop()

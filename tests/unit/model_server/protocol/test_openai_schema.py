@@ -71,6 +71,8 @@ def test_a_completion_body_becomes_the_engines_parameters() -> None:
         ({"temperature": 10**400}, "temperature", "at most"),  # math.isfinite overflowed
         ({"top_p": -(10**400)}, "top_p", "greater than"),
         ({"top_p": 0}, "top_p", "greater than"),
+        ({"top_p": 0.5}, "top_p", "no effect at temperature 0"),  # greedy: it would do nothing
+        ({"top_k": 5, "temperature": 0}, "top_k", "no effect at temperature 0"),
         ({"seed": 2**63}, "seed", "between"),
         ({"stream": "yes"}, "stream", "true or false"),
         ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
