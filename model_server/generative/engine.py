@@ -40,6 +40,7 @@ import numpy as np
 from model_server.core.errors import InferenceError, InvalidInput
 from model_server.generative.kv_cache import KvCache, KvCacheFull
 from model_server.generative.prefill import prefill_groups, prefill_inputs
+from model_server.generative.sampling import sample
 from model_server.generative.step_past import PastKeeper
 
 log = logging.getLogger(__name__)
@@ -391,28 +392,3 @@ class GenerationEngine:
     def _finish(self, sequence: _Sequence, error: BaseException) -> None:
         sequence.done = True
         sequence.events.put_nowait(error)
-
-
-def sample(logits: np.ndarray, request: GenerationRequest, rng: np.random.Generator) -> int:
-    """Greedy at temperature 0; else softmax(logits / temperature) over the top_k tokens, then
-    over the smallest set of the most likely ones whose probability reaches top_p."""
-    if request.temperature == 0:
-        return int(np.argmax(logits))
-    wide = logits.astype(np.float64)
-    # Shifted first, so the largest logit scales to 0 and the others to at most 0: a tiny
-    # temperature (1e-320) sends them to -inf (probability 0), never to inf - inf = NaN.
-    with np.errstate(over="ignore"):
-        scaled = (wide - wide.max()) / request.temperature
-    if 0 < request.top_k < scaled.size:
-        cutoff = np.partition(scaled, -request.top_k)[-request.top_k]
-        scaled = np.where(scaled >= cutoff, scaled, -np.inf)
-    probabilities = np.exp(scaled - scaled.max())
-    probabilities /= probabilities.sum()
-    if request.top_p < 1:
-        order = np.argsort(-probabilities, kind="stable")
-        mass = np.cumsum(probabilities[order])
-        keep = order[: int(np.searchsorted(mass, request.top_p)) + 1]
-        nucleus = np.zeros_like(probabilities)
-        nucleus[keep] = probabilities[keep]
-        probabilities = nucleus / nucleus.sum()
-    return int(rng.choice(scaled.size, p=probabilities))

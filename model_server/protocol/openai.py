@@ -44,13 +44,15 @@ from model_server.generative.chat import chat_template
 from model_server.generative.streaming_text import TextAssembler
 from model_server.generative.text import FINAL_PARAMETER, TEXT_INPUT, engine_settings
 from model_server.lifecycle.version import ModelVersion
-from model_server.protocol.openai_schema import (
-    Generation,
+from model_server.protocol.openai_errors import (
     OpenAIError,
-    check_context,
     error_document,
     exception_document,
     model_not_found,
+)
+from model_server.protocol.openai_schema import (
+    Generation,
+    check_context,
     parse_chat,
     parse_completion,
 )

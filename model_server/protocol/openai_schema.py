@@ -7,8 +7,7 @@ field is either honoured, accepted only at the value that changes nothing (``ech
 ``frequency_penalty: 0`` ...), or refused with 400 naming it: a parameter is never silently
 ignored. JSON ``null`` means "not given", as in OpenAI's own API.
 
-Errors are ``OpenAIError``: an ``InferenceError`` (so the one request path counts it) with the
-HTTP status, OpenAI's error ``type``, the ``param`` it is about and a ``code``.
+Errors are ``OpenAIError`` (``model_server.protocol.openai_errors``).
 """
 
 from __future__ import annotations
@@ -19,66 +18,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
-from model_server.core.errors import InferenceError, http_status
 from model_server.generative.chat import ROLES, ChatTemplate
 from model_server.generative.text import MAX_STOP_BYTES, MAX_STOPS
+from model_server.protocol.openai_errors import OpenAIError
 
 MAX_SEED = 2**63 - 1
 MAX_TEMPERATURE = 2.0
 MAX_MESSAGES = 1024
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-}
-
-
-def error_type(status: int) -> str:
-    if status >= 500:
-        return "server_error"
-    return ERROR_TYPES.get(status, "invalid_request_error")
-
-
-class OpenAIError(InferenceError):
-    """An error answered in OpenAI's shape: ``{"error": {message, type, param, code}}``."""
-
-    def __init__(
-        self,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        status: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT,
-    ) -> None:
-        super().__init__(message, status)
-        self.param = param
-        self.error_code = code
-
-
-def error_document(
-    status: int, message: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
-
-
-def exception_document(exc: InferenceError) -> tuple[int, dict[str, Any]]:
-    """(HTTP status, OpenAI error body) for any error of the request path."""
-    status = http_status(exc.code)
-    if isinstance(exc, OpenAIError):
-        return status, error_document(status, exc.message, exc.param, exc.error_code)
-    return status, error_document(status, exc.message)
-
-
-def model_not_found(model: str) -> OpenAIError:
-    return OpenAIError(
-        f"The model {model!r} does not exist on this server (GET /v1/models lists them)",
-        "model", "model_not_found", grpc.StatusCode.NOT_FOUND,
-    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from model_server import __version__
 from model_server.core.errors import InferenceError, InvalidInput, http_status
 from model_server.core.memory import format_bytes
 from model_server.generative.text import completion_tokens, prompt_tokens
+from model_server.protocol.json_checks import check_unicode
 from model_server.protocol.openai import (
     OpenAIApi,
     is_openai_path,
@@ -35,7 +36,6 @@ from model_server.protocol.rest_codec import (
     BINARY_CONTENT_TYPE,
     HEADER_LENGTH,
     JSON_CONTENT_TYPE,
-    check_unicode,
     decode_infer,
     encode_infer,
     header_length,

@@ -23,9 +23,9 @@ from model_server.generative.engine import (
     GenerationRequest,
     KvBudgetExhausted,
     TokenEvent,
-    sample,
 )
 from model_server.generative.kv_cache import KvCache, KvShape
+from model_server.generative.sampling import sample
 
 VOCAB, EOS = 50, 49
 

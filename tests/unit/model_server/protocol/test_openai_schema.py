@@ -17,14 +17,8 @@ from model_server.demo_lm import config_pbtxt
 from model_server.generative.chat import ChatTemplate, chat_template
 from model_server.generative.streaming_text import TextAssembler
 from model_server.protocol.openai import DONE, infer_request, sse
-from model_server.protocol.openai_schema import (
-    OpenAIError,
-    check_context,
-    error_document,
-    exception_document,
-    parse_chat,
-    parse_completion,
-)
+from model_server.protocol.openai_errors import OpenAIError, error_document, exception_document
+from model_server.protocol.openai_schema import check_context, parse_chat, parse_completion
 
 TEMPLATE = ChatTemplate("<|{role}|>\n{content}\n", "<|assistant|>\n")
 
