@@ -139,6 +139,8 @@ def _hedging(
     enabled = c.value(given, where, "enabled", "bool", False)
     if enabled and not idempotent:
         c.errors.append(f"{where}.enabled: a model declared idempotent: false cannot be hedged")
+    if enabled and generative:  # a generation's time follows its length: a hedge runs it twice
+        c.errors.append(f"{where}.enabled: a generative model cannot be hedged")
     policy = HedgingPolicy(  # checked even while off: a bad value is an error either way
         multiplier=c.value(given, where, "multiplier", "positive", default.multiplier),
         floor_ms=c.value(given, where, "floor_ms", "positive", default.floor_ms),

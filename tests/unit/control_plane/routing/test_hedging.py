@@ -198,7 +198,6 @@ def test_hedging_is_off_unless_asked_for() -> None:
     assert hedging() is None
     assert hedging(hedging={"multiplier": 1.5}) is None  # tuned, but not turned on
     assert hedging(hedging=on) == HedgingPolicy()
-    assert hedging(generative=True, hedging=on) == HedgingPolicy()
     tuned = hedging(hedging={**on, "multiplier": 1.5, "floor_ms": 2, "budget_percent": 5})
     assert tuned == HedgingPolicy(multiplier=1.5, floor_ms=2, budget_percent=5)
 
@@ -209,6 +208,10 @@ def test_hedging_is_off_unless_asked_for() -> None:
         (
             {"idempotent": False, "hedging": {"enabled": True}},
             "models[0].hedging.enabled: a model declared idempotent: false cannot be hedged",
+        ),
+        (  # docs/control-plane.md: a generation's time follows its length; a hedge runs it twice
+            {"generative": True, "hedging": {"enabled": True}},
+            "models[0].hedging.enabled: a generative model cannot be hedged",
         ),
         ({"hedging": {"multiplier": 0}}, "models[0].hedging.multiplier"),
         ({"hedging": {"budget_percent": 120}}, "models[0].hedging.budget_percent"),
