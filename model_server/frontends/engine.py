@@ -47,8 +47,28 @@ def resident_bytes(pid: int) -> int:
         return 0  # gone between listing and reading
 
 
+def private_bytes(pid: int) -> int:
+    """``pid``'s private anonymous resident memory (RssAnon): what it holds that no other
+    process maps. A front end's pool pages are shared memory the engine maps too, and its
+    libraries are page cache: both are in its RSS and would count twice."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, IndexError, ValueError):
+        pass  # gone between listing and reading
+    return 0
+
+
+def frontend_rpc_limit(limit: int, count: int) -> int:
+    """Each of ``count`` front ends' share of ``--max-concurrent-rpcs`` (0: no limit), so that
+    together they admit about the limit, not ``count`` times it."""
+    return 0 if limit == 0 else -(-limit // count)
+
+
 class FamilyMemory:
-    """A CPU host's reading with the front ends' resident memory added to the engine's."""
+    """A CPU host's reading with the front ends' private memory added to the engine's."""
 
     def __init__(self, inner: MemorySource, pids: Callable[[], list[int]]) -> None:
         self.inner = inner
@@ -58,7 +78,7 @@ class FamilyMemory:
         reading = self.inner.read()
         if reading.source != "process":
             return reading  # device memory: front ends hold none
-        extra = sum(resident_bytes(pid) for pid in self.pids())
+        extra = sum(private_bytes(pid) for pid in self.pids())
         return replace(reading, used_bytes=reading.used_bytes + extra)
 
     @property
@@ -105,7 +125,8 @@ class FrontendEngine:
             "--index", str(index), "--directory", str(self.private.path),
             "--host", s.host, "--port", str(self.port), "--pool-bytes", str(f.pool_bytes),
             "--max-request-bytes", str(s.max_request_bytes),
-            "--max-concurrent-rpcs", str(s.max_concurrent_rpcs), "--log-level", f.log_level,
+            "--max-concurrent-rpcs", str(frontend_rpc_limit(s.max_concurrent_rpcs, f.count)),
+            "--log-level", f.log_level,
             "--event-loop", f.event_loop, "--gc-threshold", str(s.gc_threshold),
         ]  # fmt: skip
         for spec in f.restricted_api:
