@@ -16,6 +16,8 @@ from tritonclient.grpc import service_pb2
 
 from model_server.core.errors import InferenceError, InvalidInput
 from model_server.frontends.link import EngineLink
+from model_server.generative.text import prompt_tokens
+from model_server.protocol.token_usage import usage_trailer
 
 log = logging.getLogger("model_server.frontend")
 
@@ -60,17 +62,24 @@ class FrontendService(grpc.GenericRpcHandler):
         return grpc.unary_unary_rpc_method_handler(self._unary(method))
 
     async def model_infer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        prompt: int | None = None  # a text generation's prompt tokens, for the edge's limits
         try:
             message = service_pb2.ModelInferRequest.FromString(request)
+            prompt = prompt_tokens(message)  # before the link moves the inputs to the pool
             size = sum(len(part) for part in message.raw_input_contents)
             if size > self.max_request_bytes:  # the engine checks it too, with the regions
                 raise InvalidInput(
                     f"model {message.model_name!r}: {size} bytes of tensors exceed the "
                     f"server's limit of {self.max_request_bytes} (--max-request-bytes)"
                 )
-            return await self.link.infer(message, forwarded(context), context.time_remaining())
+            answer = await self.link.infer(message, forwarded(context), context.time_remaining())
+            if prompt is not None:  # as the single process reports it (protocol.service)
+                response = service_pb2.ModelInferResponse.FromString(answer)
+                context.set_trailing_metadata(usage_trailer(prompt, response))
+            return answer
         except InferenceError as exc:
-            await context.abort(exc.code, exc.message)
+            trailers = usage_trailer(prompt, refused=exc.code)
+            await context.abort(exc.code, exc.message, trailing_metadata=trailers)
         except Exception as exc:  # the protobuf did not parse
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ModelInfer: {exc}")
         raise AssertionError("unreachable")
@@ -80,10 +89,14 @@ class FrontendService(grpc.GenericRpcHandler):
 
         async def forward(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             try:
-                return bytes(await call(request, metadata=forwarded(context),
-                                        timeout=context.time_remaining()))  # fmt: skip
+                answer = call(request, metadata=forwarded(context),
+                              timeout=context.time_remaining())  # fmt: skip
+                reply = bytes(await answer)
+                context.set_trailing_metadata(_trailers(await answer.trailing_metadata()))
+                return reply
             except grpc.aio.AioRpcError as exc:
-                await context.abort(exc.code(), exc.details() or "")
+                trailers = _trailers(exc.trailing_metadata())
+                await context.abort(exc.code(), exc.details() or "", trailing_metadata=trailers)
             raise AssertionError("unreachable")
 
         return forward
@@ -116,12 +129,19 @@ class FrontendService(grpc.GenericRpcHandler):
 
 
 async def _relay(call: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-    """The engine's stream to the client; its error as the client's status. Cancelled with
-    the client's call."""
+    """The engine's stream to the client, then its trailers (a stream's tokens used); its
+    error as the client's status. Cancelled with the client's call."""
     try:
         async for item in call:
             yield bytes(item)
+        context.set_trailing_metadata(_trailers(await call.trailing_metadata()))
     except grpc.aio.AioRpcError as exc:
-        await context.abort(exc.code(), exc.details() or "")
+        trailers = _trailers(exc.trailing_metadata())
+        await context.abort(exc.code(), exc.details() or "", trailing_metadata=trailers)
     finally:
         call.cancel()
+
+
+def _trailers(metadata: Any) -> tuple[tuple[str, Any], ...]:
+    """The engine's trailers for the client: its own (x-infermesh-tokens-used), not gRPC's."""
+    return tuple((k, v) for k, v in metadata or () if not k.startswith(("grpc-", ":")))

@@ -43,12 +43,12 @@ from model_server.protocol.rest_codec import (
 )
 from model_server.protocol.service import (
     EXTENSIONS,
-    REFUSED_BEFORE_WORK,
     ROUTED_VERSION_HEADER,
     SERVER_NAME,
     InferenceService,
 )
 from model_server.protocol.shared_memory_tensors import names_shared_memory
+from model_server.protocol.token_usage import REFUSED_BEFORE_WORK
 from model_server.security.access import Restriction, check_metadata, rest_group
 from model_server.security.peers import ServerTls, decide, rest_peer_id
 

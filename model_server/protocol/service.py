@@ -42,6 +42,7 @@ from model_server.protocol.shared_memory_tensors import (
     names_shared_memory,
 )
 from model_server.protocol.statistics import add_statistics
+from model_server.protocol.token_usage import usage_trailer
 from model_server.scheduling.gate import ServingGate
 from model_server.scheduling.schedulers import Ticket
 from model_server.security.tenancy import (
@@ -63,16 +64,6 @@ EXTENSIONS = ("model_repository", "model_configuration", "statistics", "binary_t
 # Set by Envoy on the routes of a model with a fallback (control_plane.xds.protection): a server
 # without the requested model serves this one instead and says so in the response.
 FALLBACK_PARAMETER = "infermesh_fallback_from"
-# Refusals that come before any token is computed (their token reservation is refunded).
-REFUSED_BEFORE_WORK = frozenset(
-    {
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.NOT_FOUND,
-        grpc.StatusCode.PERMISSION_DENIED,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.UNAVAILABLE,
-    }
-)
 UNKNOWN_MODEL_LABEL = "_unknown"  # never a client-chosen string: label sets stay bounded
 
 
@@ -273,16 +264,12 @@ class InferenceService(SharedMemoryRpcs, service_pb2_grpc.GRPCInferenceServiceSe
         prompt = prompt_tokens(request)
         try:
             response = await self.infer(request, metadata, context.time_remaining())
-        except InferenceError as exc:
-            # Refused before any work: the edge refunds the tenant's whole token reservation.
-            # Other errors report nothing, and the reservation stays charged.
-            unused = prompt is not None and exc.code in REFUSED_BEFORE_WORK
-            trailers = ((TOKENS_USED_HEADER, "0"),) if unused else ()
+        except InferenceError as exc:  # the edge's token reservation: refunded if refused
+            trailers = usage_trailer(prompt, refused=exc.code)  # before any work
             await context.abort(exc.code, exc.message, trailing_metadata=trailers)
             raise AssertionError("unreachable") from exc
         if prompt is not None:
-            used = prompt + completion_tokens([response])
-            context.set_trailing_metadata(((TOKENS_USED_HEADER, str(used)),))
+            context.set_trailing_metadata(usage_trailer(prompt, response))
         return response
 
     async def infer(

@@ -18,10 +18,15 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from grpc_health.v1 import health_pb2
+from tritonclient.grpc import service_pb2_grpc
 
+from infermesh.wire import TOKENS_USED_HEADER
+from model_server.demo_lm import build_demo_lm
 from model_server.frontends.engine import resident_bytes
+from model_server.generative.text import completion_tokens
 from tests.support import (
     EXPLICIT,
+    MODEL,
     ServerProcess,
     Traffic,
     alive,
@@ -30,6 +35,7 @@ from tests.support import (
     metric_value,
     start_server,
     successes,
+    text_request,
     wait_for,
 )
 
@@ -176,3 +182,28 @@ def test_a_killed_engine_takes_its_front_ends(repo: Path, tmp_path: Path) -> Non
         private = PRIVATE.search(server.log())
         if private:  # a killed engine cannot remove it: the one leftover, documented
             shutil.rmtree(private[1], ignore_errors=True)
+
+
+def test_a_text_generation_reports_its_tokens_through_a_front_end(tmp_path: Path) -> None:
+    """The edge's token limits settle each reservation with x-infermesh-tokens-used: a front
+    end passes it on as the single process sends it (ModelInfer, refusals, streams). Before,
+    every generation through a front end kept its whole reservation charged."""
+    repo = tmp_path / "models"
+    build_demo_lm(repo)
+    server = start_server(repo, tmp_path / "logs", "--frontends", "2", "--models", MODEL)
+    try:
+        with grpc.insecure_channel(server.url) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            response, call = stub.ModelInfer.with_call(text_request("Once ", max_tokens=8))
+            used = dict(call.trailing_metadata() or ())[TOKENS_USED_HEADER]
+            assert int(used) == 1 + len("Once ") + completion_tokens([response])
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.ModelInfer(text_request("Once ", max_tokens=0))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert dict(refused.value.trailing_metadata() or ())[TOKENS_USED_HEADER] == "0"
+            stream = stub.ModelStreamInfer(iter([text_request("Once ", max_tokens=4)]))
+            answers = [r.infer_response for r in stream]
+            used = dict(stream.trailing_metadata() or ())[TOKENS_USED_HEADER]
+            assert int(used) == 1 + len("Once ") + completion_tokens(answers)
+    finally:
+        server.stop()
