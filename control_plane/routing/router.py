@@ -155,7 +155,14 @@ class Router:
                 memory.hedging, changed = HedgeState(), True
             rest = memory.rest
             tolerance = policy.recompute_tolerance
-            if rest and rest[1] == policy and not signals_moved(rest[0], signals, tolerance):
+            # A hedged pool is never at rest: its guard moves with time (the P99 window, the
+            # calm before a boost is undone) and with Envoy's retry share, not with signals.
+            if (
+                model.hedging is None
+                and rest
+                and rest[1] == policy
+                and not signals_moved(rest[0], signals, tolerance)
+            ):
                 self.pools_skipped += 1
                 continue
             self.pools_computed += 1

@@ -111,6 +111,28 @@ def test_a_recompute_says_what_it_did_as_values() -> None:
     assert step(router, 8.0, 20.0)[C.key]["state"] == "slow_start"
 
 
+def test_a_hedged_pool_whose_signals_rest_still_follows_envoys_retry_share() -> None:
+    """Signals unchanged tick after tick put a pool at rest (its recompute skipped); a hedged
+    pool's guard must still see its hedges fall back within budget and undo its boost (before,
+    the pool rested with the per-try timeout at the SLA, hedging nothing, for good)."""
+    router = Router()
+    hedged = {"models": [{"name": "m", "sla_p99_ms": SLA, "capacity_qps": 100,
+                          "hedging": {"enabled": True}}]}  # fmt: skip
+    topo = parse_topology(hedged)
+    telemetry = {a.key: seen(a, 10.0) for a in (A, B, C)}
+    share = {"m": 0.5}  # half the tries are hedges: over the 10% budget
+
+    for tick in range(90):  # the same signals every second
+        if tick == 10:
+            share["m"] = 0.0  # calm from here
+        router.recompute(topo, telemetry, REPORTS, float(tick), share.get)
+        if tick == 9:
+            assert router.pools["m"].hedging.boost >= 4  # boosted up to the SLA
+            assert router.pool_hedges()["m"].per_try_ms == SLA
+    assert router.pools["m"].hedging.boost == 1  # undone, calmly
+    assert router.pool_hedges()["m"].per_try_ms == 20.0  # 2 x the pool's P99 again
+
+
 def test_the_per_try_timeout_follows_the_pools_healthy_p99_and_is_explained() -> None:
     router = Router()
     step(router, 0.0, 10.0)
