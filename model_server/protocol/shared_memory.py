@@ -114,7 +114,14 @@ class Region:
         return memoryview(self._mapping)[start:end].toreadonly()
 
     def write(self, start: int, data: bytes) -> None:
-        self._mapping[start : start + len(data)] = data
+        """Writes an output at ``start`` (the mapping begins at the object's start, so it is
+        the file offset too). Through the file, not the mapping: the object may have shrunk
+        since the request was checked (a model run ago), and a store into a mapped page past
+        the end is SIGBUS, which would kill the server; ``pwrite`` past the end grows it."""
+        view = memoryview(data)
+        while view:
+            written = os.pwrite(self._fd, view, start)
+            view, start = view[written:], start + written
 
     def close(self) -> bool:
         """Unmaps; False while a view of it is still alive (a tensor being read)."""

@@ -7,6 +7,8 @@ keeps serving after them with no region left held."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from model_server.protocol.shared_memory_tensors import (
 )
 from model_server.scheduling.gate import ServingGate
 from model_server.security.access import Restriction
+from tests.support import ROOT
 
 HEADER, SECRET = "infermesh-operator-key", "op-secret-0123"
 AUTH = ((HEADER, SECRET),)
@@ -161,6 +164,31 @@ def test_an_object_that_shrank_is_refused_not_read(
     assert _code(region.span, 0, 64, "input 'x'").startswith(
         "FAILED_PRECONDITION: region 'a': key '/obj' shrank to 16 bytes"
     )
+
+
+def test_an_output_written_after_the_object_shrank_does_not_kill_the_server(
+    tmp_path: Path,
+) -> None:
+    """The output is written after the model runs, a whole run after the check: if the client
+    truncated the object meanwhile, a store into the mapping would be SIGBUS. In a child
+    process, since on the code before this test the signal kills whoever writes."""
+    script = f"""
+import os, sys
+from pathlib import Path
+from model_server.protocol.shared_memory import SharedMemoryRegistry
+path = Path({str(tmp_path)!r}) / "out"
+path.write_bytes(bytes(8192))
+registry = SharedMemoryRegistry(path.parent)
+registry.register("o", "/out", 0, 8192)
+region = registry.get("o", "output 'y'")
+start, end = region.span(4096, 4096, "output 'y'")  # checked: fits
+os.truncate(path, 0)  # the client shrinks it while the model runs
+region.write(start, b"y" * 4096)
+assert path.read_bytes()[4096:] == b"y" * 4096
+registry.close()
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, timeout=60, check=False)
+    assert done.returncode == 0, f"the writer died with {done.returncode} (-7: SIGBUS)"
 
 
 # -- the request path, with a real model ----------------------------------------------------
