@@ -121,9 +121,13 @@ def circuit_breakers(
     return cb_pb2.CircuitBreakers(thresholds=[thresholds])
 
 
-def aggregate_cluster(name: str, clusters: list[str]) -> cluster_pb2.Cluster:
+def aggregate_cluster(
+    name: str, clusters: list[str], retry_budget_percent: float
+) -> cluster_pb2.Cluster:
     """A cluster that tries ``clusters`` in order, each only when those before have no
-    healthy endpoint."""
+    healthy endpoint. Its retry budget is the model's: Envoy applies an aggregate cluster's
+    own retry limit to retries routed through it (envoyproxy/envoy#17412, #38251), where the
+    default would allow 3 concurrent retries; its other limits are the clusters' behind it."""
     config = packed(aggregate_pb2.ClusterConfig(clusters=clusters))
     return cluster_pb2.Cluster(
         name=name,
@@ -132,4 +136,5 @@ def aggregate_cluster(name: str, clusters: list[str]) -> cluster_pb2.Cluster:
         cluster_type=cluster_pb2.Cluster.CustomClusterType(
             name=AGGREGATE_CLUSTER, typed_config=config
         ),
+        circuit_breakers=circuit_breakers(retry_budget_percent),
     )

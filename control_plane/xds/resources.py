@@ -71,7 +71,12 @@ from control_plane.xds import (
     token_admission,
     upstream_tls,
 )
-from control_plane.xds.clusters import build_assignment, build_cluster, socket_address
+from control_plane.xds.clusters import (
+    build_assignment,
+    build_cluster,
+    retry_budget_percent,
+    socket_address,
+)
 from control_plane.xds.envoy_values import ads_source, duration, packed, set_header
 from control_plane.xds.lua_routing import LUA_FILTER, lua_source
 from control_plane.xds.protection import (
@@ -568,8 +573,10 @@ def build_resources(state: MeshState, made: Make = fresh) -> dict[str, dict[str,
         return made(CLUSTER_TYPE, name, key, lambda: build_cluster(state, name))
 
     def aggregate(name: str, pair: tuple[str, str]) -> Message:
-        return made(CLUSTER_TYPE, name, ("aggregate", pair),
-                    lambda: aggregate_cluster(name, list(pair)))  # fmt: skip
+        model = models.get(cluster_model(pair[0]) or "")
+        budget = retry_budget_percent(state.listener, model)
+        return made(CLUSTER_TYPE, name, ("aggregate", pair, budget),
+                    lambda: aggregate_cluster(name, list(pair), budget))  # fmt: skip
 
     rest_ports = dict(state.rest_ports)
     tls = state.listener.upstream_tls

@@ -125,6 +125,10 @@ def test_fallback_goes_through_an_aggregate_and_names_the_fallback() -> None:
     config = aggregate_pb2.ClusterConfig()
     assert aggregate.cluster_type.typed_config.Unpack(config)
     assert list(config.clusters) == [BIG, SMALL]
+    # Envoy applies the aggregate's own retry limit to retries (hedges) routed through it:
+    # the model's budget, not the default of 3 concurrent retries.
+    (limits,) = aggregate.circuit_breakers.thresholds
+    assert limits.retry_budget.budget_percent.value == 25
     assert fallback_cluster(BIG) not in resources[ENDPOINT_TYPE]  # no EDS of its own
     # The primary keeps all its traffic while any endpoint is healthy; others are untouched.
     assert resources[ENDPOINT_TYPE][BIG].policy.overprovisioning_factor.value >= 10_000
