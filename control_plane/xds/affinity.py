@@ -26,8 +26,8 @@ from envoy.config.route.v3 import route_components_pb2 as rc_pb2
 from google.protobuf.wrappers_pb2 import UInt32Value
 
 from control_plane.model.mesh import Affinity
-from control_plane.xds.identity import AUTH_NAMESPACE
 from control_plane.xds.lua_template import fill, lua_string
+from control_plane.xds.namespaces import AUTH_NAMESPACE
 from infermesh.wire import AFFINITY_HEADER
 
 PROMPT_INPUT = "text_input"  # the generative models' prompt tensor (BYTES)

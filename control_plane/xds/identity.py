@@ -64,6 +64,7 @@ from google.protobuf.message import Message
 from control_plane.model.mesh import OTHER_TENANT, EdgeAuth, RateLimit, TenantPolicy
 from control_plane.xds import edge
 from control_plane.xds.envoy_values import packed, set_header
+from control_plane.xds.namespaces import AUTH_NAMESPACE
 from control_plane.xds.protection import enforced_bucket, retry_after_s, token_bucket
 from infermesh.wire import (
     JWT_TENANT_HEADER,
@@ -77,7 +78,6 @@ from infermesh.wire import (
     VERSION_PERMISSION_HEADER,
 )
 
-AUTH_NAMESPACE = "infermesh.auth"  # dynamic metadata: {"tenant": identity}
 ROUTE_NAMESPACE = "infermesh"  # route metadata: {"model": name}
 RBAC_NAMESPACE = "envoy.filters.http.rbac"  # where Envoy's RBAC filters write shadow results
 BASIC_AUTH_FILTER = "envoy.filters.http.basic_auth"

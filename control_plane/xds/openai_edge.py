@@ -48,9 +48,9 @@ from envoy.type.matcher.v3 import string_pb2
 from control_plane.model.mesh import OTHER_TENANT, EdgeAuth
 from control_plane.xds import edge, exposure
 from control_plane.xds.envoy_values import packed
-from control_plane.xds.identity import AUTH_NAMESPACE
 from control_plane.xds.lua_routing import LUA_FILTER
 from control_plane.xds.lua_template import fill, lua_string, lua_strings
+from control_plane.xds.namespaces import AUTH_NAMESPACE
 from infermesh.wire import (
     MODEL_HEADER,
     OPENAI_GENERATION_PATHS,
