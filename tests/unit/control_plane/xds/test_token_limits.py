@@ -9,6 +9,7 @@ import pytest
 from envoy.config.route.v3 import route_components_pb2 as rc_pb2
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.extensions.filters.http.ratelimit.v3 import rate_limit_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.service.ratelimit.v3 import rls_pb2
 from google.protobuf import wrappers_pb2
 
@@ -16,6 +17,7 @@ from control_plane.metrics import ControlPlaneMetrics
 from control_plane.model.mesh import EdgeAuth, TenantPolicy, TokenLimit
 from control_plane.model.tokens import TokenLedger
 from control_plane.xds import identity, token_admission
+from control_plane.xds.resources import ROUTER_FILTER as ROUTER
 from control_plane.xds.resources import http_filters
 from control_plane.xds.token_limiter import DOMAIN, OK, OVER, TokenLimiter
 
@@ -109,6 +111,17 @@ def test_the_token_filters_come_last_before_the_router_and_only_when_limited() -
     assert token_admission.ADMISSION_FILTER not in _manager_filters(
         EdgeAuth("off", tenants=AUTH.tenants)
     )
+
+
+def test_the_router_keeps_the_header_that_tells_an_upstream_answer_from_envoys_own() -> None:
+    """The admission script settles 0 for an answer without x-envoy-upstream-service-time (no
+    model ran). Suppressing Envoy's headers on the router would make every answer look like
+    Envoy's own, and every generation free."""
+    (router,) = [f for f in http_filters(True, auth=AUTH, models=("lm",)) if f.name == ROUTER]
+    config = router_pb2.Router()
+    assert router.typed_config.Unpack(config)
+    assert not config.suppress_envoy_headers
+    assert "x-envoy-upstream-service-time" in token_admission.lua_source()
 
 
 def test_the_limiter_fails_closed_unless_the_topology_says_open() -> None:
