@@ -85,8 +85,13 @@ def write_topology(path: Path, arm: str, listener: int, otlp: int, ports: list[i
                    args: argparse.Namespace) -> None:  # fmt: skip
     model: dict[str, Any] = {"name": MODEL, "sla_p99_ms": 5000, "capacity_qps": 100,
                              "generative": True}  # fmt: skip
+    routing: dict[str, float] = {}
     if args.hysteresis is not None:  # every arm: weights move only on larger changes
-        model["routing"] = {"hysteresis": args.hysteresis}
+        routing["hysteresis"] = args.hysteresis
+    if args.kv_full_at is not None:  # every arm: when a nearly full KV cache loses score
+        routing["kv_full_at"] = args.kv_full_at
+    if routing:
+        model["routing"] = routing
     factor = args.factor
     if arm == "affinity":
         model["affinity"] = {"mode": "prefix", "one_request_streams": True,
@@ -363,6 +368,12 @@ def main() -> int:
         type=float,
         default=None,
         help="the model's routing.hysteresis, every arm (default: the product's)",
+    )
+    p.add_argument(
+        "--kv-full-at",
+        type=float,
+        default=None,
+        help="the model's routing.kv_full_at, every arm (default: the product's, 0.8; 1: off)",
     )
     p.add_argument(
         "--kv-blocks",
