@@ -484,6 +484,24 @@ models:
     assert default.kv_full_at == 0.8
 
 
+def test_an_affinity_pool_leaves_kv_full_at_off_unless_it_is_set() -> None:
+    """Its weights are its Maglev table: a steep fall of a filling server's score moves the
+    prefixes it holds. Set explicitly, the value given applies."""
+    from control_plane.config.topology import parse_topology_text
+
+    text = """
+models:
+  - {name: lm, sla_p99_ms: 200, capacity_qps: 50, generative: true, affinity: prefix}
+  - {name: chosen, sla_p99_ms: 200, capacity_qps: 50, generative: true, affinity: prefix,
+     routing: {kv_full_at: 0.9}}
+  - {name: plain, sla_p99_ms: 200, capacity_qps: 50, generative: true}
+"""
+    topology = parse_topology_text(text)
+    assert topology.policy("lm").kv_full_at == 1.0
+    assert topology.policy("chosen").kv_full_at == 0.9
+    assert topology.policy("plain").kv_full_at == 0.8
+
+
 def test_model_routing_policy_errors_are_all_reported() -> None:
     from control_plane.config.topology import TopologyError, parse_topology_text
 
