@@ -99,13 +99,15 @@ def parse_models(
             if "large_inputs" in m else None
         )  # fmt: skip
         generative = c.value(m, path, "generative", "bool", False)
-        hedging, stalled_try = _hedging(c, m, path, generative)
+        idempotent = c.value(m, path, "idempotent", "bool", True)
+        hedging, stalled_try = _hedging(c, m, path, generative, idempotent)
         routes.append(
             ModelRoute(
                 name, sla, timeout, split, parse_rate_limit(c, m, path), _breaker(c, m, path),
                 c.value(m, path, "fallback", "name", None), sla_classes=classes,
                 large_inputs=large, hedging=hedging, stalled_try_share=stalled_try,
                 affinity=_affinity(c, m.get("affinity", "none"), f"{path}.affinity"),
+                idempotent=idempotent,
             )
         )  # fmt: skip
         per_class = _capacity(c, m, path)
@@ -123,13 +125,12 @@ def parse_models(
 
 
 def _hedging(
-    c: Checker, m: dict[str, Any], path: str, generative: bool
+    c: Checker, m: dict[str, Any], path: str, generative: bool, idempotent: bool
 ) -> tuple[HedgingPolicy | None, float]:
     """``hedging:``: the adaptive policy, off unless ``enabled: true``, and the stalled-try
     share (``stalled_try``: a try unanswered at this share of the timeout races another host).
     Neither for a model declared ``idempotent: false`` (a hedge runs the request twice); no
     stalled-try hedge for a generative model (a long generation is not a stall)."""
-    idempotent = c.value(m, path, "idempotent", "bool", True)
     given = c.mapping(m.get("hedging", {}), f"{path}.hedging") or {}
     where = f"{path}.hedging"
     c.keys(given, where, _HEDGING)

@@ -93,7 +93,8 @@ values. Schema (every section but ``models`` is optional; defaults shown)::
         circuit_breaker: {max_requests: 256, max_pending_requests: 64}   # optional, each >= 1
         fallback: classifier-small  # optional: another model (without a fallback of its own)
         generative: false           # true: default score weights favour KV cache and queue
-        idempotent: true            # false: never hedged (a hedge runs a request twice)
+        idempotent: true            # false: never hedged (a hedge runs a request twice), and
+                                    # never retried after a reset (it may have run)
         hedging:                    # optional: hedged unary requests (routing.hedging)
           enabled: false            # true: hedge; off by default (docs/control-plane.md)
           multiplier: 2             # > 0: per-try timeout = multiplier x the pool's healthy P99

@@ -255,6 +255,9 @@ class ModelRoute:
     # host that vanished mid-connect. Off for generative and non-idempotent models.
     stalled_try_share: float = 0.0
     affinity: Affinity | None = None  # None: mode "none", the listener's lb_policy
+    # False (``idempotent: false``): a request must not run twice, so it is retried only when
+    # it never reached a server (refused connection or stream, UNAVAILABLE), not on a reset.
+    idempotent: bool = True
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ MODELS_PATH = "/v2/models"
 REST_HEALTH_PATH = "/v2/health/ready"
 # The REST counterpart of the gRPC routes' retry_on: a 503 is what UNAVAILABLE maps to.
 REST_RETRY_ON = "reset,connect-failure,refused-stream,retriable-status-codes"
+REST_RETRY_ON_NOT_IDEMPOTENT = "connect-failure,refused-stream,retriable-status-codes"
 REST_RETRY_STATUS = 503
 REST_NOT_FOUND_MESSAGE = "model not found in the mesh"
 RATE_LIMITED_MESSAGE = (
@@ -133,8 +134,9 @@ def rest_action(action: rc_pb2.RouteAction) -> rc_pb2.RouteAction:
         result.cluster = rest_cluster(result.cluster)
     for entry in result.weighted_clusters.clusters:
         entry.name = rest_cluster(entry.name)
-    if result.HasField("retry_policy"):
-        result.retry_policy.retry_on = REST_RETRY_ON
+    if result.HasField("retry_policy"):  # a route that never retries a reset keeps to that
+        on_reset = "reset" in result.retry_policy.retry_on.split(",")
+        result.retry_policy.retry_on = REST_RETRY_ON if on_reset else REST_RETRY_ON_NOT_IDEMPOTENT
         result.retry_policy.retriable_status_codes[:] = [REST_RETRY_STATUS]
     return result
 

@@ -102,6 +102,8 @@ SERVER_METHODS = ("ServerLive", "ServerReady", "ServerMetadata", "RepositoryInde
 SERVER_PATHS = (*(GRPC_SERVICE + m for m in SERVER_METHODS), "/grpc.health.v1.Health/")
 STREAM_PATH = GRPC_SERVICE + "ModelStreamInfer"
 RETRY_ON = "unavailable,reset,connect-failure,refused-stream"
+# For a model declared idempotent: false: a reset may come after the server ran the request.
+RETRY_ON_NOT_IDEMPOTENT = "unavailable,connect-failure,refused-stream"
 NOT_FOUND_MESSAGE = "model not found in the mesh"
 STREAM_NEEDS_HEADER = f"ModelStreamInfer needs the {MODEL_HEADER} request header"
 NO_MODEL_MESSAGE = f"no model name in the request: set the {MODEL_HEADER} request header"
@@ -280,16 +282,19 @@ HEDGE_BACK_OFF_S = 0.001  # Envoy's least retry back-off base interval
 
 
 def retry_policy(
-    state: MeshState, timeout_s: float | None = None, retries: int | None = None
+    state: MeshState,
+    timeout_s: float | None = None,
+    retries: int | None = None,
+    idempotent: bool = True,
 ) -> rc_pb2.RetryPolicy:
     """Retries on other hosts (previous_hosts) for failures a model server did not cause;
-    ``retries`` None: the listener's max_retries."""
+    ``retries`` None: the listener's max_retries. Not ``idempotent``: never on a reset."""
     predicate = rc_pb2.RetryPolicy.RetryHostPredicate(
         name="envoy.retry_host_predicates.previous_hosts",
         typed_config=packed(previous_hosts_pb2.PreviousHostsPredicate()),
     )
     policy = rc_pb2.RetryPolicy(
-        retry_on=RETRY_ON,
+        retry_on=RETRY_ON if idempotent else RETRY_ON_NOT_IDEMPOTENT,
         num_retries=UInt32Value(value=state.listener.max_retries if retries is None else retries),
         retry_host_predicate=[predicate],
         host_selection_retry_max_attempts=3,
@@ -328,7 +333,9 @@ def model_action(
         per_try = timeout
     action = rc_pb2.RouteAction(
         timeout=duration(timeout),
-        retry_policy=retry_policy(state, per_try, None if sla is None else sla.max_retries),
+        retry_policy=retry_policy(
+            state, per_try, None if sla is None else sla.max_retries, model.idempotent
+        ),
     )
     if hedged:  # a try past its per-try timeout races another host, and is not cancelled
         action.hedge_policy.hedge_on_per_try_timeout = True

@@ -32,6 +32,7 @@ from control_plane.routing.hedging import (
     pool_p99_ms,
 )
 from control_plane.scoring.types import EndpointSignals
+from control_plane.xds import edge
 from control_plane.xds.resources import CLUSTER_TYPE, ROUTE_TYPE, build_resources
 
 POLICY = HedgingPolicy(multiplier=3.0, floor_ms=5.0, hysteresis=0.25)
@@ -120,6 +121,21 @@ def test_a_hedged_model_races_a_slow_try_on_another_host() -> None:
     assert not stream.HasField("hedge_policy") and not stream.HasField("retry_policy")
     (limits,) = clusters[model_cluster("classifier")].circuit_breakers.thresholds
     assert limits.retry_budget.budget_percent.value == 10
+
+
+def test_a_model_that_must_not_run_twice_is_never_retried_after_a_reset() -> None:
+    """A reset may come after the server ran the request; a refused connection or stream, or
+    UNAVAILABLE (our servers answer it before any work), may be retried. Over REST too."""
+    parsed = parse_topology(model_config(idempotent=False)).models[0]
+    assert not parsed.idempotent
+    routes, _ = routes_and_clusters(parsed)
+    retry_on = routes[model_cluster("m")].route.retry_policy.retry_on.split(",")
+    assert "reset" not in retry_on and {"connect-failure", "refused-stream"} <= set(retry_on)
+    rest = edge.rest_action(routes[model_cluster("m")].route).retry_policy.retry_on.split(",")
+    assert "reset" not in rest and "connect-failure" in rest
+    routes, _ = routes_and_clusters(parse_topology(model_config()).models[0])
+    assert "reset" in routes[model_cluster("m")].route.retry_policy.retry_on.split(",")
+    assert "reset" in edge.rest_action(routes[model_cluster("m")].route).retry_policy.retry_on
 
 
 def test_without_a_p99_or_with_hedging_off_a_try_has_the_whole_timeout() -> None:
