@@ -228,8 +228,10 @@ class GenerationEngine:
             except Exception as exc:  # a bug, not the model's error: its sequences fail
                 self._fail([*admitted, *self.running], exc)  # (the waiting ones go on)
 
-    def _fail(self, sequences: list[_Sequence], exc: Exception) -> None:
-        error = InferenceError(f"the generation engine failed: {exc!r}")
+    def _fail(
+        self, sequences: list[_Sequence], exc: Exception, what: str = "the generation engine failed"
+    ) -> None:
+        error = InferenceError(f"{what}: {exc!r}")
         for sequence in dict.fromkeys(sequences):
             if sequence in self.running:
                 self.running.remove(sequence)
@@ -357,10 +359,7 @@ class GenerationEngine:
             token = sample(logits, sequence.request, sequence.rng)
         except Exception as exc:  # one request's sampling fails that request alone, never
             log.exception("sampling failed for one sequence")  # the batch it ran in
-            if sequence in self.running:
-                self.running.remove(sequence)
-            self.cache.release(sequence.name)
-            self._finish(sequence, InferenceError(f"sampling failed: {exc!r}"))
+            self._fail([sequence], exc, "sampling failed")
             return
         now = self._clock()
         if sequence.first_token_at is None:
