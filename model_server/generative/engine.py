@@ -40,7 +40,7 @@ import numpy as np
 from model_server.core.errors import InferenceError, InvalidInput
 from model_server.generative.kv_cache import KvCache, KvCacheFull
 from model_server.generative.prefill import prefill_groups, prefill_inputs
-from model_server.generative.sampling import sample
+from model_server.generative.sampling import ignored_at_greedy, sample
 from model_server.generative.step_past import PastKeeper
 
 log = logging.getLogger(__name__)
@@ -79,8 +79,7 @@ class GenerationRequest:
             raise InvalidInput("temperature and top_k must be >= 0")
         if not 0 < self.top_p <= 1:
             raise InvalidInput(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.temperature == 0 and (self.top_p < 1 or self.top_k > 0):
-            name = "top_p" if self.top_p < 1 else "top_k"
+        if (name := ignored_at_greedy(self.temperature, self.top_p, self.top_k)) is not None:
             raise InvalidInput(
                 f"{name} narrows the tokens sampled from, but temperature is 0 (greedy, the "
                 f"default): set temperature above 0 for {name} to have an effect"

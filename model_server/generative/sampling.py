@@ -14,6 +14,17 @@ if TYPE_CHECKING:
     from model_server.generative.engine import GenerationRequest
 
 
+def ignored_at_greedy(temperature: float, top_p: float, top_k: int) -> str | None:
+    """The parameter (``top_p`` or ``top_k``) a request narrows although greedy decoding
+    (temperature 0) would ignore it; None when there is none. Such a request is refused, not
+    silently served greedy (the engine's check, and the OpenAI API's with its ``param``)."""
+    if temperature != 0:
+        return None
+    if top_p < 1:
+        return "top_p"
+    return "top_k" if top_k > 0 else None
+
+
 def sample(logits: np.ndarray, request: GenerationRequest, rng: np.random.Generator) -> int:
     """Greedy at temperature 0; else softmax(logits / temperature) over the top_k tokens, then
     over the smallest set of the most likely ones whose probability reaches top_p."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from model_server.generative.chat import ROLES, ChatTemplate
+from model_server.generative.sampling import ignored_at_greedy
 from model_server.generative.text import MAX_STOP_BYTES, MAX_STOPS
 from model_server.protocol.openai_errors import OpenAIError
 
@@ -242,13 +243,16 @@ def _common(body: Mapping[str, Any], chat: bool, prompt: str) -> Generation:
     ):
         if value is not None:
             parameters[name] = value
-    if not parameters.get("temperature"):  # greedy: nothing is sampled, so they would do nothing
-        for name, neutral in (("top_p", 1.0), ("top_k", 0)):
-            if parameters.get(name, neutral) != neutral:
-                raise OpenAIError(
-                    f"{name}: has no effect at temperature 0 (greedy, the default here; "
-                    f"OpenAI's is 1): set temperature above 0", name, "unsupported_value",
-                )  # fmt: skip
+    ignored = ignored_at_greedy(
+        float(parameters.get("temperature", 0.0)),
+        float(parameters.get("top_p", 1.0)),
+        int(parameters.get("top_k", 0)),
+    )
+    if ignored is not None:  # the engine refuses it too; here OpenAI's error names the param
+        raise OpenAIError(
+            f"{ignored}: has no effect at temperature 0 (greedy, the default here; OpenAI's "
+            "is 1): set temperature above 0", ignored, "unsupported_value",
+        )  # fmt: skip
     return Generation(
         model_name(body), prompt, chat, stream, include_usage, max_tokens, parameters, stops(body)
     )
