@@ -23,7 +23,7 @@ from infermesh.wire import TOKENS_USED_HEADER
 from model_server import __version__
 from model_server.core.errors import InferenceError, InvalidInput, http_status
 from model_server.core.memory import format_bytes
-from model_server.generative.text import completion_tokens, prompt_tokens
+from model_server.generative.text import prompt_tokens
 from model_server.protocol.json_checks import check_unicode
 from model_server.protocol.openai import (
     OpenAIApi,
@@ -48,7 +48,7 @@ from model_server.protocol.service import (
     InferenceService,
 )
 from model_server.protocol.shared_memory_tensors import names_shared_memory
-from model_server.protocol.token_usage import REFUSED_BEFORE_WORK
+from model_server.protocol.token_usage import REFUSED_BEFORE_WORK, usage_trailer
 from model_server.security.access import Restriction, check_metadata, rest_group
 from model_server.security.peers import ServerTls, decide, rest_peer_id
 
@@ -340,9 +340,8 @@ class RestServer:
             response = await self.service.infer(decoded.request, metadata)
             payload, json_length = encode_infer(response, decoded)
         answer = web.Response(body=payload, content_type=JSON_CONTENT_TYPE)
-        prompt = prompt_tokens(decoded.request)
-        if prompt is not None:  # for the edge's token limit (control_plane.xds.token_admission)
-            answer.headers[TOKENS_USED_HEADER] = str(prompt + completion_tokens([response]))
+        # For the edge's token limit (control_plane.xds.token_admission), as gRPC reports it.
+        answer.headers.update(usage_trailer(prompt_tokens(decoded.request), response))
         if json_length is not None:
             answer.content_type = BINARY_CONTENT_TYPE
             answer.headers[HEADER_LENGTH] = str(json_length)
