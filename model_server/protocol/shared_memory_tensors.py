@@ -5,10 +5,11 @@ shared-memory region (Triton's ``shared_memory_region``, ``shared_memory_byte_si
 ``SystemSharedMemory.attach`` checks a request's references before it is prepared: the caller
 may use shared memory, every region exists and covers the range, and an input's byte size is
 its shape x datatype. The request the scheduler then sees is the same request with each
-region's bytes as that input's raw contents, a read-only view of the mapping (``numpy`` reads
-it in place: no copy). After the model ran, ``Attachment.write_outputs`` copies each output
-into its region and leaves its entry in ``raw_output_contents`` empty (Triton's layout, so
-``InferResult`` stays aligned); the output keeps its name, datatype and shape.
+region's bytes as that input's raw contents, read from the object once (a read-only copy: the
+client may change or shrink the object while the model runs, and neither reaches it). After
+the model ran, ``Attachment.write_outputs`` copies each output into its region and leaves its
+entry in ``raw_output_contents`` empty (Triton's layout, so ``InferResult`` stays aligned);
+the output keeps its name, datatype and shape.
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ def tensor_ref(parameters: Mapping[str, Any], where: str) -> TensorRef | None:
 
 
 class RegionRequest:
-    """A ModelInferRequest whose raw_input_contents are given here (views of regions and the
-    message's own contents, one per input in order); everything else is the request's."""
+    """A ModelInferRequest whose raw_input_contents are given here (what was read from regions
+    and the message's own contents, one per input in order); everything else is the request's."""
 
     __slots__ = ("_request", "raw_input_contents")
 
@@ -96,7 +97,7 @@ class Attachment:
 
     request: Any  # a RegionRequest when an input is in a region, else the request itself
     outputs: Mapping[str, tuple[Region, int, int]]  # output -> (region, start, end)
-    release: Callable[[], None]  # the regions stay mapped until this is called
+    release: Callable[[], None]  # the output regions stay open until this is called
 
     def write_outputs(self, response: service_pb2.ModelInferResponse) -> None:
         for index, output in enumerate(response.outputs):
@@ -167,8 +168,8 @@ class SystemSharedMemory:
         """The request's regions resolved and checked (InferenceError naming the field)."""
         self.check_caller(metadata)
         model = f"model {request.model_name!r}"
+        raw = self._inputs(request, model)
         regions: list[Region] = []
-        raw = self._inputs(request, model, regions)
         outputs: dict[str, tuple[Region, int, int]] = {}
         for output in request.outputs:
             where = f"{model} output {output.name!r}"
@@ -180,10 +181,8 @@ class SystemSharedMemory:
         prepared = request if raw is None else RegionRequest(request, raw)
         return Attachment(prepared, outputs, self.registry.hold(regions))
 
-    def _inputs(
-        self, request: service_pb2.ModelInferRequest, model: str, regions: list[Region]
-    ) -> list[Any] | None:
-        """Every input's raw contents, regions' as views; None when no input is in one."""
+    def _inputs(self, request: service_pb2.ModelInferRequest, model: str) -> list[Any] | None:
+        """Every input's raw contents, regions' read from them; None when no input is in one."""
         given = iter(request.raw_input_contents)
         raw: list[Any] = []
         in_regions = 0
@@ -195,8 +194,7 @@ class SystemSharedMemory:
                 continue
             _check_byte_size(tensor, ref, where)
             region = self.registry.get(ref.region, where)
-            raw.append(region.view(*region.span(ref.offset, ref.byte_size, where)))
-            regions.append(region)
+            raw.append(region.read(*region.span(ref.offset, ref.byte_size, where)))
             in_regions += 1
         if not in_regions:
             return None

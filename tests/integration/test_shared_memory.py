@@ -1,8 +1,8 @@
 """System shared memory on a real model server with stock tritonclient, step for step as
 Triton's simple_grpc_shm_client.py: create the regions under /dev/shm, register them, put
 both inputs in one region (the second at an offset), ask for both outputs in another, infer,
-read the outputs from the region, unregister. The server maps and unmaps for real (its
-/proc/PID/maps shows it), refuses callers without the shared-memory credential and hostile
+read the outputs from the region, unregister. The server opens and closes the objects for real
+(its /proc/PID/fd shows it), refuses callers without the shared-memory credential and hostile
 references, and keeps serving."""
 
 from __future__ import annotations
@@ -64,8 +64,11 @@ def keys() -> Iterator[tuple[str, str]]:
             os.unlink(f"/dev/shm{key}")
 
 
-def _mapped(server: ServerProcess, key: str) -> bool:
-    return f"/dev/shm{key}" in Path(f"/proc/{server.proc.pid}/maps").read_text()
+def _held(server: ServerProcess, key: str) -> bool:
+    """Whether the server holds the object open (a descriptor on it)."""
+    target = f"/dev/shm{key}"
+    descriptors = Path(f"/proc/{server.proc.pid}/fd")
+    return any(os.readlink(fd) == target for fd in descriptors.iterdir() if fd.is_symlink())
 
 
 def _status(error: Any) -> str:
@@ -93,7 +96,7 @@ def test_triton_shm_example_with_stock_tritonclient(
     shm.set_shared_memory_region(shm_ip_handle, [INPUT1], offset=SIZE)
     client.register_system_shared_memory("input_data", in_key, SIZE * 2, headers=AUTH)
     try:
-        assert _mapped(server, in_key) and _mapped(server, out_key)
+        assert _held(server, in_key) and _held(server, out_key)
         status = client.get_system_shared_memory_status(headers=AUTH)
         assert {(r.name, r.key, r.offset, r.byte_size) for r in status.regions.values()} == {
             ("input_data", in_key, 0, SIZE * 2),
@@ -129,10 +132,10 @@ def test_triton_shm_example_with_stock_tritonclient(
 
         client.unregister_system_shared_memory("input_data", headers=AUTH)
         assert list(client.get_system_shared_memory_status(headers=AUTH).regions) == ["output_data"]
-        wait_for(lambda: not _mapped(server, in_key), 10, "input region unmapped")
+        wait_for(lambda: not _held(server, in_key), 10, "input region closed")
         client.unregister_system_shared_memory(headers=AUTH)  # every region
         assert len(client.get_system_shared_memory_status(headers=AUTH).regions) == 0
-        wait_for(lambda: not _mapped(server, out_key), 10, "output region unmapped")
+        wait_for(lambda: not _held(server, out_key), 10, "output region closed")
     finally:
         shm.destroy_shared_memory_region(shm_ip_handle)
         shm.destroy_shared_memory_region(shm_op_handle)
@@ -265,8 +268,8 @@ def test_without_the_restriction_shared_memory_is_off_and_regions_go_at_shutdown
         client = grpcclient.InferenceServerClient(server.url)
         assert "system_shared_memory" in client.get_server_metadata().extensions
         client.register_system_shared_memory("left", in_key, SIZE, headers=AUTH)
-        assert _mapped(server, in_key)
-        server.stop()  # SIGINT: drain, then every region unmapped
+        assert _held(server, in_key)
+        server.stop()  # SIGINT: drain, then every region closed
         assert server.proc.returncode == 0, server.log()
         assert "system shared memory 'left' unregistered" in server.log()
     finally:
