@@ -5,6 +5,7 @@ Every process is started here, stopped by its own PID, and waited for with deadl
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -45,6 +46,16 @@ def wait_for(
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+async def wait_for_async(condition: Callable[[], object], within_s: float, what: str) -> None:
+    """``wait_for`` inside an event loop: polls without blocking it."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while not condition():
+        if loop.time() > deadline:
+            raise TimeoutError(f"timed out after {within_s}s waiting for {what}")
+        await asyncio.sleep(0.01)
 
 
 HTTP_PORT = re.compile(r"model server listening: .* http=[\d.]+:(\d+) ")
@@ -133,9 +144,15 @@ def stop_process(
 
 
 def start_server(
-    repository: Path, log_dir: Path, *args: str, wait_ready: bool = True, timeout: float = 60
+    repository: Path,
+    log_dir: Path,
+    *args: str,
+    wait_ready: bool = True,
+    timeout: float = 60,
+    own_group: bool = False,
 ) -> ServerProcess:
-    """Starts ``python -m model_server`` on a free port; waits until it listens (and is ready)."""
+    """Starts ``python -m model_server`` on a free port; waits until it listens (and is ready).
+    ``own_group``: in a new session, so a signal to its process group reaches no one else."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"server-{time.monotonic_ns()}.log"
     command = [
@@ -148,8 +165,9 @@ def start_server(
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen(
-            command, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT, env=env
-        )
+            command, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+            start_new_session=own_group,
+        )  # fmt: skip
     server = ServerProcess(proc, log_path)
 
     def listening() -> re.Match[str] | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 from collections.abc import Callable
@@ -94,6 +95,7 @@ class _Connection(asyncio.Protocol):
             message = wire.parse_infer(body)
             self.counted()
             task = asyncio.get_running_loop().create_task(self._infer(message, self.pool))
+            task.add_done_callback(functools.partial(self._never_ran, message))
             self.tasks[request_id] = task
         elif kind is wire.Kind.CANCEL:
             running = self.tasks.get(request_id)
@@ -138,6 +140,17 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(wire.result(reply))
 
+    def _never_ran(self, message: wire.Infer, task: asyncio.Task[None]) -> None:
+        """A task cancelled before its first step (its CANCEL came in the same read as its
+        INFER) never entered ``_infer``, whose handlers answer and forget it; so here. Every
+        other task ends normally: ``_infer`` keeps its cancellation to itself."""
+        if not task.cancelled():
+            return
+        self.tasks.pop(message.request_id, None)
+        if self.transport is not None and not self.transport.is_closing():
+            reply = _error(message, grpc.StatusCode.CANCELLED, "cancelled by the client")
+            self.transport.write(wire.result(reply))
+
     def abort(self) -> None:
         if self.transport is not None:
             self.transport.abort()
@@ -158,7 +171,7 @@ def _outputs_to_slot(
     response: service_pb2.ModelInferResponse, message: wire.Infer, pool: EnginePool
 ) -> tuple[int, ...]:
     """Moves the outputs into the slot after the inputs when they fit; their lengths."""
-    if message.slot_start < 0 or not response.raw_output_contents:
+    if not 0 < len(response.raw_output_contents) <= wire.MAX_TENSORS or message.slot_start < 0:
         return ()
     room_at = round_up(sum(message.lengths))
     outputs = list(response.raw_output_contents)

@@ -48,7 +48,7 @@ class EngineLink(asyncio.Protocol):
         self.on_lost = on_lost
         self.reader = wire.FrameReader()
         self.transport: asyncio.Transport | None = None
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(1)  # masked to the wire's u32 (see _next_id)
         # request id -> (the answer's future, its slot's start or -1, where outputs go in it)
         self._pending: dict[int, tuple[asyncio.Future[Answer], int, int]] = {}
 
@@ -105,27 +105,30 @@ class EngineLink(asyncio.Protocol):
     ) -> bytes:
         """The engine's answer to ``request``, encoded for the client; InferenceError with
         the engine's status otherwise."""
-        request_id = next(self._ids)
+        request_id = self._next_id()
         start, length, output_at = -1, 0, 0
         lengths: tuple[int, ...] = ()
         raw = request.raw_input_contents
-        if raw and not names_region(request):
+        # More inputs than the frame counts (u16) cross in the message: the engine's checks
+        # then name the request's mistake.
+        if raw and len(raw) <= wire.MAX_TENSORS and not names_region(request):
             input_bytes = sum(len(part) for part in raw)
             length = slot_bytes(input_bytes)
             slot = self.pool.slots.allocate(length)
             if slot is not None:
                 start, output_at = slot, round_up(input_bytes)
+        try:
+            if start >= 0:
                 lengths = self.pool.put(start, list(raw))
                 del raw[:]
-        message = wire.Infer(request_id, timeout_s, start, length, lengths, tuple(metadata),
-                             request.SerializeToString())  # fmt: skip
-        future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
-        try:
+            message = wire.Infer(request_id, timeout_s, start, length, lengths,
+                                 tuple(metadata), request.SerializeToString())  # fmt: skip
             self.send(wire.infer(message))
-        except EngineGone:
+        except BaseException:  # nothing was sent: the slot is this request's alone to free
             if start >= 0:
                 self.pool.slots.free(start)
             raise
+        future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = (future, start, output_at)
         try:
             result, outputs = await future
@@ -140,6 +143,14 @@ class EngineLink(asyncio.Protocol):
         response = service_pb2.ModelInferResponse.FromString(result.body)
         response.raw_output_contents.extend(outputs)
         return bytes(response.SerializeToString())
+
+    def _next_id(self) -> int:
+        """A request id the wire can carry (u32, never 0) that no request in flight holds:
+        a front end outlives 2**32 requests at a few thousand a second in a couple of weeks."""
+        while True:
+            request_id = next(self._ids) & wire.MAX_REQUEST_ID
+            if request_id and request_id not in self._pending:
+                return request_id
 
     def close(self) -> None:
         if self.transport is not None:

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
 from model_server.core.errors import InferenceError, InvalidInput
@@ -65,6 +66,12 @@ class FrontendService(grpc.GenericRpcHandler):
         prompt: int | None = None  # a text generation's prompt tokens, for the edge's limits
         try:
             message = service_pb2.ModelInferRequest.FromString(request)
+        except DecodeError as exc:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"ModelInfer: the message is not a ModelInferRequest ({exc})",
+            )
+        try:
             prompt = prompt_tokens(message)  # before the link moves the inputs to the pool
             size = sum(len(part) for part in message.raw_input_contents)
             if size > self.max_request_bytes:  # the engine checks it too, with the regions
@@ -80,8 +87,9 @@ class FrontendService(grpc.GenericRpcHandler):
         except InferenceError as exc:
             trailers = usage_trailer(prompt, refused=exc.code)
             await context.abort(exc.code, exc.message, trailing_metadata=trailers)
-        except Exception as exc:  # the protobuf did not parse
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ModelInfer: {exc}")
+        except Exception as exc:  # ours, not the caller's: logged, and never a retry hint
+            log.exception("model %r: ModelInfer failed in the front end", message.model_name)
+            await context.abort(grpc.StatusCode.INTERNAL, f"ModelInfer: {type(exc).__name__}")
         raise AssertionError("unreachable")
 
     def _unary(self, method: str) -> Any:

@@ -31,6 +31,8 @@ _HELLO = struct.Struct("<IiQ")  # front-end index, pid, pool bytes
 _U32 = struct.Struct("<I")
 _PAIR = struct.Struct("<HBI")  # key length, value is bytes, value length
 MAX_FRAME = 1 << 31  # a corrupt length is refused, never allocated
+MAX_REQUEST_ID = (1 << 32) - 1  # _HEAD's u32
+MAX_TENSORS = (1 << 16) - 1  # _INFER's and _RESULT's u16 counts
 CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
