@@ -4,8 +4,10 @@ decodes and encodes the calls, checks the restricted API groups, and hands every
 to the engine over the private directory's sockets.
 
 It holds no model and imports neither ONNX Runtime nor the repository. It exits when the
-engine goes: the kernel sends it SIGTERM when its parent dies (``infermesh.pdeathsig``), and
-a lost private channel ends it too (the engine, if alive, starts a new one).
+engine goes: the kernel sends it STOP_SIGNAL (SIGUSR2) when its parent dies
+(``infermesh.pdeathsig``), and a lost private channel ends it too (the engine, if alive, starts
+a new one). The engine stops it with STOP_SIGNAL at the end of a drain; SIGTERM, which a
+process-group kill sends to every process at once, is the engine's to act on.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from model_server.frontends import wire
 from model_server.frontends.link import EngineLink
 from model_server.frontends.pool import FrontendPool
 from model_server.frontends.proxy import FrontendService
+from model_server.frontends.supervisor import STOP_SIGNAL
 from model_server.security.access import (
     RestrictedApiInterceptor,
     RestrictionError,
@@ -84,7 +87,17 @@ async def serve(options: FrontendOptions) -> int:
             exit_code = 1
             stop.set()
 
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    def terminated() -> None:
+        # A SIGTERM sent to the whole process group (systemd's control-group kill, `kill --
+        # -PGID`) reaches the engine too, which drains and then stops its front ends with
+        # STOP_SIGNAL; quitting now would cut the drain's requests. Only an orphan obeys it.
+        if os.getppid() != options.parent:
+            stop.set()
+        else:
+            log.info("front end %d: SIGTERM left to the engine, which drains", options.index)
+
+    loop.add_signal_handler(STOP_SIGNAL, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, terminated)
     pool = FrontendPool(
         options.directory, f"pool-{options.index}-{os.getpid()}", options.pool_bytes
     )
@@ -119,7 +132,7 @@ async def serve(options: FrontendOptions) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    set_parent_death_signal(signal.SIGTERM)
+    set_parent_death_signal(STOP_SIGNAL)
     if os.getppid() != args.parent:  # the engine died before the prctl: never outlive it
         return 1
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the engine drains

@@ -20,6 +20,9 @@ log = logging.getLogger("model_server.frontends")
 RESTART_PAUSE_S = (0.2, 0.5, 1.0, 2.0, 5.0)  # after the 1st, 2nd... quick failure in a row
 STEADY_S = 10.0  # a front end that ran this long before exiting starts the count again
 STOP_TIMEOUT_S = 5.0
+# How the engine (and the kernel, when the engine dies) stops a front end. Not SIGTERM: a
+# SIGTERM to the process group must leave the front ends serving while the engine drains.
+STOP_SIGNAL = signal.SIGUSR2
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,15 @@ class Supervisor:
         failures = 0
         while not self.stopping:
             started = time.monotonic()
-            proc = await self._spawn(index)
+            try:
+                proc = await self._spawn(index)
+            except OSError as exc:  # fork or exec failed (memory, process limits): try again
+                failures += 1
+                pause = RESTART_PAUSE_S[min(failures, len(RESTART_PAUSE_S)) - 1]
+                log.error("front end %d could not start (%s); retrying in %.1fs", index, exc,
+                          pause)  # fmt: skip
+                await asyncio.sleep(pause)
+                continue
             code = await proc.wait()
             if self.stopping:
                 return
@@ -91,12 +102,12 @@ class Supervisor:
             await asyncio.sleep(pause)
 
     async def stop(self) -> None:
-        """SIGTERM to every front end; SIGKILL to any still running after STOP_TIMEOUT_S."""
+        """STOP_SIGNAL to every front end; SIGKILL to any still running after STOP_TIMEOUT_S."""
         self.stopping = True
         running = [proc for proc in self.procs.values() if proc.returncode is None]
         for proc in running:
             with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(STOP_SIGNAL)
         if running:
             _, late = await asyncio.wait(
                 [asyncio.ensure_future(proc.wait()) for proc in running], timeout=STOP_TIMEOUT_S

@@ -170,6 +170,28 @@ def test_drain_is_the_engines_through_its_front_ends(repo: Path, tmp_path: Path)
     assert "drain 3/3" in server.log()
 
 
+def test_sigterm_to_the_process_group_leaves_the_drain_to_the_engine(
+    repo: Path, tmp_path: Path
+) -> None:
+    """systemd's control-group kill and ``kill -TERM -- -PGID`` signal every process at once.
+    Before, each front end quit on it (its clients cut, the public port closed) and the
+    engine, not yet stopping, restarted them mid-drain; now they serve until the engine
+    stops them at the drain's end."""
+    server = start_server(repo, tmp_path, "--frontends", "2", "--drain-delay", "2.0",
+                          own_group=True)  # fmt: skip
+    pids = frontends(server)
+    with Traffic(server.url, clients=2, deadline_s=30, leave_when_draining=True) as traffic:
+        traffic.wait_ok(20)
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        wait_for(lambda: "drain 1/3" in server.log(), 10, "the engine draining")
+        traffic.wait_ok(20, timeout=10)  # through the same front ends, mid-drain
+        assert frontends(server) == pids and all(alive(pid) for pid in pids)
+        assert server.wait_exit(30) == 0
+    assert "restarting" not in server.log()
+    assert "front ends stopped: 0=code 0, 1=code 0" in server.log()
+    assert not any(alive(pid) for pid in pids)
+
+
 def test_a_killed_engine_takes_its_front_ends(repo: Path, tmp_path: Path) -> None:
     server = start_server(repo, tmp_path, "--frontends", "2")
     pids = frontends(server)
