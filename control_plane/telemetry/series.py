@@ -20,6 +20,16 @@ from infermesh import wire
 DURATION, REQUESTS = wire.REQUEST_DURATION, wire.REQUESTS
 OK_CODES = frozenset({"ok", "0", "200", "success"})
 CANCELLED_CODES = frozenset({"cancelled", "1", "499"})  # gRPC CANCELLED; HTTP 499
+# The caller's mistakes, answered correctly: a hostile or buggy client must not make a server
+# look broken (with session affinity its requests all land on one server, which would be
+# ejected, then the next). gRPC names and numbers; HTTP 4xx but 408 and 429, which say the
+# server was slow or full.
+CALLERS_CODES = frozenset({
+    "invalid_argument", "3", "not_found", "5", "already_exists", "6", "permission_denied",
+    "7", "failed_precondition", "9", "out_of_range", "11", "unimplemented", "12",
+    "unauthenticated", "16",
+})  # fmt: skip
+SERVERS_HTTP_4XX = frozenset({"408", "429"})
 MAX_SAMPLES = 256  # per series; a faster exporter shortens the window rather than the memory
 
 _new_pair = tuple.__new__
@@ -191,37 +201,50 @@ def rate(series: Labeled, now: float, window_s: float) -> Signal | None:
     return Signal(total, now - newest) if found else None
 
 
-def _outcomes(series: Labeled, window_s: float) -> tuple[float, float, float, float]:
-    """(errors, cancelled, all requests, the newest sample's time) over the window."""
-    errors = cancelled = total = 0.0
+def callers_mistake(code: str) -> bool:
+    """Whether a request's status code (lower case) is the caller's mistake, not the server's."""
+    if code in CALLERS_CODES:
+        return True
+    return len(code) == 3 and code.startswith("4") and code not in SERVERS_HTTP_4XX
+
+
+def _outcomes(series: Labeled, window_s: float) -> tuple[float, float, float, float, float]:
+    """(errors, cancelled, the callers' mistakes, all requests, the newest sample's time) over
+    the window."""
+    errors = cancelled = mistakes = total = 0.0
     newest = -math.inf
     for attrs, s in series:
         delta, span, t = s.delta(window_s)
         if span > 0:
             code = attrs.get("code", "").lower()
             total += delta[0]
-            if code in CANCELLED_CODES:
+            if code in OK_CODES:
+                pass
+            elif code in CANCELLED_CODES:
                 cancelled += delta[0]
-            elif code not in OK_CODES:
+            elif callers_mistake(code):
+                mistakes += delta[0]
+            else:
                 errors += delta[0]
             newest = max(newest, t)
-    return errors, cancelled, total, newest
+    return errors, cancelled, mistakes, total, newest
 
 
 def error_rate(series: Labeled, now: float, window_s: float) -> Signal | None:
-    """Failed requests over judged ones: a request its caller cancelled (a hedge that lost
-    its race, a client that gave up) is neither a success nor the server's failure."""
-    errors, cancelled, total, newest = _outcomes(series, window_s)
+    """The server's failures over the requests it is judged on: one its caller cancelled (a
+    hedge that lost its race, a client that gave up) or refused for the caller's own mistake
+    (a bad argument, a missing credential) is neither a success nor the server's failure."""
+    errors, cancelled, mistakes, total, newest = _outcomes(series, window_s)
     if newest == -math.inf:
         return None
-    judged = total - cancelled
+    judged = total - cancelled - mistakes
     return Signal(errors / judged if judged > 0 else 0.0, now - newest)
 
 
 def abandoned_rate(series: Labeled, now: float, window_s: float) -> Signal | None:
     """Requests their callers cancelled over all requests: with hedging, the tries that were
     slower than the per-try timeout and lost their race to another server."""
-    _, cancelled, total, newest = _outcomes(series, window_s)
+    _, cancelled, _, total, newest = _outcomes(series, window_s)
     if newest == -math.inf:
         return None
     return Signal(cancelled / total if total > 0 else 0.0, now - newest)

@@ -114,6 +114,35 @@ def test_qps_error_rate_and_models() -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    "mistake", ["INVALID_ARGUMENT", "PERMISSION_DENIED", "NOT_FOUND", "UNAUTHENTICATED", "400"]
+)
+def test_the_callers_mistakes_are_not_the_servers_errors(mistake: str) -> None:
+    """A client sending malformed requests (with session affinity, all to one server) made
+    that server's error rate 0.9 here, past the ejection threshold, on the code before."""
+    store = TelemetryStore(window_s=10)
+    for i in range(6):
+        t = 100.0 + 2 * i
+        metrics = [counter(10.0 * i, t, "OK"), counter(90.0 * i, t, mistake),
+                   counter(1.0 * i, t, "INTERNAL")]  # fmt: skip
+        store.ingest(request(metrics), received_at=t)
+    e = store.snapshot(111.0)[EP]
+    assert e.error_rate is not None and e.error_rate.value == pytest.approx(1 / 11)
+
+
+@pytest.mark.parametrize("code", ["UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED",
+                                  "429", "503", "error"])  # fmt: skip
+def test_a_server_that_is_down_slow_or_full_has_errors(code: str) -> None:
+    store = TelemetryStore(window_s=10)
+    for i in range(6):
+        t = 100.0 + 2 * i
+        store.ingest(
+            request([counter(10.0 * i, t, "OK"), counter(10.0 * i, t, code)]), received_at=t
+        )
+    e = store.snapshot(111.0)[EP]
+    assert e.error_rate is not None and e.error_rate.value == pytest.approx(0.5)
+
+
 def test_a_model_that_stops_reporting_leaves_and_one_that_comes_back_counts_again() -> None:
     """The store keeps which series feed which signal from one report to the next: a series
     going quiet, coming back or appearing must still change what is read."""
