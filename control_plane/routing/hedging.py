@@ -84,10 +84,19 @@ def per_try(
     hysteresis. None: the model is not hedged (``policy`` None), or no P99 was ever known."""
     if policy is None:
         return None
+
+    def clamped(ms: float) -> float:
+        return min(max(ms, policy.floor_ms), sla_p99_ms)
+
+    if current is not None and abs(clamped(current.per_try_ms) - current.per_try_ms) > 0.05:
+        # The floor or the SLA moved (a topology reload): never keep a timeout outside them,
+        # whatever the hysteresis says; recompute from the newest P99 known.
+        p99_ms = current.pool_p99_ms if p99_ms is None else p99_ms
+        current = None
     if p99_ms is None:
         return current
     raw = policy.multiplier * boost * p99_ms
-    timeout = min(max(raw, policy.floor_ms), sla_p99_ms)
+    timeout = clamped(raw)
     if current is not None and abs(timeout - current.per_try_ms) <= policy.hysteresis * (
         current.per_try_ms
     ):

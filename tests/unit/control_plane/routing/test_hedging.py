@@ -70,6 +70,21 @@ def test_small_moves_keep_the_timeout_in_force_and_large_ones_replace_it() -> No
     assert moved is not None and moved.per_try_ms == 24.0
 
 
+def test_a_reloaded_sla_or_floor_moves_a_timeout_the_hysteresis_would_keep() -> None:
+    """On the code before, the timeout in force stayed 100 ms after the SLA fell to 85 (and
+    its reason still said "= the SLA P99"), and 16 ms after the floor rose to 20."""
+    at_sla = per_try(POLICY, 100.0, 40.0, None)  # 120 ms clamped to the SLA
+    assert at_sla is not None and at_sla.per_try_ms == 100.0
+    lowered = per_try(POLICY, 85.0, 40.0, at_sla)
+    assert lowered is not None and lowered.per_try_ms == 85.0 and "the SLA P99" in lowered.why
+    no_p99 = per_try(POLICY, 85.0, None, at_sla)  # no fresh P99: from the one it had
+    assert no_p99 is not None and no_p99.per_try_ms == 85.0
+    current = per_try(POLICY, 100.0, 16 / 3, None)  # 16 ms
+    raised = HedgingPolicy(multiplier=3.0, floor_ms=20.0, hysteresis=0.25)
+    floored = per_try(raised, 100.0, 16 / 3, current)
+    assert floored is not None and floored.per_try_ms == 20.0 and "the floor" in floored.why
+
+
 def test_no_p99_keeps_what_is_in_force_and_no_policy_hedges_nothing() -> None:
     current = per_try(POLICY, 100.0, 6.0, None)
     assert per_try(POLICY, 100.0, None, current) is current
