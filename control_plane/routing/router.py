@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -69,17 +70,42 @@ def _probation(
     now: float,
 ) -> set[str]:
     """Endpoints back from a latency ejection keep weight 1 (a trickle that measures them)
-    until their p99 is within the SLA; then slow start ramps them up from that moment."""
+    until their p99 is within the SLA, or no worse than the rest of the pool's median (an
+    ejection is relative to the pool, so is the way back: when every server is over the SLA,
+    one kept at 1 is capacity lost and no safer); then slow start ramps them up from then."""
     by_endpoint = {s.endpoint: s for s in signals}
     for endpoint in list(memory.probation):
         signal = by_endpoint.get(endpoint)
         state = states.get(endpoint)
         if signal is None or state is None or state.ejected:
             memory.probation.discard(endpoint)  # gone, or out again (a new back-off)
-        elif signal.p99_ms is not None and signal.p99_ms <= policy.sla_p99_ms:
+        elif signal.p99_ms is not None and signal.p99_ms <= max(
+            policy.sla_p99_ms, _others_p99_ms(endpoint, signals, states, memory.probation)
+        ):
             memory.probation.discard(endpoint)
             memory.joined_at[endpoint] = now
     return set(memory.probation)
+
+
+def _others_p99_ms(
+    endpoint: str,
+    signals: list[EndpointSignals],
+    states: Mapping[str, EjectionState],
+    probation: set[str],
+) -> float:
+    """The median p99 of the pool's serving endpoints but ``endpoint`` and those on probation
+    (0 when none reports one)."""
+    kept = [
+        s.p99_ms
+        for s in signals
+        if s.endpoint != endpoint
+        and s.endpoint not in probation
+        and s.p99_ms is not None
+        and not s.stale
+        and (state := states.get(s.endpoint)) is not None
+        and not state.ejected
+    ]
+    return statistics.median(kept) if kept else 0.0
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -174,7 +200,9 @@ class Router:
             for event in ejection.events:
                 self.log(model.name, event, wall)
             for endpoint in ejection.states.keys() - memory.ejections.keys():
-                memory.joined_at.setdefault(endpoint, now)
+                memory.joined_at[endpoint] = now  # new, or back after leaving: ramp up
+            for endpoint in memory.joined_at.keys() - ejection.states.keys():
+                del memory.joined_at[endpoint]  # left the pool (not ready, removed)
             for endpoint, before in memory.ejections.items():
                 after = ejection.states.get(endpoint)
                 if before.ejected and after is not None and not after.ejected:
@@ -272,7 +300,8 @@ def _explain(explanation: Explanation | None, hedge: PerTry | None = None) -> di
                 "state": _state(s.endpoint, on_probation, decision, ramped),
                 "reason": _reason(s.endpoint, decision, ejection.health, ejection.reasons)
                 + (
-                    f", probation: weight 1 until p99 <= SLA {policy.sla_p99_ms:g} ms"
+                    f", probation: weight 1 until p99 <= SLA {policy.sla_p99_ms:g} ms or the "
+                    "rest of the pool's median"
                     if s.endpoint in on_probation
                     else _ramp(decision.weights.get(s.endpoint), ramped.get(s.endpoint))
                 ),

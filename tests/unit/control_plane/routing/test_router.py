@@ -46,7 +46,9 @@ def test_back_from_a_latency_ejection_on_probation_then_slow_start() -> None:
     assert router.pool_health()["m"][C] is EndpointHealth.UNHEALTHY
     back = step(router, 6.5, None)  # back-off over; no traffic, so no p99 yet
     assert back[C.key]["health"] == "HEALTHY" and back[C.key]["weight"] == 1
-    assert "probation: weight 1 until p99 <= SLA 50 ms" in str(back[C.key]["reason"])
+    assert "probation: weight 1 until p99 <= SLA 50 ms or the rest of the pool's median" in str(
+        back[C.key]["reason"]
+    )
     still = step(router, 7.0, 60.0)  # measured, but over the SLA: still a trickle
     assert still[C.key]["weight"] == 1
     proven = step(router, 8.0, 20.0)  # within the SLA: slow start from here
@@ -55,6 +57,43 @@ def test_back_from_a_latency_ejection_on_probation_then_slow_start() -> None:
     assert 1 < int(proven[C.key]["weight"]) < int(proven[A.key]["weight"])  # type: ignore[call-overload]
     done = step(router, 18.5, 10.0)  # ramped up: as good as the others, as heavy
     assert done[C.key]["weight"] == done[A.key]["weight"]
+
+
+def test_probation_ends_when_the_server_is_no_worse_than_the_rest_of_the_pool() -> None:
+    """Every server over the SLA (70 ms against 50): on the code before, the one back from
+    an ejection stayed at weight 1 for good while the others, no faster, carried it all."""
+    router = Router()
+    step(router, 0.0, 10.0)
+    step(router, 1.0, 400.0)  # ejected
+    assert step(router, 6.5, None)[C.key]["weight"] == 1  # back, on probation
+    everyone_slow = {a.key: seen(a, 70.0) for a in (A, B, C)}
+    router.recompute(topology(), everyone_slow, REPORTS, 7.0)
+    out = dict(router.explain()["m"]["endpoints"])
+    assert "probation" not in str(out[C.key]["reason"]) and "slow start" in str(
+        out[C.key]["reason"]
+    )
+    still_slower = {A.key: seen(A, 70.0), B.key: seen(B, 70.0), C.key: seen(C, 90.0)}
+    router = Router()
+    step(router, 0.0, 10.0)
+    step(router, 1.0, 400.0)
+    step(router, 6.5, None)
+    router.recompute(topology(), still_slower, REPORTS, 7.0)
+    assert router.explain()["m"]["endpoints"][C.key]["weight"] == 1  # worse than the rest
+
+
+def test_a_server_that_leaves_and_comes_back_ramps_up_again() -> None:
+    """On the code before, a server that left the pool (not ready) and came back at the same
+    address kept its first join time: at once the heaviest weight in the pool, cold."""
+    router = Router()
+    for now in (0.0, 20.0):
+        step(router, now, 10.0)  # long past slow start
+    without_c = {a: r for a, r in REPORTS.items() if a != C}
+    router.recompute(topology(), {a.key: seen(a, 10.0) for a in (A, B)}, without_c, 21.0)
+    assert C not in router.pool_weights()["m"]
+    back = step(router, 22.0, 10.0)
+    assert "slow start" in str(back[C.key]["reason"])
+    assert int(back[C.key]["weight"]) < int(back[A.key]["weight"])  # type: ignore[call-overload]
+    assert step(router, 32.5, 10.0)[C.key]["weight"] == back[A.key]["weight"]
 
 
 def test_a_slow_server_loses_most_of_its_weight_before_any_ejection() -> None:
