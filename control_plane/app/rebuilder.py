@@ -8,7 +8,8 @@ which serves the pending requests too and says at once whether Envoy's snapshot 
 
 The rebuild itself: the mesh state from the plane's inputs, the snapshot from the mesh state
 (only the resources whose inputs changed are re-made), the cache set (a new version only when
-something changed), and what it did kept for ``/status`` (``last``) and the metrics.
+something changed), and what it did kept for ``/status`` (``last``) and the metrics. A build
+that fails (a bug) keeps the last good snapshot and says so in ``last``.
 """
 
 from __future__ import annotations
@@ -75,8 +76,16 @@ class Rebuilder:
         state = self._mesh_state()
         try:
             snapshot = self.builder.build(state)
-        except InconsistentSnapshot as exc:  # a bug, not an operator error: keep the last good
-            log.error("snapshot not set (%s): %s", reason, exc)
+        except Exception as exc:  # a bug, not an operator error: keep the last good snapshot
+            log.error("snapshot not set (%s): %s: %s", reason, type(exc).__name__, exc,
+                      exc_info=not isinstance(exc, InconsistentSnapshot))  # fmt: skip
+            self.last = {
+                "reason": reason,
+                "requests": served,
+                "at": round(time.time(), 3),
+                "failed": f"{type(exc).__name__}: {exc}"[:300],
+                "kept": "the last good snapshot; Envoy keeps what it had",
+            }
             return False
         changed = self.cache.set_snapshot(snapshot)
         elapsed = time.perf_counter() - started

@@ -15,8 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from control_plane.model.mesh import EndpointAddress, EndpointHealth
+from control_plane.model.schema import UINT32_MAX
 
 Split = tuple[tuple[str, int], ...]  # (version, weight), by version
+
+
+# Envoy sums a locality's endpoint weights in a uint32: this many endpoints at the most each
+# still fit (routing's own weights are at most 100).
+MAX_OVERRIDE_WEIGHT = 1_000_000
 
 
 class InvalidChange(ValueError):
@@ -30,15 +36,21 @@ class OperatorState:
     splits: dict[str, Split] = field(default_factory=dict)
 
     def override(self, address: EndpointAddress, body: Mapping[str, Any]) -> None:
-        """``weight`` (an integer >= 1, or null to clear) and/or ``health`` (an
-        EndpointHealth name, or null). All of it is checked before anything changes."""
+        """``weight`` (an integer in 1..MAX_OVERRIDE_WEIGHT, or null to clear) and/or ``health``
+        (an EndpointHealth name, or null). All of it is checked before anything changes."""
         unknown = sorted(set(body) - {"weight", "health"})
         if unknown:
             raise InvalidChange(f"unknown fields {unknown}; expected weight and/or health")
         weight, health = body.get("weight"), body.get("health")
-        valid_weight = isinstance(weight, int) and not isinstance(weight, bool) and weight >= 1
+        valid_weight = (
+            isinstance(weight, int)
+            and not isinstance(weight, bool)
+            and 1 <= weight <= MAX_OVERRIDE_WEIGHT
+        )
         if "weight" in body and weight is not None and not valid_weight:
-            raise InvalidChange(f"weight must be an integer >= 1 or null, got {weight!r}")
+            raise InvalidChange(
+                f"weight must be an integer in 1..{MAX_OVERRIDE_WEIGHT} or null, got {weight!r}"
+            )
         if "health" in body and health is not None and health not in EndpointHealth.__members__:
             expected = sorted(EndpointHealth.__members__)
             raise InvalidChange(f"health must be one of {expected} or null, got {health!r}")
@@ -64,6 +76,8 @@ class OperatorState:
         errors += [f"version {v!r} is not a number" for v in body if not str(v).isdigit()]
         if body and not errors and sum(body.values()) == 0:
             errors.append("the weights must not all be 0")
+        elif body and not errors and sum(body.values()) > UINT32_MAX:
+            errors.append(f"the weights must sum to at most {UINT32_MAX} (Envoy's uint32)")
         if errors:
             raise InvalidChange("; ".join(errors))
         return tuple(

@@ -64,13 +64,27 @@ def _is_number(value: object) -> bool:
 
 _STR = "a string"
 _NUM = "a number"
+UINT32_MAX = (1 << 32) - 1  # Envoy's counts, weights and token buckets are uint32
+MAX_DURATION_S = 315_576_000_000  # protobuf's Duration holds at most 10,000 years
+# A number whose key ends so is one Envoy holds in a narrower field than a float: refused past
+# it (before, such a topology was accepted, then every snapshot build failed on it). The
+# first suffix that matches applies ("requests_per_s" is a rate, not seconds).
+_CAPS = (
+    ("_per_s", UINT32_MAX, "a rate Envoy can hold"),
+    ("_ms", MAX_DURATION_S * 1000, "a duration Envoy can hold"),
+    ("_s", MAX_DURATION_S, "a duration Envoy can hold"),
+)
 # kind -> (rule on a value of the right type, the type it needs first, what it must be)
 _RULES: dict[str, tuple[Any, str, str]] = {
     "positive": (lambda v: v > 0, _NUM, "> 0"),
     "nonnegative": (lambda v: v >= 0, _NUM, ">= 0"),
     "fraction": (lambda v: 0 <= v <= 1, _NUM, "in 0..1"),
     "percent": (lambda v: 0 <= v <= 100, _NUM, "in 0..100"),
-    "count": (lambda v: isinstance(v, int) and v >= 0, _NUM, "an integer >= 0"),
+    "count": (
+        lambda v: isinstance(v, int) and 0 <= v <= UINT32_MAX,
+        _NUM,
+        f"an integer in 0..{UINT32_MAX}",
+    ),
     "port": (lambda v: isinstance(v, int) and 1 <= v <= 65535, _NUM, "a port in 1..65535"),
     "nice": (lambda v: isinstance(v, int) and 0 <= v <= 19, _NUM, "an integer in 0..19"),
     "bool": (lambda v: isinstance(v, bool), "", "true or false"),
@@ -144,11 +158,13 @@ class Checker:
         rule, needs, what = _RULES[kind]
         typed = _is_number(value) if needs == _NUM else needs != _STR or isinstance(value, str)
         if typed and rule(value):
-            return (
-                float(value)
-                if kind in ("positive", "percent", "nonnegative", "fraction")
-                else value
-            )
+            if kind not in _FLOAT_KINDS:
+                return value
+            cap = next(((most, why) for end, most, why in _CAPS if key.endswith(end)), None)
+            if cap is None or value <= cap[0]:
+                return float(value)
+            self.fail(where, f"must be at most {cap[0]} ({cap[1]})", value)
+            return default
         self.fail(where, f"must be {what if typed else needs}", value)
         return default
 
@@ -169,8 +185,11 @@ class Checker:
                 self.fail(f"{path}.{v}", "must be an integer weight >= 0", weight)
             else:
                 weights[v] = weight
-        if len(weights) == len(m) and sum(weights.values()) <= 0:
-            self.fail(path, "weights must sum to > 0", sum(weights.values()))
+        total = sum(weights.values())
+        if len(weights) == len(m) and total <= 0:
+            self.fail(path, "weights must sum to > 0", total)
+        elif total > UINT32_MAX:  # Envoy's weighted clusters sum them in a uint32
+            self.fail(path, f"weights must sum to at most {UINT32_MAX}", total)
         return tuple(sorted(weights.items(), key=lambda item: int(item[0])))
 
     def host_port(self, value: object, path: str, ip_only: bool) -> tuple[str, int] | None:

@@ -83,5 +83,22 @@ async def test_an_inconsistent_snapshot_keeps_the_last_good_one(
     with monkeypatch.context() as patch:
         patch.setattr(Snapshot, "consistency_errors", lambda *a: ["EDS cluster 'x' is missing"])
         assert r.now("placement changed") is False
-    assert r.cache.snapshot_for(DEFAULT_GROUP) is good and r.last["reason"] == "start"
+    assert r.cache.snapshot_for(DEFAULT_GROUP) is good
+    assert r.last["reason"] == "placement changed" and "missing" in r.last["failed"]
     assert r.now("placement changed") is True  # the next rebuild is still made
+
+
+async def test_a_build_that_raises_keeps_the_last_good_snapshot_and_says_so() -> None:
+    """A value past what Envoy's protobufs hold raised ValueError out of the rebuild (an
+    asyncio callback): the error went to the loop's handler and /status showed nothing."""
+    inputs = Inputs()
+    r = rebuilder(inputs)
+    r.now("start")
+    good = r.cache.snapshot_for(DEFAULT_GROUP)
+    listener = dataclasses.replace(inputs.state.listener, max_retries=1 << 32)
+    inputs.state = dataclasses.replace(inputs.state, listener=listener)
+    r.request("topology reloaded (SIGHUP)")
+    await asyncio.sleep(0)
+    assert r.cache.snapshot_for(DEFAULT_GROUP) is good
+    assert r.last["failed"].startswith("ValueError: Value out of range")
+    assert r.last["reason"] == "topology reloaded (SIGHUP)"

@@ -239,7 +239,12 @@ ERROR_CASES = [
     ("models.0.affinity", {"hash_balance_factor": 90}, "models[0].affinity.hash_balance_factor: must be >= 100 (a percentage of the mean load), got 90"),  # noqa: E501
     ("models.0.affinity", {"prefix_blocks": 0}, "models[0].affinity.prefix_blocks: must be >= 1, got 0"),  # noqa: E501
     ("models.0.affinity", {"prefix_blocks": 300}, "models[0].affinity.prefix_blocks: prefix_blocks x block_bytes must be <= 4096, got 4800"),  # noqa: E501
-    ("models.0.affinity", {"block_bytes": 1.5}, "models[0].affinity.block_bytes: must be an integer >= 0, got 1.5"),  # noqa: E501
+    ("models.0.affinity", {"block_bytes": 1.5}, "models[0].affinity.block_bytes: must be an integer in 0..4294967295, got 1.5"),  # noqa: E501
+    ("models.0.affinity", {"hash_balance_factor": 1 << 32}, "models[0].affinity.hash_balance_factor: must be an integer in 0..4294967295, got 4294967296"),  # noqa: E501
+    ("models.0.timeout_s", 1e300, "models[0].timeout_s: must be at most 315576000000 (a duration Envoy can hold), got 1e+300"),  # noqa: E501
+    ("models.0.sla_p99_ms", 1e300, "models[0].sla_p99_ms: must be at most 315576000000000 (a duration Envoy can hold), got 1e+300"),  # noqa: E501
+    ("models.0.rate_limit", {"requests_per_s": 1e12}, "models[0].rate_limit.requests_per_s: must be at most 4294967295 (a rate Envoy can hold), got 1000000000000.0"),  # noqa: E501
+    ("models.0.version_split", {"1": 1 << 31, "2": 1 << 31}, "models[0].version_split: weights must sum to at most 4294967295, got 4294967296"),  # noqa: E501
     ("models.0.affinity", {"mode": "session", "session_header": "x-infermesh-tenant"}, 'models[0].affinity.session_header: must be a lower-case header name a client sets (not x-infermesh-*, x-model-*, authorization), got "x-infermesh-tenant"'),  # noqa: E501
     ("models.0.affinity", {"one_request_streams": "yes"}, 'models[0].affinity.one_request_streams: must be true or false, got "yes"'),  # noqa: E501
     ("models.0.affinity", {"prefix_bytes": 64}, "models[0].affinity.prefix_bytes: unknown key (expected one of: mode, prefix_blocks, block_bytes, session_header, hash_balance_factor, one_request_streams)"),  # noqa: E501
@@ -250,7 +255,8 @@ ERROR_CASES = [
     ("listener.port", 8080.0, "listener.port: must be a port in 1..65535, got 8080.0"),
     ("listener.port", "8080", 'listener.port: must be a number, got "8080"'),
     ("listener.host", "localhost", 'listener.host: must be an IP address, got "localhost"'),
-    ("listener.max_retries", -1, "listener.max_retries: must be an integer >= 0, got -1"),
+    ("listener.max_retries", -1, "listener.max_retries: must be an integer in 0..4294967295, got -1"),  # noqa: E501
+    ("listener.max_retries", 1 << 32, "listener.max_retries: must be an integer in 0..4294967295, got 4294967296"),  # noqa: E501
     ("listener.retry_budget_percent", 101, "listener.retry_budget_percent: must be in 0..100, got 101"),  # noqa: E501
     ("listener.body_routing", "yes", 'listener.body_routing: must be true or false, got "yes"'),
     ("listener.access_log", "logs/a.log", 'listener.access_log: must be an absolute path (or ""), got "logs/a.log"'),  # noqa: E501

@@ -24,8 +24,9 @@ def test_overrides_are_set_and_cleared() -> None:
 @pytest.mark.parametrize(
     "body,message",
     [
-        ({"weight": 0}, "weight must be an integer >= 1 or null, got 0"),
-        ({"weight": True}, "weight must be an integer >= 1 or null, got True"),
+        ({"weight": 0}, "weight must be an integer in 1..1000000 or null, got 0"),
+        ({"weight": True}, "weight must be an integer in 1..1000000 or null, got True"),
+        ({"weight": 1 << 32}, "weight must be an integer in 1..1000000 or null, got 4294967296"),
         ({"weight": 3, "health": "SICK"}, "health must be one of"),
         ({"weigth": 3}, "unknown fields ['weigth']; expected weight and/or health"),
     ],
@@ -53,3 +54,5 @@ def test_splits_are_checked_ordered_and_cleared() -> None:
         OperatorState.parse_split({"1": 0, "2": 0})
     with pytest.raises(InvalidChange, match=r"version '1': weight must be an integer >= 0"):
         OperatorState.parse_split({"1": -1})
+    with pytest.raises(InvalidChange, match="must sum to at most 4294967295"):
+        OperatorState.parse_split({"1": 1 << 31, "2": 1 << 31})  # each fits, the sum does not
