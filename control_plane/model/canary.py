@@ -6,7 +6,9 @@ advances through ``policy.steps`` (percent of traffic on the canary), each held 
 ``dwell_s`` and only with enough evidence (``min_requests`` canary requests in the telemetry
 window). It rolls back to 0% the first time the canary breaches the SLA (P99 above the model's
 ``sla_p99_ms``, error rate above ``max_error_rate``), does worse than the stable version by
-more than the margins, or is READY nowhere. Every transition is kept in ``history``.
+more than the margins, or is READY nowhere; but a breach the stable version shares (with
+evidence of its own) holds the run where it is instead: a host-wide slowdown is not the
+canary's doing. Every transition is kept in ``history``.
 """
 
 from __future__ import annotations
@@ -168,15 +170,38 @@ def abort(run: CanaryRun, wall: float, reason: str) -> CanaryRun:
     return _record(dataclasses.replace(run, status=ABORTED), wall, reason)
 
 
+def over_sla(run: CanaryRun, stats: VersionStats) -> dict[str, str]:
+    """The limits ``stats`` is over ("errors", "p99"), each in words."""
+    policy, over = run.policy, {}
+    if stats.error_rate is not None and stats.error_rate > policy.max_error_rate:
+        over["errors"] = f"error rate {stats.error_rate:.1%} > SLA {policy.max_error_rate:.1%}"
+    if stats.p99_ms is not None and stats.p99_ms > run.sla_p99_ms:
+        over["p99"] = f"p99 {stats.p99_ms:.0f} ms > SLA {run.sla_p99_ms:g} ms"
+    return over
+
+
+def shared_breach(run: CanaryRun, canary: VersionStats, stable: VersionStats) -> str | None:
+    """Why the canary holds where it is: every limit it is over, the stable version (with
+    evidence) is over too. A host-wide slowdown, or clients sending bad requests to both, is
+    not the canary's doing; the relative margins still judge it against the stable version."""
+    if canary.requests < run.policy.min_requests or stable.requests < run.policy.min_requests:
+        return None
+    mine, theirs = over_sla(run, canary), over_sla(run, stable)
+    if not mine or mine.keys() - theirs.keys():
+        return None
+    kind = next(iter(mine))
+    return f"{mine[kind]}, as is stable v{run.stable}'s ({theirs[kind]}): not the canary's doing"
+
+
 def breach(run: CanaryRun, canary: VersionStats, stable: VersionStats) -> str | None:
     """Why the canary must roll back now, in words; None while it behaves."""
     policy = run.policy
     if canary.requests < policy.min_requests:
         return None  # too little evidence either way
-    if canary.error_rate is not None and canary.error_rate > policy.max_error_rate:
-        return f"error rate {canary.error_rate:.1%} > SLA {policy.max_error_rate:.1%}"
-    if canary.p99_ms is not None and canary.p99_ms > run.sla_p99_ms:
-        return f"p99 {canary.p99_ms:.0f} ms > SLA {run.sla_p99_ms:g} ms"
+    over = over_sla(run, canary)
+    if over and shared_breach(run, canary, stable) is None:
+        theirs = over_sla(run, stable) if stable.requests >= policy.min_requests else {}
+        return next(text for kind, text in over.items() if kind not in theirs)
     if stable.requests < policy.min_requests:
         return None
     if (
@@ -218,6 +243,15 @@ def judge(
         rolled_back = dataclasses.replace(run, status=ROLLED_BACK)
         return _record(rolled_back, wall, f"rolled back at {run.percent}%: {reason}", canary)
     policy = run.policy
+    shared = shared_breach(run, canary, stable)
+    if shared is not None:  # the step's dwell starts again once the breach clears
+        holding = f"holding at {run.percent}%: {shared}"
+        held = dataclasses.replace(run, reason=holding, step_started_at=now)
+        if run.reason.startswith(f"holding at {run.percent}%: ") and run.reason.endswith(
+            "not the canary's doing"
+        ):
+            return held  # still held: the history has it once
+        return _record(held, wall, holding, canary)
     if now - run.step_started_at < policy.dwell_s:
         return run
     if canary.requests < policy.min_requests:

@@ -122,6 +122,32 @@ def test_error_margin_against_the_stable_version() -> None:
     assert after.reason == "rolled back at 10%: error rate 13.0% > stable v1's 10.0% + 2.0%"
 
 
+def test_a_breach_the_stable_version_shares_holds_the_step_instead_of_rolling_back() -> None:
+    """A host-wide slowdown (both versions over the SLA, the canary within the margin) rolled
+    the canary back on the code before: "p99 62 ms > SLA 50 ms"."""
+    slow_host = VersionStats(500, 60, 0.0)
+    run = judge(started(), VersionStats(100, 62, 0.0), slow_host, True, now=6, wall=1006)
+    assert (run.status, run.percent, run.step_started_at) == (canary.RUNNING, 10, 6)
+    assert run.reason == (
+        "holding at 10%: p99 62 ms > SLA 50 ms, as is stable v1's (p99 60 ms > SLA 50 ms): "
+        "not the canary's doing"
+    )
+    assert len(run.history) == 2  # the hold is recorded once ...
+    run = judge(run, VersionStats(100, 64, 0.0), slow_host, True, now=7, wall=1007)
+    assert len(run.history) == 2 and run.step_started_at == 7  # ... and its dwell restarts
+    assert judge(run, GOOD, STABLE, True, now=11, wall=1011).percent == 10  # dwelling again
+    assert judge(run, GOOD, STABLE, True, now=12, wall=1012).percent == 50
+    # Worse than the stable version by more than the margin still rolls back.
+    worse = judge(started(), VersionStats(100, 90, 0.0), slow_host, True, now=6, wall=1006)
+    assert worse.reason == "rolled back at 10%: p99 90 ms > 1.25 x stable v1's 60 ms"
+    # A breach the stable version does not share rolls back: errors here, slowness there.
+    errors = judge(started(), VersionStats(100, 62, 0.05), slow_host, True, now=6, wall=1006)
+    assert errors.reason == "rolled back at 10%: error rate 5.0% > SLA 1.0%"
+    # Without evidence of the stable version's own, the absolute limits stand.
+    alone = judge(started(), VersionStats(100, 62, 0.0), VersionStats(5, 60, 0.0), True, 6, 1006)
+    assert alone.reason == "rolled back at 10%: p99 62 ms > SLA 50 ms"
+
+
 def test_a_canary_that_disappears_rolls_back() -> None:
     after = judge(started(), VersionStats(), STABLE, False, now=0.5, wall=1000.5)
     assert after.status == canary.ROLLED_BACK
