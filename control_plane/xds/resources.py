@@ -101,6 +101,7 @@ GRPC_SERVICE = "/inference.GRPCInferenceService/"
 SERVER_METHODS = ("ServerLive", "ServerReady", "ServerMetadata", "RepositoryIndex")
 SERVER_PATHS = (*(GRPC_SERVICE + m for m in SERVER_METHODS), "/grpc.health.v1.Health/")
 STREAM_PATH = GRPC_SERVICE + "ModelStreamInfer"
+HEALTH_WATCH_PATH = "/grpc.health.v1.Health/Watch"
 RETRY_ON = "unavailable,reset,connect-failure,refused-stream"
 # For a model declared idempotent: false: a reset may come after the server ran the request.
 RETRY_ON_NOT_IDEMPOTENT = "unavailable,connect-failure,refused-stream"
@@ -426,7 +427,14 @@ def cluster_versions(state: MeshState, model: str) -> list[str]:
 
 def build_route_config(state: MeshState) -> route_pb2.RouteConfiguration:
     to_servers = rc_pb2.RouteAction(cluster=SERVERS_CLUSTER, retry_policy=retry_policy(state))
-    routes = [
+    # Health/Watch is a stream that answers on every change, for as long as the client keeps
+    # it: not the unary 15 s route timeout nor the listener's unary stream duration (both cut
+    # it), not retried; the listener's idle timeout still ends one left silent.
+    watch = rc_pb2.RouteAction(cluster=SERVERS_CLUSTER)
+    watch.timeout.CopyFrom(duration(0))
+    edge_limits.exempt_stream(watch)
+    routes = [route("server:health-watch", rc_pb2.RouteMatch(path=HEALTH_WATCH_PATH), route=watch)]
+    routes += [
         route(f"server:{p}", rc_pb2.RouteMatch(prefix=p), route=to_servers) for p in SERVER_PATHS
     ]
     for model in state.models:

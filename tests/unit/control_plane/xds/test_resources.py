@@ -157,12 +157,12 @@ def test_body_routing_off_drops_the_lua_filter() -> None:
 
 def test_route_order(resources: Resources) -> None:
     routes = routes_of(resources)
-    servers = [f"server:{path}" for path in SERVER_PATHS]
+    servers = ["server:health-watch", *(f"server:{path}" for path in SERVER_PATHS)]
     clusters = [V1, V2, model_cluster("classifier"), model_cluster("detector")]
     models = [name for c in clusters for name in (f"{c}:stream", c)]  # the stream route first
     errors = ["model-not-found", "stream-without-model", "no-model-name"]
     assert [r.name for r in routes] == [*servers, *models, *errors]
-    assert [r.match.prefix for r in routes[: len(servers)]] == list(SERVER_PATHS)
+    assert [r.match.prefix for r in routes[1 : len(servers)]] == list(SERVER_PATHS)
     assert all(r.route.cluster == SERVERS_CLUSTER for r in routes[: len(servers)])
     v1, detector = routes[len(servers) + 1], routes[len(servers) + 7]
     assert matched_headers(v1) == [(MODEL_HEADER, "classifier"), (VERSION_HEADER, "1")]
@@ -184,6 +184,16 @@ def test_stream_routes_have_no_overall_timeout_and_no_retries(resources: Resourc
     assert not stream.route.HasField("retry_policy")
     weights = [(c.name, c.weight.value) for c in stream.route.weighted_clusters.clusters]
     assert weights == [(V1, 90), (V2, 10)]  # the same split as the unary route
+
+
+def test_a_health_watch_is_a_stream_not_a_unary_call(resources: Resources) -> None:
+    """Before, Watch took the servers' unary route: Envoy's default 15 s route timeout and the
+    listener's 120 s unary duration cut every Watch stream."""
+    watch = routes_of(resources)[0]
+    assert watch.match.path == "/grpc.health.v1.Health/Watch"
+    assert watch.route.timeout == duration(0)
+    assert watch.route.max_stream_duration.max_stream_duration == duration(0)
+    assert not watch.route.HasField("retry_policy")
 
 
 def matched_headers(route: Any) -> list[tuple[str, str]]:
