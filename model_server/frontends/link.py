@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -30,6 +31,18 @@ ENGINE_GONE = "the model server's engine is not reachable from this front end; r
 
 
 Answer = tuple[wire.Result, list[bytes]]  # the engine's result, the outputs from the slot
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """The engine's answer for the client: ``body`` encoded, and ``response`` when the link had
+    to decode it anyway (its outputs came back through the pool), so no caller decodes it again."""
+
+    body: bytes
+    response: service_pb2.ModelInferResponse | None = None
+
+    def decoded(self) -> service_pb2.ModelInferResponse:
+        return self.response or service_pb2.ModelInferResponse.FromString(self.body)
 
 
 class EngineGone(InferenceError):
@@ -102,7 +115,7 @@ class EngineLink(asyncio.Protocol):
         request: service_pb2.ModelInferRequest,
         metadata: Sequence[tuple[str, Any]],
         timeout_s: float | None,
-    ) -> bytes:
+    ) -> Answered:
         """The engine's answer to ``request``, encoded for the client; InferenceError with
         the engine's status otherwise."""
         request_id = self._next_id()
@@ -139,10 +152,10 @@ class EngineLink(asyncio.Protocol):
         if result.code is not grpc.StatusCode.OK:
             raise InferenceError(result.message, result.code)
         if not outputs:
-            return result.body  # as the engine encoded it
+            return Answered(result.body)  # as the engine encoded it
         response = service_pb2.ModelInferResponse.FromString(result.body)
         response.raw_output_contents.extend(outputs)
-        return bytes(response.SerializeToString())
+        return Answered(bytes(response.SerializeToString()), response)
 
     def _next_id(self) -> int:
         """A request id the wire can carry (u32, never 0) that no request in flight holds:

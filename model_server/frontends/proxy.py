@@ -81,9 +81,8 @@ class FrontendService(grpc.GenericRpcHandler):
                 )
             answer = await self.link.infer(message, forwarded(context), context.time_remaining())
             if prompt is not None:  # as the single process reports it (protocol.service)
-                response = service_pb2.ModelInferResponse.FromString(answer)
-                context.set_trailing_metadata(usage_trailer(prompt, response))
-            return answer
+                context.set_trailing_metadata(usage_trailer(prompt, answer.decoded()))
+            return answer.body
         except InferenceError as exc:
             trailers = usage_trailer(prompt, refused=exc.code)
             await context.abort(exc.code, exc.message, trailing_metadata=trailers)

@@ -22,7 +22,7 @@ from tritonclient.grpc import service_pb2
 
 from model_server.frontends import wire
 from model_server.frontends.channel import EngineChannel, _Connection
-from model_server.frontends.link import EngineLink
+from model_server.frontends.link import Answered, EngineLink
 from model_server.frontends.pool import FrontendPool
 from tests.support import wait_for_async
 
@@ -83,8 +83,11 @@ def request(*inputs: bytes) -> service_pb2.ModelInferRequest:
     return message
 
 
-def outputs(answer: bytes) -> list[bytes]:
-    return list(service_pb2.ModelInferResponse.FromString(answer).raw_output_contents)
+def outputs(answer: Answered) -> list[bytes]:
+    """The outputs as the client gets them; the link's decoded copy, when it made one, agrees."""
+    sent = service_pb2.ModelInferResponse.FromString(answer.body)
+    assert answer.response is None or answer.response == sent
+    return list(sent.raw_output_contents)
 
 
 async def test_request_ids_wrap_at_the_wires_u32_and_skip_those_in_flight(
