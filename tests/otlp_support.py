@@ -74,9 +74,10 @@ def counter(
     temporality: m.AggregationTemporality.ValueType = CUM,
     start_s: float = 0.0,
     version: str = "1",
+    model: str = "m",
 ) -> m.Metric:
     point = m.NumberDataPoint(
-        attributes=attrs(model="m", version=version, code=code),
+        attributes=attrs(model=model, version=version, code=code),
         start_time_unix_nano=int(start_s * S) + 1,
         time_unix_nano=int(t_s * S) + 1,
         as_double=value,

@@ -67,7 +67,9 @@ def telemetry_moved(before: EndpointTelemetry, after: EndpointTelemetry, toleran
     for old, new in zip(before.models, after.models, strict=True):
         if old.model != new.model or _moved(old.p99_ms, new.p99_ms, tolerance):
             return True
-        if _moved(old.qps, new.qps, tolerance):
+        if _moved(old.qps, new.qps, tolerance) or _moved(old.error_rate, new.error_rate, tolerance):
+            return True
+        if _moved(old.abandoned_rate, new.abandoned_rate, tolerance):
             return True
     return False
 

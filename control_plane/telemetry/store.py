@@ -374,10 +374,13 @@ class TelemetryStore:
         qps = rate(layout.requests, now, window)
         fields: dict[str, Any] = {name: gauge_sum(s, now) for name, s in layout.gauges}
         draining = gauge_sum(layout.draining, now)
+        errors = error_rate(layout.requests, now, window)
+        abandoned = abandoned_rate(layout.requests, now, window)
         if layout.single:  # the usual server: its model's figures are the endpoint's
             models: tuple[ModelTelemetry, ...] = (
-                made(ModelTelemetry, model=layout.models[0], p99_ms=p99, qps=qps),
-            )
+                made(ModelTelemetry, model=layout.models[0], p99_ms=p99, qps=qps,
+                     error_rate=errors, abandoned_rate=abandoned),
+            )  # fmt: skip
         else:
             models = tuple(
                 made(
@@ -385,6 +388,8 @@ class TelemetryStore:
                     model=model,
                     p99_ms=percentiles_ms(durations, (0.99,), now, window)[0],
                     qps=rate(requests, now, window),
+                    error_rate=error_rate(requests, now, window),
+                    abandoned_rate=abandoned_rate(requests, now, window),
                 )
                 for model, durations, requests in layout.by_model
             )
@@ -397,8 +402,8 @@ class TelemetryStore:
             p50_ms=p50,
             p99_ms=p99,
             qps=qps,
-            error_rate=error_rate(layout.requests, now, window),
-            abandoned_rate=abandoned_rate(layout.requests, now, window),
+            error_rate=errors,
+            abandoned_rate=abandoned,
             prefix_cache_hit_rate=share(*layout.prefix, now, window) if layout.prefix[1] else None,
             memory_source=layout.memory_source,
             draining=None if draining is None else Flag(draining.value > 0, draining.age_s),

@@ -31,6 +31,10 @@ class ModelTelemetry:
     model: str
     p99_ms: Signal | None
     qps: Signal | None
+    # The model's own requests: on a server with several models, one that fails must not make
+    # the server look broken in the other models' pools.
+    error_rate: Signal | None = None
+    abandoned_rate: Signal | None = None
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,12 @@ def aged(t: EndpointTelemetry, dt: float, stale_after_intervals: float) -> Endpo
         kv_blocks_total=older(t.kv_blocks_total),
         prefix_cache_hit_rate=older(t.prefix_cache_hit_rate),
         draining=None if t.draining is None else Flag(t.draining.value, t.draining.age_s + dt),
-        models=tuple(ModelTelemetry(m.model, older(m.p99_ms), older(m.qps)) for m in t.models),
+        models=tuple(
+            ModelTelemetry(
+                m.model, older(m.p99_ms), older(m.qps), older(m.error_rate), older(m.abandoned_rate)
+            )
+            for m in t.models
+        ),
     )
 
 
@@ -173,8 +182,10 @@ def telemetry_json(t: EndpointTelemetry) -> dict[str, Any]:
             value = dict(value)
         elif name == "models":
             value = tuple(
-                {"model": m.model, "p99_ms": plain(m.p99_ms), "qps": plain(m.qps)} for m in value
-            )
+                {"model": m.model, "p99_ms": plain(m.p99_ms), "qps": plain(m.qps),
+                 "error_rate": plain(m.error_rate), "abandoned_rate": plain(m.abandoned_rate)}
+                for m in value
+            )  # fmt: skip
         out[name] = value
     return out
 
@@ -204,7 +215,10 @@ def _flat_telemetry(t: EndpointTelemetry) -> tuple[Any, ...]:
     values = list(map(t.__dict__.__getitem__, _TELEMETRY_FIELDS))
     for i in _PAIRS_AT:
         values[i] = _plain(values[i])
-    values[_MODELS_AT] = tuple((m.model, _plain(m.p99_ms), _plain(m.qps)) for m in t.models)
+    values[_MODELS_AT] = tuple(
+        (m.model, _plain(m.p99_ms), _plain(m.qps), _plain(m.error_rate), _plain(m.abandoned_rate))
+        for m in t.models
+    )
     return tuple(values)
 
 
@@ -220,7 +234,9 @@ def _rebuild_telemetry(flat: tuple[Any, ...]) -> EndpointTelemetry:
             model=model,
             p99_ms=None if p99 is None else _new_pair(Signal, p99),
             qps=None if qps is None else _new_pair(Signal, qps),
+            error_rate=None if errors is None else _new_pair(Signal, errors),
+            abandoned_rate=None if abandoned is None else _new_pair(Signal, abandoned),
         )
-        for model, p99, qps in values[_MODELS_AT]
+        for model, p99, qps, errors, abandoned in values[_MODELS_AT]
     )
     return made(EndpointTelemetry, zip(_TELEMETRY_FIELDS, values, strict=True))

@@ -7,7 +7,7 @@ from control_plane.discovery.placement import EndpointReport
 from control_plane.model.mesh import EndpointAddress, EndpointHealth
 from control_plane.routing.router import Router
 from control_plane.scoring.ejection import EjectionCause
-from control_plane.telemetry.values import EndpointTelemetry, Signal
+from control_plane.telemetry.values import EndpointTelemetry, ModelTelemetry, Signal
 
 A, B, C = (EndpointAddress("127.0.0.1", p) for p in (9001, 9002, 9003))
 SLA = 50.0
@@ -94,6 +94,33 @@ def test_a_server_that_leaves_and_comes_back_ramps_up_again() -> None:
     assert "slow start" in str(back[C.key]["reason"])
     assert int(back[C.key]["weight"]) < int(back[A.key]["weight"])  # type: ignore[call-overload]
     assert step(router, 32.5, 10.0)[C.key]["weight"] == back[A.key]["weight"]
+
+
+def test_a_model_failing_on_a_shared_server_ejects_it_from_its_own_pool_only() -> None:
+    topo = parse_topology({"models": [
+        {"name": name, "sla_p99_ms": SLA, "capacity_qps": 100, "routing": {"ewma_alpha": 1.0}}
+        for name in ("good", "broken")
+    ]})  # fmt: skip
+    both = frozenset({("good", "1"), ("broken", "1")})
+    reports = {a: EndpointReport(a, True, both, True) for a in (A, B, C)}
+
+    def seen_by_model(address: EndpointAddress, broken_errors: float) -> EndpointTelemetry:
+        fine, errors = Signal(10.0, 0.1), Signal(broken_errors, 0.1)
+        return EndpointTelemetry(
+            address.key, age_s=0.1, interval_s=0.2, stale=False, p99_ms=fine,
+            qps=Signal(20.0, 0.1), error_rate=Signal(broken_errors / 2, 0.1),
+            models=(ModelTelemetry("good", fine, Signal(10.0, 0.1), Signal(0.0, 0.1)),
+                    ModelTelemetry("broken", fine, Signal(10.0, 0.1), errors)),
+        )  # fmt: skip
+
+    router = Router()
+    telemetry = {A.key: seen_by_model(A, 0.0), B.key: seen_by_model(B, 0.0),
+                 C.key: seen_by_model(C, 1.0)}  # fmt: skip
+    for now in (0.0, 1.0, 2.0, 3.0):
+        router.recompute(topo, telemetry, reports, now)
+    health = router.pool_health()
+    assert health["broken"][C] is EndpointHealth.UNHEALTHY
+    assert health["good"][C] is EndpointHealth.HEALTHY  # its server's 50% is not its own
 
 
 def test_a_slow_server_loses_most_of_its_weight_before_any_ejection() -> None:

@@ -141,4 +141,6 @@ def test_telemetry_made_without_init_is_the_dataclass_it_would_make() -> None:
         assert dataclasses.replace(telemetry, age_s=1.0) == dataclasses.replace(usual, age_s=1.0)
         for model in telemetry.models:
             assert set(model.__dict__) == {f.name for f in dataclasses.fields(model)}
-            assert model == type(model)(model.model, model.p99_ms, model.qps)
+            assert model == type(model)(
+                **{f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
+            )

@@ -143,6 +143,21 @@ def test_a_server_that_is_down_slow_or_full_has_errors(code: str) -> None:
     assert e.error_rate is not None and e.error_rate.value == pytest.approx(0.5)
 
 
+def test_each_model_has_its_own_error_rate() -> None:
+    """One model failing on a server with two: before, every pool of the server read the
+    server's error rate (0.45 here), so the healthy model's pool could eject it too."""
+    store = TelemetryStore(window_s=10)
+    for i in range(6):
+        t = 100.0 + 2 * i
+        metrics = [counter(10.0 * i, t, model="good"), counter(1.0 * i, t, model="broken"),
+                   counter(9.0 * i, t, "INTERNAL", model="broken")]  # fmt: skip
+        store.ingest(request(metrics), received_at=t)
+    e = store.snapshot(111.0)[EP]
+    assert e.error_rate is not None and e.error_rate.value == pytest.approx(0.45)
+    rates = {x.model: x.error_rate.value if x.error_rate else None for x in e.models}
+    assert rates == {"good": 0.0, "broken": pytest.approx(0.9)}
+
+
 def test_a_model_that_stops_reporting_leaves_and_one_that_comes_back_counts_again() -> None:
     """The store keeps which series feed which signal from one report to the next: a series
     going quiet, coming back or appearing must still change what is read."""
