@@ -29,6 +29,9 @@ from model_server.core.memory import format_bytes
 from model_server.core.model_config import ModelSpec, TensorSpec
 
 UNSUPPORTED_OUTPUT_PARAMETERS = ("classification",)
+# The longest axis a request may claim (int32): a longer one can only come with an empty tensor
+# (another dim 0), which numpy then refuses to shape ("array is too big").
+MAX_DIM = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -102,11 +105,12 @@ def _check_shape(
     expected = declared.shape_with_batch(max_batch_size)
     # The usual request: every fixed dim as declared and a batch in range (a declared dim that
     # is -1 never compares equal to a sent one, so such a model takes the full check below).
-    if max_batch_size > 0:
-        if shape and shape[1:] == expected[1:] and 1 <= shape[0] <= max_batch_size:
+    if -1 not in shape:  # a sent -1 would equal a declared dynamic dim
+        if max_batch_size > 0:
+            if shape and shape[1:] == expected[1:] and 1 <= shape[0] <= max_batch_size:
+                return shape
+        elif shape == expected:
             return shape
-    elif shape == expected:
-        return shape
     if len(shape) != len(expected):
         raise InvalidInput(
             f"{where}: shape {shape} has rank {len(shape)}, expected rank {len(expected)} "
@@ -115,6 +119,11 @@ def _check_shape(
     for axis, (got, want) in enumerate(zip(shape, expected, strict=True)):
         if got < 0:
             raise InvalidInput(f"{where}: shape {shape} has a negative dim at axis {axis}")
+        if got > MAX_DIM:
+            raise InvalidInput(
+                f"{where}: shape {shape} has {got} at axis {axis}, more than any tensor this "
+                f"server takes ({MAX_DIM})"
+            )
         if want != -1 and got != want:
             raise InvalidInput(f"{where}: shape {shape} has {got} at axis {axis}, expected {want}")
     if max_batch_size > 0:
@@ -263,7 +272,7 @@ def request_scheduling(
     if priority is None:
         header = next((str(v) for k, v in metadata if k == PRIORITY_HEADER), None)
         if header is not None:
-            if not header.isdigit():
+            if not (header.isascii() and header.isdigit()):  # "²" passes isdigit alone
                 raise InvalidInput(
                     f"header {PRIORITY_HEADER}: expected a number >= 0, got {header!r}"
                 )

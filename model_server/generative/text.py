@@ -156,11 +156,17 @@ def _stops(request: service_pb2.ModelInferRequest) -> list[bytes]:
     if listed:
         try:
             items = json.loads(listed)
-        except ValueError:
+        except (ValueError, RecursionError):
             items = None
         if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
             raise InvalidInput("parameters['stop_sequences']: expected a JSON array of strings")
-        stops += [i.encode() for i in items]
+        try:
+            stops += [i.encode() for i in items]
+        except UnicodeEncodeError:  # json.loads takes a lone "\ud800" escape
+            raise InvalidInput(
+                "parameters['stop_sequences']: a string holds a lone UTF-16 surrogate (an "
+                "unpaired \\uD800-\\uDFFF escape); expected valid Unicode"
+            ) from None
     stops = [s for s in dict.fromkeys(stops) if s]
     if len(stops) > MAX_STOPS:
         raise InvalidInput(f"stop: at most {MAX_STOPS} stop sequences, got {len(stops)}")

@@ -74,6 +74,17 @@ class ModelEntry:
         return max(ready, key=lambda v: v.version, default=None)
 
 
+def check_model_name(name: str) -> None:
+    """A model is a directory right under the repository: its name is one path component.
+    ``root / "/srv/x"`` is ``/srv/x`` and ``root / "../x"`` is outside, so a load naming either
+    would serve a model from anywhere the server can read."""
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0") or len(name) > 255:
+        raise InvalidInput(
+            f"model name {name[:80]!r}: expected the name of a directory in the repository "
+            "(1-255 characters, no '/', '\\' or NUL, not '.' or '..')"
+        )
+
+
 def _is_number(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
@@ -127,6 +138,7 @@ class ModelRepository:
 
     async def load(self, name: str, override: model_config_pb2.ModelConfig | None = None) -> None:
         """Loads or reloads ``name``; raises ModelLoadError naming every failure."""
+        check_model_name(name)
         model_dir = self.root / name
         if override is None and not model_dir.is_dir():
             raise ModelNotFound(f"model {name!r} is not in the repository {self.root}")

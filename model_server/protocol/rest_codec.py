@@ -24,6 +24,7 @@ from tritonclient.grpc import service_pb2
 
 from model_server.core.datatypes import DATATYPES, Datatype, deserialize_bytes, serialize_bytes
 from model_server.core.errors import InvalidInput
+from model_server.core.validation import MAX_DIM
 from model_server.protocol.json_checks import check_unicode
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -33,6 +34,7 @@ BINARY_PARAMETER = "binary_data"
 JSON_CONTENT_TYPE = "application/json"
 BINARY_CONTENT_TYPE = "application/octet-stream"
 _INT64_MAX = 2**63 - 1
+_UINT64_MAX = 2**64 - 1
 _SCALARS = {int, float, str, bool}
 
 
@@ -48,7 +50,7 @@ def header_length(value: str | None, body_size: int) -> int | None:
     if value is None:
         return None
     text = value.strip()
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):  # "²" is a digit to str.isdigit, not to int
         raise InvalidInput(f"header {HEADER_LENGTH}: expected a byte count >= 0, got {value!r}")
     length = int(text)
     if length > body_size:
@@ -122,8 +124,10 @@ def _decode_input(
     name = _string(tensor.get("name"), f"{where}.name")
     where = f"model {model!r} inputs[{index}] ({name!r})"
     shape = _list(tensor.get("shape"), f"{where}.shape")
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise InvalidInput(f"{where}.shape: expected a list of integers >= 0, got {shape!r}")
+    if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM for d in shape):
+        raise InvalidInput(
+            f"{where}.shape: expected a list of integers in 0..{MAX_DIM}, got {str(shape)[:80]}"
+        )
     datatype_name = _string(tensor.get("datatype"), f"{where}.datatype")
     datatype = DATATYPES.get(datatype_name)
     if datatype is None:
@@ -181,7 +185,12 @@ def json_to_raw(data: Any, datatype: Datatype, shape: list[int], where: str) -> 
     if python_ints:  # ints numpy would not hold in one dtype (e.g. UINT64 above 2**63)
         kind = "i"
     elif wanted == "f" and kind == "O" and all(type(v) in (int, float) for v in flat):
-        values, kind = np.array([float(v) for v in flat]), "f"  # ints beyond 64 bits
+        try:
+            values, kind = np.array([float(v) for v in flat]), "f"  # ints beyond 64 bits
+        except OverflowError:
+            raise InvalidInput(
+                f"{where}.data: an integer too large for any floating-point type"
+            ) from None
     allowed = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}[wanted]
     if count and kind not in allowed:
         expected = {"b": "true/false", "i": "integers", "u": "integers", "f": "numbers"}[wanted]
@@ -297,6 +306,8 @@ def _load_json(data: bytes) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         hint = "" if len(data) else " (it is empty)"
         raise InvalidInput(f"request body is not valid JSON{hint}: {exc}") from None
+    except ValueError as exc:  # an integer literal of more digits than Python converts
+        raise InvalidInput(f"request body: {exc}") from None
     except RecursionError:
         raise InvalidInput("request body: JSON nests too deeply") from None
     check_unicode(data, document)
@@ -309,6 +320,11 @@ def _set_parameters(target: Any, parameters: dict[str, Any], where: str) -> None
         if isinstance(value, bool):
             parameter.bool_param = value
         elif isinstance(value, int):
+            if not -(_INT64_MAX + 1) <= value <= _UINT64_MAX:
+                raise InvalidInput(
+                    f"{where}.{key}: an integer must fit 64 bits (int64, or uint64 when "
+                    f"positive), got {str(value)[:40]}"
+                )
             if value > _INT64_MAX:
                 parameter.uint64_param = value
             else:

@@ -172,7 +172,7 @@ BAD: dict[str, tuple[bytes, int | None, list[str]]] = {
     "no inputs": (b"{}", None, ["inputs", "list"]),
     "input not an object": (body([3]), None, ["inputs[0]", "object"]),
     "input without name": (body([{**X, "name": None}]), None, ["inputs[0].name"]),
-    "negative dim": (body([{**X, "shape": [-2]}]), None, ["shape", ">= 0"]),
+    "negative dim": (body([{**X, "shape": [-2]}]), None, ["shape", "integers in 0..2147483647"]),
     "bool dim": (body([{**X, "shape": [True]}]), None, ["shape"]),
     "BF16": (body([{**X, "datatype": "BF16"}]), None, ["'BF16'", "not a supported"]),
     "count mismatch": (body([{**X, "data": [1, 2, 3]}]), None, ["data has 3 values", "needs 2"]),
@@ -194,6 +194,18 @@ BAD: dict[str, tuple[bytes, int | None, list[str]]] = {
         body([{"name": "x", "shape": [2], "datatype": "INT8",
                "parameters": {"binary_data_size": 1}}]) + b"ab", -2, ["add up to 1", "2 bytes"]),
     "output without name": (body([X], outputs=[{}]), None, ["outputs[0].name"]),
+    # Each of these was an uncaught ValueError or OverflowError: HTTP 500 and a stack trace.
+    "5000-digit integer": (b'{"id": "a", "x": ' + b"9" * 5000 + b"}", None,
+                           ["request body", "4300"]),
+    "shape past 64 bits": (body([{**X, "shape": [2**64]}]), None,
+                           ["('x').shape", "integers in 0..2147483647"]),
+    "parameter past 64 bits": (body([{**X, "parameters": {"p": 2**65}}]), None,
+                               ["('x').parameters.p", "must fit 64 bits"]),
+    "negative parameter past 64 bits": (body([X], parameters={"p": -(2**64)}), None,
+                                        ["parameters.p", "must fit 64 bits"]),
+    "FP32 beyond any float": (
+        body([{**X, "datatype": "FP32", "shape": [1], "data": [10**400]}]), None,
+        ["('x').data", "too large for any floating-point type"]),
     "binary_data not bool": (
         body([X], outputs=[{"name": "y", "parameters": {"binary_data": "yes"}}]), None,
         ["outputs[0].parameters.binary_data"]),
@@ -219,7 +231,7 @@ def test_header_length(value: str | None, size: int, expected: int | None) -> No
     assert header_length(value, size) == expected
 
 
-@pytest.mark.parametrize("value", ["11", "-1", "x", "", "1e3"])
+@pytest.mark.parametrize("value", ["11", "-1", "x", "", "1e3", "\u00b2"])  # "²": a digit to isdigit
 def test_bad_header_length(value: str) -> None:
     with pytest.raises(InvalidInput, match="Inference-Header-Content-Length"):
         header_length(value, 10)

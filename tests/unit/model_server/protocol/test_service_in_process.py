@@ -13,8 +13,9 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from infermesh.wire import FALLBACK_HEADER
-from model_server.core.errors import InferenceError
-from model_server.generative.text import FINAL_PARAMETER
+from model_server.core.errors import InferenceError, InvalidInput
+from model_server.demo_models import build_identity_model, write_model
+from model_server.generative.text import FINAL_PARAMETER, parse_generation
 from model_server.lifecycle.repository import ModelRepository
 from model_server.protocol.service import FALLBACK_PARAMETER, InferenceService
 from model_server.scheduling.gate import ServingGate
@@ -165,3 +166,75 @@ async def test_a_completion_past_its_deadline_ends_and_frees_its_sequence(
     (v1,) = [s for s in lm_service.model_statistics("demo_lm", "1").model_stats]
     assert v1.inference_stats.fail.count == 2 and lm_service.gate.in_flight == 0
     assert (await lm_service.infer(_prompt("hello"), ())).raw_output_contents  # still serving
+
+
+# -- hostile tensors and parameters: refused by name, never an INTERNAL ----------------------
+
+
+@pytest.fixture
+async def dynamic(repository: ModelRepository) -> InferenceService:
+    """An identity model whose input is [-1, -1] (no batching): every dim is the client's."""
+    write_model(build_identity_model("FP32", [-1, -1]), repository.root / "ident/1/model.onnx")
+    await repository.load("ident")
+    gate = ServingGate(ready=lambda: True)
+    return InferenceService(repository, repository.metrics, gate, 64 << 20, lambda n, loaded: None)
+
+
+def _ident(shape: list[int], data: bytes = b"") -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name="ident")
+    request.inputs.add(name="x", datatype="FP32", shape=shape)
+    request.raw_input_contents.append(data)
+    return request
+
+
+@pytest.mark.parametrize(
+    ("shape", "expected"),
+    [
+        ([-1, -1], "INVALID_ARGUMENT: model 'ident' input 'x': shape [-1, -1] has a negative dim"),
+        ([0, 2**62], "INVALID_ARGUMENT: model 'ident' input 'x': shape [0, 4611686018427387904] "
+                     "has 4611686018427387904 at axis 1, more than any tensor this server takes"),
+    ],
+)  # fmt: skip
+async def test_client_dims_that_numpy_cannot_shape_are_refused_by_name(
+    dynamic: InferenceService, shape: list[int], expected: str
+) -> None:
+    """Before: a sent -1 equalled the declared -1 and skipped the checks, and numpy's reshape
+    raised ValueError (INTERNAL, a stack trace per request); so did a huge dim of an empty
+    tensor."""
+    assert (await _refused(dynamic, _ident(shape))).startswith(expected)
+    answer = await dynamic.infer(_ident([1, 2], np.ones(2, np.float32).tobytes()), ())
+    assert list(answer.outputs[0].shape) == [1, 2]  # and the server serves on
+
+
+async def test_a_priority_of_unicode_digits_is_refused_by_name(
+    service: InferenceService,
+) -> None:
+    message = await _refused(service, classifier_request(IMAGES), (("x-priority", "\u00b2"),))
+    assert message.startswith("INVALID_ARGUMENT: header x-priority: expected a number >= 0")
+
+
+@pytest.mark.parametrize(
+    ("stops", "expected"),
+    [
+        ('["\\ud800"]', "a string holds a lone UTF-16 surrogate"),
+        ("[" * 100_000 + "]" * 100_000, "expected a JSON array of strings"),
+    ],
+    ids=["lone surrogate", "nested 100,000 deep"],
+)
+def test_stop_sequences_that_do_not_encode_are_refused_by_name(stops: str, expected: str) -> None:
+    request = _prompt("Once ")
+    request.parameters["stop_sequences"].string_param = stops
+    with pytest.raises(InvalidInput) as refused:
+        parse_generation(request, bos=1, max_positions=512)
+    assert refused.value.message.startswith("parameters['stop_sequences']: ")
+    assert expected in refused.value.message
+
+
+@pytest.mark.parametrize("name", ["../classifier", "/etc", "a/b", ".", "..", "", "a\\b"])
+async def test_a_model_name_is_one_directory_of_the_repository(
+    repository: ModelRepository, name: str
+) -> None:
+    """``root / "/srv/x"`` is ``/srv/x``: a load naming a path served any model directory the
+    server could read, outside its repository."""
+    with pytest.raises(InvalidInput, match="expected the name of a directory in the repository"):
+        await repository.load(name)
