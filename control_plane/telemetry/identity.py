@@ -6,7 +6,9 @@ of its report must carry ``service.instance.id`` ``HOST:PORT``. On Kubernetes th
 names the server's pod (``/model-server/pod/NS/POD``) and its reports are taken for the address
 the EndpointSlices say that pod has. An Envoy's certificate
 (``/envoy/NODE``) may send Envoy's own stats only (its stat sink), tagged with its own node
-id (the bootstrap's fixed ``infermesh.envoy_node`` tag, by which they are filed). Anything
+id (the bootstrap's fixed ``infermesh.envoy_node`` tag, by which they are filed), and only an
+Envoy's certificate may send a resource that says it is Envoy's: the receiver files such a
+resource as Envoy's stats, which trip fallbacks and mark servers checked down. Anything
 else is refused with PERMISSION_DENIED before a point is stored, counted in
 ``telemetry_reports_rejected_total{reason}``, and logged (at most once a minute per peer and
 reason) with the peer and the identity it claimed. So a process that can reach the port can
@@ -61,6 +63,8 @@ def refusal(
             continue
         if who.kind != "model-server":
             return "kind", f"{spiffe_id} may not send telemetry"
+        if is_envoy(resource):  # filed as Envoy's stats, which steer fallback and health
+            return "not_envoy", f"{spiffe_id} may not send Envoy's stats"
         claimed = next(
             (a.value.string_value for a in resource.resource.attributes if a.key == INSTANCE_ID),
             "",

@@ -230,6 +230,22 @@ def test_an_envoy_certificate_may_send_only_its_own_nodes_stats() -> None:
     assert foreign is not None and foreign[0] == "not_a_workload"
 
 
+def test_a_server_certificate_may_not_send_stats_that_say_they_are_envoys() -> None:
+    """A resource with its own instance id and telemetry.sdk.name=envoy passed on the code
+    before, and the receiver filed it as Envoy's stats: a model server's certificate (any
+    container of compose.private.yaml can get one for its own address) could mark another
+    server checked down or trip a model's fallback."""
+    address = "10.0.0.5:8001"
+    sender = pki.model_server(address).spiffe_id
+    forged = envoy_report("e1", MODEL, {"10.0.0.6:8001": 0})
+    forged.resource.attributes.add(key="service.instance.id").value.string_value = address
+    body = ExportMetricsServiceRequest(resource_metrics=[forged])
+    assert refusal(sender, "infermesh.local", body) == (
+        "not_envoy",
+        f"{sender} may not send Envoy's stats",
+    )
+
+
 @pytest.mark.parametrize("address", ["127.0.0.1:8001", "[::1]:8001", "[2001:db8::7]:9000"])
 def test_a_server_certificate_may_report_only_for_its_own_address(address: str) -> None:
     """IPv6 included: the claimed instance id and the certificate compare as identities."""
