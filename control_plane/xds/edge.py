@@ -202,6 +202,9 @@ def rest_routes(grpc_routes: Iterable[rc_pb2.Route], to_servers: rc_pb2.RouteAct
     return by_path + by_header + by_model + [_lua_off(r) for r in server_routes]
 
 
+_NON_EMPTY = string_pb2.StringMatcher(safe_regex=regex_pb2.RegexMatcher(regex=".+"))
+
+
 def preflight_route(to_servers: rc_pb2.RouteAction) -> rc_pb2.Route:
     """CORS preflights (OPTIONS with Origin and Access-Control-Request-Method), first: Envoy's
     CORS filter answers them only on a route with an action (not on the direct responses a
@@ -211,8 +214,10 @@ def preflight_route(to_servers: rc_pb2.RouteAction) -> rc_pb2.Route:
         rc_pb2.HeaderMatcher(
             name=":method", string_match=string_pb2.StringMatcher(exact="OPTIONS")
         ),
-        rc_pb2.HeaderMatcher(name="origin", present_match=True),
-        rc_pb2.HeaderMatcher(name="access-control-request-method", present_match=True),
+        # Non-empty: Envoy's CORS filter answers a preflight only when both are, and lets one
+        # with an empty value through to the route, which skips authentication.
+        rc_pb2.HeaderMatcher(name="origin", string_match=_NON_EMPTY),
+        rc_pb2.HeaderMatcher(name="access-control-request-method", string_match=_NON_EMPTY),
     ]
     match = rc_pb2.RouteMatch(prefix="/", headers=headers)
     return _lua_off(rc_pb2.Route(name="cors-preflight", match=match, route=to_servers))
