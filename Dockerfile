@@ -53,8 +53,10 @@ COPY --from=build --chown=infermesh /app /app
 COPY --chown=infermesh deploy /app/deploy
 COPY --chown=infermesh examples /app/examples
 # The mesh's state directory (keys, certificates), owned by the service user so that a named
-# volume mounted here starts writable by it (compose.private.yaml's mesh-state).
-RUN install -d -o infermesh -g infermesh -m 0700 /app/.infermesh
+# volume mounted here starts writable by it (compose.private.yaml's mesh-state), and the part
+# of it the model servers may see (compose.private.yaml's mesh-public: the CA certificate and
+# the operator key, never the CA's or another workload's key).
+RUN install -d -o infermesh -g infermesh -m 0700 /app/.infermesh /app/mesh-public
 ENV PATH=/opt/infermesh/bin:$PATH PYTHONUNBUFFERED=1 INFERMESH_IMAGE_VARIANT=$VARIANT
 WORKDIR /app
 USER 10001

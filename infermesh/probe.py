@@ -3,6 +3,8 @@
     python -m infermesh.probe grpc 127.0.0.1:8001        # KServe ServerReady is true
     python -m infermesh.probe grpc 127.0.0.1:8001 .infermesh/pki   # the same over mutual TLS,
                                                           # as the local operator
+    python -m infermesh.probe grpc 10.0.0.5:8001 CERT KEY CA   # over mutual TLS as the holder
+                                      # of CERT (a server probing itself with its own)
     python -m infermesh.probe http http://127.0.0.1:9901/ready   # HTTP 200
     python -m infermesh.probe certs .infermesh/pki       # the certificate keeper has made them
 
@@ -13,25 +15,29 @@ from __future__ import annotations
 
 import sys
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 PROBE_TIMEOUT_S = 2.0
 
 
-def grpc_ready(address: str, pki_dir: str | None = None) -> str | None:
+def grpc_ready(address: str, pki_dir: str | None = None, own: Sequence[str] = ()) -> str | None:
     """None when the KServe server at ``address`` is ready, else why not. With ``pki_dir``:
-    over mutual TLS as the local operator, checking the server's own name."""
+    over mutual TLS as the local operator; with ``own`` (cert, key, CA files): as the holder
+    of that certificate; either way checking the server's own name."""
     import grpc
     from tritonclient.grpc import service_pb2, service_pb2_grpc
 
     from infermesh import pki, tls_client
 
     try:
-        opened = (
-            tls_client.server_channel(address, tls_client.operator(Path(pki_dir))[1])
-            if pki_dir
-            else grpc.insecure_channel(address)
-        )
+        if own:
+            cert, key, ca = (Path(f) for f in own)
+            opened = tls_client.server_channel(address, pki.load_credentials(cert, key, ca))
+        elif pki_dir:
+            opened = tls_client.server_channel(address, tls_client.operator(Path(pki_dir))[1])
+        else:
+            opened = grpc.insecure_channel(address)
     except pki.CertificateError as exc:
         return str(exc)
     try:
@@ -54,15 +60,18 @@ def http_ok(url: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     kind = args[0] if args else ""
-    allowed = {"grpc": (2, 3), "http": (2,), "certs": (2,)}
+    allowed = {"grpc": (2, 3, 5), "http": (2,), "certs": (2,)}
     if len(args) not in allowed.get(kind, ()):
         print(
-            "usage: python -m infermesh.probe grpc HOST:PORT [PKI_DIR] | http URL | certs DIR",
+            "usage: python -m infermesh.probe grpc HOST:PORT [PKI_DIR | CERT KEY CA] | "
+            "http URL | certs DIR",
             file=sys.stderr,
         )
         return 2
     if kind == "grpc":
-        problem = grpc_ready(args[1], args[2] if len(args) == 3 else None)
+        problem = grpc_ready(
+            args[1], args[2] if len(args) == 3 else None, args[2:5] if len(args) == 5 else ()
+        )
     elif kind == "certs":
         from infermesh import cert_keeper
 

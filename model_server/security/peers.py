@@ -6,7 +6,8 @@ SPIFFE ID from it. A plaintext client, or one with a certificate from another CA
 handshake; a verified caller is then held to its kind's API groups (Triton's groups,
 ``model_server.security.access``):
 
-    health, metadata, model-config, statistics   envoy, control-plane, operator
+    health                                       envoy, control-plane, operator, model-server
+    metadata, model-config, statistics           envoy, control-plane, operator
     inference                                    envoy
     model-repository                             control-plane, operator
     shared-memory, trace, logging                operator
@@ -42,7 +43,9 @@ log = logging.getLogger(__name__)
 
 EVERY_KIND = frozenset({"envoy", "control-plane", "operator"})
 ALLOWED_KINDS: Mapping[str, frozenset[str]] = {
-    "health": EVERY_KIND,
+    # A server's health probe (compose.private.yaml) calls it with the server's own
+    # certificate: no container of a server then needs an operator's.
+    "health": EVERY_KIND | {"model-server"},
     "metadata": EVERY_KIND,
     "model-config": EVERY_KIND,
     "statistics": EVERY_KIND,

@@ -73,6 +73,19 @@ def test_the_mesh_serves_from_its_own_addresses(mesh: PrivateMesh) -> None:
             assert published == {}, (service, published)
 
 
+def test_a_server_container_holds_no_key_but_its_own(mesh: PrivateMesh) -> None:
+    """The model servers parse every client's input, so theirs is the container an attacker
+    reaches first: it holds the CA certificate, the operator key its restricted APIs check,
+    and its own key, made in it (before, the whole mesh-state volume: the CA's key, Envoy's,
+    the operator's and the admin token)."""
+    for server in SERVERS:
+        held = mesh.exec(server, "sh", "-c", "ls -A /app/.infermesh /app/mesh-public /tmp/pki")
+        assert held.split() == [
+            "/app/.infermesh:", "/app/mesh-public:", "ca.crt", "operator.key",
+            "/tmp/pki:", "server.crt", "server.key",
+        ], (server, held)  # fmt: skip
+
+
 def test_a_certificate_is_issued_for_the_callers_own_address_only(mesh: PrivateMesh) -> None:
     """Any container on the network may ask mesh-certs for a model-server certificate, and
     gets one for the address its request came from: Envoy's container is certified as

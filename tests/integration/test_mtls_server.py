@@ -24,7 +24,7 @@ import tritonclient.grpc as grpcclient
 from cryptography import x509
 from tritonclient.utils import InferenceServerException
 
-from infermesh import pki
+from infermesh import pki, probe
 from tests.envoy_support import free_port
 from tests.support import EXPLICIT, ROOT, ServerProcess, metric_value, start_server, wait_for
 
@@ -203,6 +203,21 @@ def test_each_identity_gets_only_its_api_groups(mesh: Mesh, server: ServerProces
     status, answer = _rest(mesh, envoy, "/v2/repository/index", {})
     assert status == 403 and "model-repository" in answer["error"]
     assert _rest(mesh, plane, "/v2/health/ready")[0] == 200
+
+
+def test_a_server_probes_its_own_health_with_its_own_certificate(
+    mesh: Mesh, server: ServerProcess
+) -> None:
+    """compose.private.yaml's health check: the server's own certificate, so no server
+    container holds an operator's (which may load and unload models on every server)."""
+    own = mesh.files(pki.model_server(mesh.server_address))
+    files = (str(own.cert), str(own.key), str(mesh.ca))
+    assert probe.main(["grpc", mesh.server_address, *files]) == 0
+    server_itself = _client(mesh, pki.model_server(mesh.server_address))
+    with pytest.raises(InferenceServerException, match="may not call the metadata API"):
+        server_itself.get_server_metadata()
+    with pytest.raises(InferenceServerException, match="may not call the model-repository API"):
+        server_itself.get_model_repository_index(headers={HEADER: SECRET})
 
 
 def _served_serial(mesh: Mesh) -> int:
