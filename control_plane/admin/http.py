@@ -119,11 +119,17 @@ def _equal(given: str | None, token: str | None) -> bool:
     return hmac.compare_digest(given.encode(), token.encode())
 
 
+def bearer_token(headers: Any) -> str | None:
+    """The token of ``Authorization: Bearer TOKEN``; None for anything else."""
+    scheme, _, value = str(headers.get("authorization") or "").partition(" ")
+    return (value.strip() or None) if scheme.lower() == "bearer" else None
+
+
 def presented_token(headers: Any) -> str | None:
     """The token a request presents: ``Bearer TOKEN``, or the password of HTTP Basic."""
     scheme, _, value = str(headers.get("authorization") or "").partition(" ")
     if scheme.lower() == "bearer":
-        return value.strip() or None
+        return bearer_token(headers)
     if scheme.lower() == "basic":
         try:
             decoded = base64.b64decode(value.strip(), validate=True).decode()
@@ -161,13 +167,30 @@ class AdminServer:
     ) -> None:
         guard = tokens or AdminTokens()
         admin = self
+        local = is_loopback(host)
         streams = threading.BoundedSemaphore(MAX_EVENT_STREAMS)
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, format: str, *args: Any) -> None:
                 log.debug("admin: " + format, *args)
 
+            def _foreign_host(self) -> bool:
+                """On loopback, a request whose Host names anything else came through a name
+                that rebinds to 127.0.0.1 (a page elsewhere reading the state): refused."""
+                named = str(self.headers.get("host") or "")
+                name = named.rsplit(":", 1)[0] if named.count(":") == 1 else named
+                if not local or is_loopback(name.removeprefix("[").split("]")[0]):
+                    return False
+                self._json(
+                    HTTPStatus.MISDIRECTED_REQUEST,
+                    {"error": f"this admin binds loopback and answers to a loopback Host only, "
+                              f"got {named[:80]!r}"},
+                )  # fmt: skip
+                return True
+
             def do_GET(self) -> None:
+                if self._foreign_host():
+                    return
                 path = self.path.split("?", 1)[0].rstrip("/") or "/"
                 if path not in OPEN_PATHS and not guard.may_read(presented_token(self.headers)):
                     self._json(
@@ -193,8 +216,14 @@ class AdminServer:
                     self._json(HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path}"})
 
             def do_POST(self) -> None:
+                if self._foreign_host():
+                    return
                 try:
-                    given = presented_token(self.headers)
+                    # Changes take the token as Bearer only, with a JSON Content-Type: a page
+                    # elsewhere can send neither without a CORS preflight this server never
+                    # answers, while a browser resends cached Basic credentials with any form
+                    # (CSRF on splits, canaries and drains).
+                    given = bearer_token(self.headers)
                     if not guard.may_write(given):
                         if guard.is_read_token(given):
                             raise AdminError(
@@ -203,7 +232,13 @@ class AdminServer:
                         raise AdminError(
                             HTTPStatus.UNAUTHORIZED,
                             "this control plane needs 'Authorization: Bearer TOKEN' (the write "
-                            "token) for changes",
+                            "token) for changes; HTTP Basic is for reading only",
+                        )
+                    media = str(self.headers.get("content-type") or "").split(";")[0]
+                    if media.strip().lower() != "application/json":
+                        raise AdminError(
+                            HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+                            f"changes need 'Content-Type: application/json', got {media[:60]!r}",
                         )
                     route = next(
                         ((m, fn) for p, fn in posts if (m := re.fullmatch(p, self.path))), None

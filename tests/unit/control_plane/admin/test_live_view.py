@@ -203,10 +203,19 @@ class Admin:
         except urllib.error.HTTPError as exc:
             return exc.code, exc.headers["content-type"], exc.read()
 
-    def post(self, path: str, body: dict[str, Any], token: str | None = None) -> int:
-        headers = {"content-type": "application/json"}
+    def post(
+        self,
+        path: str,
+        body: dict[str, Any],
+        token: str | None = None,
+        authorization: str = "",
+        content_type: str = "application/json",
+    ) -> int:
+        headers = {"content-type": content_type} if content_type else {}
         if token is not None:
             headers["authorization"] = f"Bearer {token}"
+        if authorization:
+            headers["authorization"] = authorization
         request = urllib.request.Request(
             self.url + path, data=json.dumps(body).encode(), method="POST", headers=headers
         )
@@ -317,6 +326,34 @@ def test_with_a_token_every_change_needs_it(guarded: Admin) -> None:
 
 WRITE = "a-long-enough-secret"
 READ = "a-read-only-secret-token"
+
+
+@pytest.mark.parametrize("host", ["evil.example:19000", "evil.example", "10.0.0.1:19000"])
+def test_on_loopback_a_foreign_host_is_refused(admin: Admin, host: str) -> None:
+    """DNS rebinding: a page at evil.example whose name then resolves to 127.0.0.1 reaches the
+    admin with its own Host; with no read token it read /status and /telemetry before."""
+    request = urllib.request.Request(admin.url + "/status", headers={"host": host})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 421
+    for mine in ("127.0.0.1", "localhost:1", "[::1]:19000"):
+        ok = urllib.request.Request(admin.url + "/status", headers={"host": mine})
+        with urllib.request.urlopen(ok, timeout=10) as answer:
+            assert answer.status == 200
+
+
+def test_a_change_needs_the_bearer_token_and_a_json_content_type(guarded: Admin) -> None:
+    """What a page elsewhere can make a browser send: a form (text/plain or urlencoded, no
+    preflight) with the Basic credentials the browser cached from the admin's own prompt.
+    On the code before, both were taken: CSRF on splits, canaries and drains."""
+    basic = "Basic " + base64.b64encode(f"operator:{WRITE}".encode()).decode()
+    assert guarded.post("/models/classifier/split", {"1": 100}, authorization=basic) == 401
+    for form in ("text/plain", "application/x-www-form-urlencoded", ""):
+        assert guarded.post("/models/classifier/split", {"1": 100}, WRITE,
+                            content_type=form) == 415, form  # fmt: skip
+    assert guarded.post("/models/classifier/split", {"1": 100}, WRITE,
+                        content_type="application/json; charset=utf-8") == 200  # fmt: skip
+    assert guarded.posts == [{"1": 100}]
 
 
 def test_with_a_read_token_every_state_read_needs_a_token() -> None:
