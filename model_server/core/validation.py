@@ -29,6 +29,21 @@ from model_server.core.memory import format_bytes
 from model_server.core.model_config import ModelSpec, TensorSpec
 
 UNSUPPORTED_OUTPUT_PARAMETERS = ("classification",)
+# A request whose decoding is Python work per element (BYTES tensors) past this many bytes is
+# decoded on a worker thread: 64 MiB of empty strings took seconds, the event loop (every other
+# request, stream and health check) stalled behind it. Numeric tensors decode in place.
+OFFLOAD_DECODE_BYTES = 256 << 10
+
+
+def slow_to_decode(request: service_pb2.ModelInferRequest) -> bool:
+    """Whether decoding ``request`` should leave the event loop (OFFLOAD_DECODE_BYTES)."""
+    if not any(t.datatype == "BYTES" for t in request.inputs):
+        return False
+    size = sum(len(part) for part in request.raw_input_contents)
+    size += sum(len(t.contents.bytes_contents) for t in request.inputs)  # one per element
+    return size > OFFLOAD_DECODE_BYTES
+
+
 # The longest axis a request may claim (int32): a longer one can only come with an empty tensor
 # (another dim 0), which numpy then refuses to shape ("array is too big").
 MAX_DIM = (1 << 31) - 1

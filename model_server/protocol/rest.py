@@ -10,6 +10,7 @@ with the HTTP status of their gRPC code (``model_server.core.errors.HTTP_STATUS`
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -23,6 +24,7 @@ from infermesh.wire import TOKENS_USED_HEADER
 from model_server import __version__
 from model_server.core.errors import InferenceError, InvalidInput, http_status
 from model_server.core.memory import format_bytes
+from model_server.core.validation import OFFLOAD_DECODE_BYTES
 from model_server.generative.text import prompt_tokens
 from model_server.protocol.json_checks import check_unicode
 from model_server.protocol.openai import (
@@ -327,7 +329,11 @@ class RestServer:
             metadata = [(key.lower(), value) for key, value in request.headers.items()]
             try:
                 length = header_length(request.headers.get(HEADER_LENGTH), len(body))
-                decoded = decode_infer(body, length, name, version)
+                decoded = (
+                    await asyncio.to_thread(decode_infer, body, length, name, version)
+                    if len(body) > OFFLOAD_DECODE_BYTES  # JSON is Python work per value
+                    else decode_infer(body, length, name, version)
+                )
                 if names_shared_memory(decoded.request):
                     raise InvalidInput(
                         "parameters 'shared_memory_region', 'shared_memory_byte_size' and "

@@ -28,7 +28,7 @@ from model_server.core.errors import (
 )
 from model_server.core.faults import FaultInjector
 from model_server.core.model_config import parse_config_override
-from model_server.core.validation import request_scheduling
+from model_server.core.validation import request_scheduling, slow_to_decode
 from model_server.generative.text import completion_tokens, join_text, prompt_tokens
 from model_server.lifecycle.repository import IndexEntry, ModelRepository
 from model_server.lifecycle.version import ModelState, ModelVersion
@@ -373,8 +373,11 @@ class InferenceService(SharedMemoryRpcs, service_pb2_grpc.GRPCInferenceServiceSe
                     raise ModelUnavailable(f"{version.label} is {version.state.value}")
                 if names_shared_memory(request):  # tensors in registered regions
                     attached = self._attach(request, metadata, scheduler.streams)
-                prepared = scheduler.prepare(
-                    request if attached is None else attached.request, self.max_request_bytes
+                target = request if attached is None else attached.request
+                prepared = (
+                    await asyncio.to_thread(scheduler.prepare, target, self.max_request_bytes)
+                    if slow_to_decode(request)
+                    else scheduler.prepare(target, self.max_request_bytes)
                 )
                 priority, timeout_s = request_scheduling(request, metadata, time_remaining_s)
                 check_priority(identity, priority)

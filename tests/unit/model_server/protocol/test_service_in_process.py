@@ -6,7 +6,9 @@ is in flight, the fallback a request is routed to, and the statistics that count
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,10 +16,12 @@ from tritonclient.grpc import service_pb2
 
 from infermesh.wire import FALLBACK_HEADER
 from model_server.core.errors import InferenceError, InvalidInput
+from model_server.core.validation import OFFLOAD_DECODE_BYTES, slow_to_decode
 from model_server.demo_models import build_identity_model, write_model
 from model_server.generative.text import FINAL_PARAMETER, parse_generation
 from model_server.lifecycle.repository import ModelRepository
 from model_server.protocol.service import FALLBACK_PARAMETER, InferenceService
+from model_server.scheduling import schedulers
 from model_server.scheduling.gate import ServingGate
 from tests.support import classifier_request
 
@@ -238,3 +242,42 @@ async def test_a_model_name_is_one_directory_of_the_repository(
     server could read, outside its repository."""
     with pytest.raises(InvalidInput, match="expected the name of a directory in the repository"):
         await repository.load(name)
+
+
+@pytest.fixture
+async def strings(repository: ModelRepository) -> InferenceService:
+    """An identity model of BYTES [batch, -1]: the client says how many strings."""
+    write_model(build_identity_model("BYTES", [-1, -1]), repository.root / "strings/1/model.onnx")
+    await repository.load("strings")
+    gate = ServingGate(ready=lambda: True)
+    return InferenceService(repository, repository.metrics, gate, 64 << 20, lambda n, loaded: None)
+
+
+def _strings(count: int) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name="strings")
+    request.inputs.add(name="x", datatype="BYTES", shape=[1, count])
+    request.raw_input_contents.append(b"\0\0\0\0" * count)  # ``count`` empty strings
+    return request
+
+
+async def test_a_large_bytes_request_is_decoded_off_the_event_loop(
+    strings: InferenceService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decoding BYTES is Python work per string: 64 MiB of empty strings held the event loop
+    (every other request, stream and health check) for seconds. Past OFFLOAD_DECODE_BYTES
+    the decoding runs on a worker thread; a small request stays on the loop (no hop)."""
+    where: list[bool] = []
+    decode = schedulers.decode_request
+
+    def watched(*args: Any) -> Any:
+        where.append(threading.current_thread() is threading.main_thread())
+        return decode(*args)
+
+    monkeypatch.setattr(schedulers, "decode_request", watched)
+    big = OFFLOAD_DECODE_BYTES // 4 + 1
+    assert slow_to_decode(_strings(big)) and not slow_to_decode(_strings(16))
+    answer = await strings.infer(_strings(big), ())
+    assert list(answer.outputs[0].shape) == [1, big]
+    await strings.infer(_strings(16), ())
+    assert where == [False, True]  # the big one on a worker thread, the small one on the loop
+    assert not slow_to_decode(classifier_request(IMAGES))  # numbers decode in place
