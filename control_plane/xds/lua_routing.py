@@ -39,12 +39,14 @@ for _, m in ipairs({METHODS}) do PATHS["/inference.GRPCInferenceService/" .. m] 
 -- Bytes read from the body's start: field 1 comes first from every common serializer.
 local PREFIXES = {1024, 65536}
 
--- Varint at 1-based pos of s: value and next pos, or nil when s ends first.
+-- Varint at 1-based pos of s: value and next pos, or nil when s ends first. Of a tenth byte
+-- only the lowest bit counts (bit 63), as protobuf keeps the low 64 bits: a value padded with
+-- higher bits reads as the parser behind it reads it.
 local function varint(s, pos)
   local value, scale = 0, 1
   for i = pos, math.min(#s, pos + 9) do
     local b = string.byte(s, i)
-    value = value + (b % 128) * scale
+    value = value + (i == pos + 9 and b % 2 or b % 128) * scale
     if b < 128 then return value, i + 1 end
     scale = scale * 128
   end

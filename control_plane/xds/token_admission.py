@@ -101,7 +101,8 @@ local serial = 0
 
 {VARINT}
 -- Walks the protobuf fields of s[pos, stop): calls on(field, wire, value, pos, len) per field
--- (value: a varint; pos/len: a length-delimited field's bytes). False if s is malformed.
+-- (value: a varint; pos/len: a length-delimited field's bytes). False if s is malformed, or
+-- holds a group (wire types 3 and 4), which protobuf parsers skip and this walk does not.
 local function fields(s, pos, stop, on)
   while pos < stop do
     local key, len
@@ -125,29 +126,37 @@ local function fields(s, pos, stop, on)
 end
 
 -- max_tokens of a ModelInferRequest (field 4: map<string, InferParameter>; int64 field 2,
--- uint64 field 5), nil when absent. A negative int64 (two's complement) reads as 0.
+-- uint64 field 5), nil when absent; and whether the walk could not read the message the way
+-- the server's parser will (a group, a malformed field): then the bound is unread and the
+-- context is reserved. A walk that only runs past the bytes read is not: a request that long
+-- reserves more than the context already. A negative int64 (two's complement) reads as 0.
 local function grpc_max_tokens(s)
-  if #s < 5 or string.byte(s, 1) ~= 0 then return nil end
+  if #s < 5 or string.byte(s, 1) ~= 0 then return nil, false end
   local b1, b2, b3, b4 = string.byte(s, 2, 5)
-  local stop = math.min(#s + 1, 6 + ((b1 * 256 + b2) * 256 + b3) * 256 + b4)
-  local found = nil
-  fields(s, 6, stop, function(field, wire, _, pos, len)
+  local length = ((b1 * 256 + b2) * 256 + b3) * 256 + b4
+  local stop = math.min(#s + 1, 6 + length)
+  local found, unread = nil, false
+  local whole = 6 + length <= #s + 1 -- the whole message was read, not just its start
+  local function walk(pos, last, on)
+    if not fields(s, pos, last, on) and (last < stop or whole) then unread = true end
+  end
+  walk(6, stop, function(field, wire, _, pos, len)
     if field ~= 4 or wire ~= 2 then return end
     local name, value = nil, nil
-    fields(s, pos, pos + len, function(f, w, _, p, l)
+    walk(pos, pos + len, function(f, w, _, p, l)
       if f == 1 and w == 2 then name = string.sub(s, p, p + l - 1)
       elseif f == 2 and w == 2 then
-        fields(s, p, p + l, function(pf, pw, v)
+        walk(p, p + l, function(pf, pw, v)
           if (pf == 2 or pf == 5) and pw == 0 then value = v end
         end)
       end
     end)
     if name == "max_tokens" and value ~= nil then
-      if value >= TWO63 then value = 0 end
+      if value >= TWO63 then value = 0 end -- negative: the server refuses it, naming it
       found = value
     end
   end)
-  return found
+  return found, unread
 end
 
 -- The largest max_tokens / max_completion_tokens of a JSON body (a negative one reads as 0).
@@ -163,6 +172,30 @@ local function json_max_tokens(s)
     end
   end
   return found
+end
+
+-- Whether a key of the JSON text s holds a \u escape. One pass: from each escape to the end
+-- of the string that holds it (the next quote not itself escaped), then on after that string,
+-- so no byte is read more than a few times. (A Lua pattern that looked for the same thing,
+-- '"[^"]*\\u%x[^"]*"%s*:', backtracked: time quadratic in the body, about two minutes of an
+-- Envoy worker for a 1 MiB string of escapes.)
+local function escaped_key(s)
+  local at = 1
+  while true do
+    local escape = string.find(s, "\\u", at, true)
+    if escape == nil then return false end
+    local quote = escape + 2
+    while true do
+      quote = string.find(s, '"', quote, true)
+      if quote == nil then return false end
+      local before = quote - 1
+      while before >= escape and string.byte(s, before) == 92 do before = before - 1 end
+      if (quote - 1 - before) % 2 == 0 then break end -- not escaped: the string's end
+      quote = quote + 1
+    end
+    if string.find(s, "^%s*:", quote + 1) then return true end
+    at = quote + 1
+  end
 end
 
 local function is_inference(path)
@@ -188,15 +221,16 @@ function envoy_on_request(handle)
     local wanted, unread = nil, false
     if size > 0 then
       local bytes = body:getBytes(0, math.min(size, READ[kind]))
-      local ok, value = pcall(kind == "grpc" and grpc_max_tokens or json_max_tokens, bytes)
+      local ok, value, unreadable = pcall(
+        kind == "grpc" and grpc_max_tokens or json_max_tokens, bytes)
       if ok then wanted = value end
       if kind == "grpc" then
-        unread = string.byte(bytes, 1) ~= 0 -- a compressed message: its bound is unreadable
+        -- A compressed message, or one the walk reads otherwise than the server's parser.
+        unread = string.byte(bytes, 1) ~= 0 or not ok or unreadable == true
       else
         -- A key spelled with an escape ("max_tok\u0065ns") is max_tokens to the server's
         -- JSON parser but not to the pattern above; a compressed body hides the key too.
-        unread = string.find(bytes, '"[^"]*\\u%x[^"]*"%s*:') ~= nil or
-                 (encoded ~= nil and encoded ~= "identity")
+        unread = escaped_key(bytes) or (encoded ~= nil and encoded ~= "identity")
       end
     end
     if unread then
@@ -231,10 +265,19 @@ function envoy_on_response(handle)
   if meta == nil or meta["reserve"] == nil then return end
   local headers = handle:headers()
   local used = headers:get(USED)
-  -- Envoy's router adds this to every answer from a model server; a reply without it is one
-  -- Envoy made itself (no healthy server, a refused connection, a timeout before any answer):
-  -- no model ran, so nothing is used and the whole reservation goes back.
-  if used == nil and headers:get("x-envoy-upstream-service-time") == nil then used = 0 end
+  -- A reply Envoy made itself (no healthy server, a refused connection, a timeout before any
+  -- answer): no model ran, so nothing is used and the whole reservation goes back. Envoy's
+  -- router marks a server's answer with x-envoy-upstream-service-time, but only when the
+  -- whole request had arrived first: a stream's answers start while the client still sends,
+  -- so on a stream only a trailers-only answer (grpc-status in the headers, no message; a
+  -- server's own would carry the count with it) says nothing ran.
+  if used == nil then
+    if meta["kind"] == "stream" then
+      if headers:get("grpc-status") ~= nil then used = 0 end
+    elseif headers:get("x-envoy-upstream-service-time") == nil then
+      used = 0
+    end
+  end
   if used == nil then
     local sse = string.find(headers:get("content-type") or "", "text/event-stream", 1, true)
     local tail = ""

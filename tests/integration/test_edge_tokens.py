@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 import openai
 import pytest
-from tritonclient.grpc import service_pb2_grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from control_plane.xds.bootstrap import TOKEN_LIMITER_CLUSTER, XdsTls
 from infermesh import pki
@@ -43,7 +43,18 @@ pytestmark = pytest.mark.integration
 BURST = 300
 # 60 tokens a minute: one a second, so the refill is small next to what the tests spend.
 LIMIT = {"tokens_per_minute": 60, "burst": BURST}
-TENANTS = ("team-a", "team-b", "team-c", "team-d", "team-e", "team-f", "team-g")
+TENANTS = (
+    "team-a",
+    "team-b",
+    "team-c",
+    "team-d",
+    "team-e",
+    "team-f",
+    "team-g",
+    "team-h",
+    "team-i",
+    "team-j",
+)
 
 
 @dataclass
@@ -273,6 +284,70 @@ def test_a_bound_the_admission_script_cannot_read_reserves_the_whole_context(
     assert json.loads(reply)["usage"]["completion_tokens"] <= 8
 
 
+def _varint(value: int, width: int = 0) -> bytes:
+    """``value`` as a protobuf varint, padded to ``width`` bytes when given."""
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        if not value and len(out) + 1 >= width:
+            return bytes(out + bytes([byte]))
+        out.append(byte | 0x80)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def test_grpc_bodies_are_read_as_the_servers_parser_reads_them(mesh: TokenMesh) -> None:
+    """Two messages protobuf parses one way and the script's walk read another, so 200 tokens
+    ran against a reservation of the body plus 32 (a review found both; the server's parser
+    reads max_tokens 200 from each): an unknown group before the parameters, where the walk
+    stopped (now: unread, so the whole context, more than this burst), and a max_tokens
+    varint padded to 10 bytes, whose bits past 64 protobuf drops and the script did not (now
+    read as 200, and reserved so)."""
+    plain = text_request("Once ")  # no max_tokens: each case adds it as it spells it
+    assert "max_tokens" not in plain.parameters
+    max_tokens = _field(1, b"max_tokens") + _field(2, b"\x10" + _varint(200))
+    padded = _varint(200 + (1 << 65), 10)[:9] + b"\x02"  # bit 65 set: 200 to protobuf
+    padded_tokens = _field(1, b"max_tokens") + _field(2, b"\x10" + padded)
+    grouped = b"\x7b\x7c" + plain.SerializeToString() + _field(4, max_tokens)
+    long_varint = plain.SerializeToString() + _field(4, padded_tokens)
+    for body in (grouped, long_varint):
+        assert (
+            service_pb2.ModelInferRequest.FromString(body).parameters["max_tokens"].int64_param
+            == 200
+        )
+
+    def infer(who: str, body: bytes) -> Any:
+        with grpc.insecure_channel(f"127.0.0.1:{mesh.port}") as channel:
+            call = channel.unary_unary(
+                "/inference.GRPCInferenceService/ModelInfer",
+                request_serializer=lambda raw: raw,
+                response_deserializer=service_pb2.ModelInferResponse.FromString,
+            )
+            return call(body, metadata=mesh.metadata(who, **{"x-model-name": MODEL}), timeout=60)
+
+    with pytest.raises(grpc.RpcError) as refused:
+        infer("team-i", grouped)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
+    assert "more than the burst" in (refused.value.details() or "")
+    infer("team-j", long_varint)
+    assert mesh.counted("team-j", "reserved") >= 200 + len(long_varint)
+
+
+def test_many_escapes_in_a_value_leave_max_tokens_readable(mesh: TokenMesh) -> None:
+    """A prompt of 4,000 escapes (the listener buffers 32 KiB of body by default): the key
+    check is one pass now (the Lua pattern it replaces backtracked, time quadratic in the
+    body), and an escape in a value, not a key, still leaves max_tokens read."""
+    prompt = "\\u0041" * 4_000
+    body = b'{"model": "demo_lm", "max_tokens": 8, "prompt": "' + prompt.encode() + b'"}'
+    status, _, reply = rest(mesh, "team-i", body, "/v1/completions")
+    # The body's bytes bound its prompt tokens, more than this burst: refused, saying what it
+    # reserved, which is the body plus the 8 asked (the context would be the body plus 512).
+    assert status == 429, reply
+    assert f"reserves {len(body) + 8} tokens".encode() in reply, reply
+
+
 def test_the_openai_api_reserves_and_refunds_like_the_others(mesh: TokenMesh) -> None:
     """The openai client through Envoy (a Bearer key): a whole answer reports its tokens, so
     ten short completions (about 80 tokens reserved each, 800 > the burst) all pass; one that
@@ -409,6 +484,33 @@ def test_a_stream_reserves_at_most_the_burst_and_settles_its_usage_when_it_close
         10,
         "the stream's unused reservation refunded",
     )
+
+
+def test_a_stream_the_client_keeps_open_is_charged_what_it_used(mesh: TokenMesh) -> None:
+    """An interactive client (tritonclient's start_stream) sends its next request after the
+    first answer: the server's answer headers leave before the client's side is complete, so
+    Envoy adds no x-envoy-upstream-service-time. On the code before, the script took that for
+    a reply Envoy made itself and settled 0: every such stream was free."""
+    answered = threading.Event()
+
+    def interactive() -> Iterator[Any]:
+        yield text_request("Once ", max_tokens=8)
+        answered.wait(30)  # the side stays open until the first answer is back
+        yield text_request("Twice ", max_tokens=8)
+
+    before = mesh.counted("team-h", "used")
+    with grpc.insecure_channel(f"127.0.0.1:{mesh.port}") as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        metadata = (*mesh.metadata("team-h"), ("x-model-name", MODEL))
+        call = stub.ModelStreamInfer(interactive(), metadata=metadata, timeout=60)
+        answers = []
+        for answer in call:
+            answers.append(answer)
+            answered.set()
+        used = int(dict(call.trailing_metadata() or ())["x-infermesh-tokens-used"])
+    assert answers and not any(a.error_message for a in answers)
+    assert used > len("Once Twice ")
+    mesh.settled("team-h", before + used)
 
 
 def test_the_limiter_unreachable_refuses_by_default(mesh: TokenMesh) -> None:
