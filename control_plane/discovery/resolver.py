@@ -4,9 +4,11 @@ re-resolved to all their records, Kubernetes Services to their ready pods as las
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 from control_plane.config.kubernetes_source import KubernetesEndpoint
 from control_plane.config.topology import DnsEndpoint, EndpointSource, StaticEndpoint, Topology
@@ -15,6 +17,14 @@ from control_plane.model.mesh import EndpointAddress
 log = logging.getLogger(__name__)
 
 DNS_TIMEOUT_S = 5.0
+# A name that fails to resolve for a moment (a DNS server restarting, EAI_AGAIN, a slow
+# answer) keeps its last good addresses this long: dropping them took the name's servers out
+# of every cluster (503s) until DNS answered again. Placement's probes still judge each
+# address. An authoritative "no such name" drops them at once (the service is gone).
+KEEP_LAST_GOOD_S = 300.0
+# Lookups run on threads of their own: a timed-out getaddrinfo keeps its thread, which in the
+# event loop's default executor would hold up everything else that runs there.
+_LOOKUPS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dns")
 
 
 class EndpointResolver:
@@ -31,6 +41,7 @@ class EndpointResolver:
         self.timeout_s = timeout_s
         self.watched = watched
         self._failing: set[DnsEndpoint] = set()
+        self._last_good: dict[DnsEndpoint, tuple[float, set[EndpointAddress]]] = {}
 
     async def resolve(self, sources: Iterable[EndpointSource]) -> tuple[EndpointAddress, ...]:
         """Static addresses as they are, DNS names to all their addresses, Kubernetes Services
@@ -50,7 +61,12 @@ class EndpointResolver:
         loop = asyncio.get_running_loop()
         try:
             infos = await asyncio.wait_for(
-                loop.getaddrinfo(source.name, source.port, type=socket.SOCK_STREAM),
+                loop.run_in_executor(
+                    _LOOKUPS,
+                    functools.partial(
+                        socket.getaddrinfo, source.name, source.port, type=socket.SOCK_STREAM
+                    ),
+                ),
                 self.timeout_s,
             )
             found = {
@@ -59,16 +75,31 @@ class EndpointResolver:
                 if info[0] in (socket.AF_INET, socket.AF_INET6)
             }
             if not found:
-                raise OSError("no IPv4 or IPv6 address")
+                raise socket.gaierror(socket.EAI_NONAME, "no IPv4 or IPv6 address")
         except (OSError, TimeoutError, UnicodeError, ValueError) as exc:
-            if source not in self._failing:
-                self._failing.add(source)
-                log.warning("endpoint %s does not resolve, skipped: %r", source.key, exc)
-            return set()
+            return self._failed(source, exc, loop.time())
         if source in self._failing:
             self._failing.discard(source)
             log.info("endpoint %s resolves again (%d addresses)", source.key, len(found))
+        self._last_good[source] = (loop.time(), found)
         return found
+
+    def _failed(self, source: DnsEndpoint, exc: BaseException, now: float) -> set[EndpointAddress]:
+        gone = isinstance(exc, socket.gaierror) and exc.errno == socket.EAI_NONAME
+        at, last = self._last_good.get(source, (now, set()))
+        keep = not gone and last and now - at <= KEEP_LAST_GOOD_S
+        if source not in self._failing:
+            self._failing.add(source)
+            if keep:
+                log.warning("endpoint %s does not resolve (%r): keeping its %d last addresses "
+                            "for up to %.0f s", source.key, exc, len(last),
+                            KEEP_LAST_GOOD_S - (now - at))  # fmt: skip
+            else:
+                log.warning("endpoint %s does not resolve, skipped: %r", source.key, exc)
+        if keep:
+            return set(last)
+        self._last_good.pop(source, None)
+        return set()
 
 
 async def resolve_endpoints(

@@ -8,6 +8,8 @@ import dataclasses
 import logging
 import os
 import shutil
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -460,6 +462,38 @@ def test_resolver_logs_a_failing_name_once(caplog: pytest.LogCaptureFixture) -> 
     assert first == second and EndpointAddress("127.0.0.1", 9) in first
     warnings = [r for r in caplog.records if "no-such-host.invalid" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_a_name_that_fails_for_a_moment_keeps_its_last_addresses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A DNS server restarting (EAI_AGAIN) or answering slowly took a name's servers out of
+    every cluster until it answered again (503s for its models). Now the last good answer
+    stands for a while; "no such name" still drops it at once. (getaddrinfo is replaced to
+    fail on cue: no DNS server here can be made to.)"""
+    resolver = EndpointResolver(timeout_s=0.5)
+    source = [DnsEndpoint("localhost", 9)]
+    real = socket.getaddrinfo
+    first = asyncio.run(resolver.resolve(source))
+    assert EndpointAddress("127.0.0.1", 9) in first
+
+    def failing(errno: int) -> Any:
+        def lookup(*args: Any, **kwargs: Any) -> Any:
+            raise socket.gaierror(errno, "injected")
+
+        return lookup
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(1.0)
+        return real(*args, **kwargs)
+
+    for transient in (failing(socket.EAI_AGAIN), slow):
+        monkeypatch.setattr(socket, "getaddrinfo", transient)
+        assert asyncio.run(resolver.resolve(source)) == first
+    monkeypatch.setattr(socket, "getaddrinfo", failing(socket.EAI_NONAME))
+    assert asyncio.run(resolver.resolve(source)) == ()
+    monkeypatch.setattr(socket, "getaddrinfo", failing(socket.EAI_AGAIN))
+    assert asyncio.run(resolver.resolve(source)) == ()  # nothing good left to keep
 
 
 def test_model_routing_policy_from_the_topology() -> None:
