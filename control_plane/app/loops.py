@@ -30,7 +30,17 @@ class Loops:
             while True:
                 try:
                     await run()
+                    log.warning("%s returned; it is not restarted", name)
                     return
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        raise  # stop(): this loop's own cancellation
+                    # Something the loop awaited was cancelled under it (a channel closed):
+                    # a failure like any other, not the end of the loop.
+                    log.exception("%s was cancelled from below; restarting it", name)
+                    self.metrics.loop_failures.labels(name).inc()
+                    await asyncio.sleep(LOOP_RESTART_DELAY_S)
                 except Exception:
                     log.exception("%s failed; restarting it", name)
                     self.metrics.loop_failures.labels(name).inc()

@@ -146,6 +146,14 @@ async def _call(
         return await call(), "", None
     except grpc.aio.AioRpcError as exc:
         return None, f"{name}: {exc.code().name}: {exc.details()}", exc.code()
+    except asyncio.CancelledError:
+        # Closing a channel (new certificates: set_tls) cancels its calls in flight, which
+        # raises here though nothing cancelled this task; raised on, it ended the loop that
+        # awaited the probe (discovery, the topology watch), silently.
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # this probe itself was cancelled (stop, a cycle moving on)
+        return None, f"{name}: CANCELLED: its channel was closed", grpc.StatusCode.CANCELLED
     except Exception as exc:  # a probe never raises; the report carries the error
         return None, f"{name}: {type(exc).__name__}: {exc}", None
 

@@ -36,3 +36,41 @@ def test_a_failing_loop_is_counted_and_restarted(monkeypatch: pytest.MonkeyPatch
         "control_loop_failures_total", {"loop": "route_by_telemetry"}
     )
     assert failures == 2
+
+
+def test_a_loop_cancelled_from_below_is_counted_and_restarted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Closing a gRPC channel cancels its calls in flight: the CancelledError reached the loop
+    that awaited one (discovery, the topology watch) though nobody cancelled the loop, and the
+    supervisor, catching Exception only, let the loop end without a word."""
+    monkeypatch.setattr(loops, "LOOP_RESTART_DELAY_S", 0.0)
+    metrics = ControlPlaneMetrics()
+    supervisor = loops.Loops(metrics)
+    runs: list[int] = []
+
+    async def follow_slices() -> None:
+        runs.append(len(runs))
+        if len(runs) == 1:
+            under: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            under.cancel()  # what a closed channel does to the call awaited here
+            await under
+        await asyncio.sleep(3600)  # the second run: a loop that goes on until stopped
+
+    async def main() -> None:
+        supervisor.spawn("follow_slices", follow_slices)
+        for _ in range(1000):
+            if len(runs) == 2:
+                break
+            await asyncio.sleep(0)
+        (task,) = supervisor.tasks
+        supervisor.stop()  # and its own cancellation still ends it
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+    assert runs == [0, 1]
+    failures = metrics.registry.get_sample_value(
+        "control_loop_failures_total", {"loop": "follow_slices"}
+    )
+    assert failures == 1

@@ -293,6 +293,28 @@ def test_probe_of_a_dead_endpoint_does_not_raise(dead_address: EndpointAddress) 
     assert not result.reachable and "closed" in result.error
 
 
+def test_a_probe_whose_channel_is_closed_under_it_reports_it_and_returns() -> None:
+    """set_tls closes the probe channels; a probe in flight on one then raised CancelledError,
+    which ended the loop awaiting it (discovery, the topology watch) without a word. The probe
+    now reports the endpoint unreachable, as for any failed call."""
+
+    async def closed_under_a_probe() -> EndpointReport:
+        with socket.socket() as silent:  # accepts, never answers: the probe stays in flight
+            silent.bind(("127.0.0.1", 0))
+            silent.listen()
+            silent.setblocking(False)
+            address = EndpointAddress("127.0.0.1", silent.getsockname()[1])
+            channel = open_channel(address)
+            probe = asyncio.ensure_future(probe_endpoint(address, 30.0, channel))
+            accepted, _ = await asyncio.wait_for(asyncio.get_running_loop().sock_accept(silent), 10)
+            with accepted:
+                await channel.close()  # what set_tls does
+                return await asyncio.wait_for(probe, 10)
+
+    result = asyncio.run(closed_under_a_probe())
+    assert not result.reachable and "CANCELLED: its channel was closed" in result.error
+
+
 def test_failed_delivery_is_retried_and_left_endpoints_are_dropped(
     dead_address: EndpointAddress,
 ) -> None:
