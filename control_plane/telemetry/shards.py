@@ -325,7 +325,14 @@ class TelemetryShards:
         if not ours.poll(READY_TIMEOUT_S):
             process.kill()
             raise OSError(f"telemetry shard {index} not ready in {READY_TIMEOUT_S:g} s")
-        word, detail = ours.recv()
+        try:
+            word, detail = ours.recv()
+        except EOFError:  # it died before it said ready (poll() is true at the pipe's end too)
+            process.join(5)
+            raise OSError(
+                f"telemetry shard {index} exited before it was ready (exit code "
+                f"{process.exitcode}; its error is on the control plane's stderr)"
+            ) from None
         if word != "ready":
             process.join(5)
             raise OSError(f"telemetry shard {index}: {detail}")
@@ -341,7 +348,11 @@ class TelemetryShards:
             assert conn is not None
             with suppress(EOFError, OSError):
                 while True:
-                    self._receive(index, conn.recv())
+                    message = conn.recv()
+                    try:
+                        self._receive(index, message)
+                    except Exception:  # a bug must not end the reader: the shard goes on
+                        log.exception("telemetry shard %d: a message not taken", index)
             if self._stopping:
                 return
             process = self._processes[index]
@@ -355,7 +366,7 @@ class TelemetryShards:
                 try:
                     self._start_one(index, self.port)
                     break
-                except OSError as exc:
+                except Exception as exc:  # whatever it is, try again: never end this thread
                     log.error("telemetry shard %d did not start again: %s", index, exc)
             if self._stopping:
                 return

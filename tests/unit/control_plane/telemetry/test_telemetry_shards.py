@@ -287,3 +287,15 @@ def _cmdline(pid: int) -> str:
 
 def _cmdline_all(pid: int) -> list[str]:
     return [_cmdline(p) for p in children(pid)]
+
+
+def test_a_shard_that_dies_before_it_is_ready_is_an_error_the_restart_loop_retries(
+    tmp_path: Path,
+) -> None:
+    """A shard that exits before its "ready" (its certificates half-written mid-renewal, the
+    memory pressure that killed its predecessor) made recv() raise EOFError, which the restart
+    loop, catching OSError only, let end the supervising thread: no more restarts, no word but
+    a traceback. It is now the OSError the loop retries on."""
+    shards = TelemetryShards(1, TelemetryOptions(host="127.0.0.1"), pki=(str(tmp_path), "cp"))
+    with pytest.raises(OSError, match="exited before it was ready"):
+        shards._start_one(0, 0)
