@@ -168,7 +168,7 @@ def _split(admin: str, model: str, pairs: list[str]) -> int:
 
 def _canary(admin: str, args: argparse.Namespace) -> int:
     if args.abort:
-        return _post(admin, f"/models/{args.model}/canary", {"abort": True})
+        return _post(admin, f"/models/{args.model}/canary", {"abort": True}, done_if_409=True)
     if args.version is None:
         print("infermesh: canary needs a VERSION (or --abort)", file=sys.stderr)
         return 2
@@ -184,13 +184,16 @@ def _canary(admin: str, args: argparse.Namespace) -> int:
     return _post(admin, f"/models/{args.model}/canary", body)
 
 
-def _post(admins: str, path: str, body: dict[str, Any]) -> int:
+def _post(admins: str, path: str, body: dict[str, Any], done_if_409: bool = False) -> int:
     """Sends an operator change to every control-plane replica (each keeps its own splits and
-    canaries, and Envoy may follow either). A refusal (400/404/409) stops at the first replica:
-    they all judge a request alike. 0 when every replica that answered applied it."""
+    canaries, and Envoy may follow either), whatever one of them answers: a replica that
+    restarted has forgotten a canary the others still run, and an abort must reach those.
+    ``done_if_409``: a 409 means the replica is already where the change would take it (an
+    abort where no canary runs). 0 when every replica that answered applied it."""
     replicas = _replicas(admins)
-    applied = 0
+    applied = refused = 0
     for admin in replicas:
+        prefix = f"{admin}: " if len(replicas) > 1 else ""
         request = urllib.request.Request(
             f"http://{admin}{path}",
             data=json.dumps(body).encode(),
@@ -201,8 +204,17 @@ def _post(admins: str, path: str, body: dict[str, Any]) -> int:
             with urllib.request.urlopen(request, timeout=10) as response:
                 answer = json.loads(response.read())
         except urllib.error.HTTPError as exc:
-            print(f"infermesh: {json.loads(exc.read()).get('error', exc)}", file=sys.stderr)
-            return 1
+            try:
+                why = json.loads(exc.read()).get("error", exc)
+            except ValueError:
+                why = exc
+            if done_if_409 and exc.code == 409:
+                print(f"{prefix}nothing to do: {why}")
+                applied += 1
+            else:
+                print(f"infermesh: {prefix}{why}", file=sys.stderr)
+                refused += 1
+            continue
         except OSError as exc:
             print(
                 f"infermesh: control plane admin at {admin} does not answer, not applied there: "
@@ -211,11 +223,10 @@ def _post(admins: str, path: str, body: dict[str, Any]) -> int:
             )
             continue
         applied += 1
-        prefix = f"{admin}: " if len(replicas) > 1 else ""
         print(prefix + json.dumps(answer, sort_keys=True))
     if applied < len(replicas):
         print(f"infermesh: applied on {applied} of {len(replicas)} replicas", file=sys.stderr)
-    return 0 if applied else 1
+    return 0 if applied and not refused else 1
 
 
 def _post_headers(env: Mapping[str, str]) -> dict[str, str]:

@@ -92,12 +92,20 @@ def test_a_replica_that_is_down_is_named_and_the_others_still_change(
     assert main(["split", "classifier", "1=100", "--admin", down]) == 1
 
 
-def test_a_refusal_stops_at_the_first_replica(replicas: list[Replica], capsys: Any) -> None:
+def test_a_refusal_by_one_replica_still_reaches_the_others(
+    replicas: list[Replica], capsys: Any
+) -> None:
+    """Replicas keep their canaries in memory: one that restarted refuses an abort (409, no
+    canary) that another, the one Envoy may follow, still needs. Before, the first refusal
+    stopped the command there."""
     replicas[0].answer = 409
     admins = ",".join(r.address for r in replicas)
-    assert main(["canary", "classifier", "3", "--admin", admins]) == 1
-    assert replicas[1].posts == []
+    assert main(["canary", "classifier", "3", "--admin", admins]) == 1  # refused by one
+    assert replicas[1].posts == [("/models/classifier/canary", {"version": "3"})]
     assert "not READY anywhere" in capsys.readouterr().err
+    assert main(["canary", "classifier", "--abort", "--admin", admins]) == 0
+    assert replicas[1].posts[-1] == ("/models/classifier/canary", {"abort": True})
+    assert f"{replicas[0].address}: nothing to do" in capsys.readouterr().out
 
 
 def test_status_shows_each_replica(replicas: list[Replica], capsys: Any) -> None:
