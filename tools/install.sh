@@ -13,6 +13,15 @@ venv="${INFERMESH_VENV:-$root/.venv}"
 python="${PYTHON:-python3}"
 
 if [ ! -x "$venv/bin/python" ]; then
+  # Debian's python3 has no ensurepip (so no venv) until python3-venv is installed.
+  if ! "$python" -c "import ensurepip" >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
+     && command -v apt-get >/dev/null 2>&1; then
+    echo "install: installing python3-venv (this Python cannot make a virtualenv without it)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends python3-venv \
+      >/dev/null 2>&1 || { apt-get update -q >/dev/null && \
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+      python3-venv >/dev/null; }
+  fi
   echo "install: creating virtualenv $venv"
   "$python" -m venv "$venv"
 fi
@@ -52,6 +61,14 @@ if [ ${#packages[@]} -gt 0 ]; then
       >/dev/null 2>&1 || { apt-get update -q >/dev/null && \
       DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
       "${packages[@]}" >/dev/null; }
+    # On a host with systemd the package starts its own prometheus.service on :9090, the port
+    # compose.yaml's prometheus wants: `make run` would then refuse to start. The mesh runs
+    # its own; the package's is stopped and disabled (only when this script installed it).
+    if [[ " ${packages[*]} " == *" prometheus "* ]] && command -v systemctl >/dev/null 2>&1 \
+       && systemctl is-enabled prometheus >/dev/null 2>&1; then
+      echo "install: stopping the Debian package's own prometheus.service (the mesh runs its own)"
+      systemctl disable --now prometheus >/dev/null 2>&1 || true
+    fi
   else
     echo "install: ${packages[*]} not installed and this is not a root Debian host;" \
          "install them yourself (apt-get install ${packages[*]}) to run their tests" >&2
