@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from subprocess import Popen
 from typing import IO
@@ -45,6 +45,10 @@ from infermesh.runfile import (
 from infermesh.secrets import ADMIN_TOKEN_FILE, OPERATOR_KEY_FILE
 
 POLL_S = 0.2
+# A service that exits sooner than STEADY_S after it started is restarted after a pause that
+# doubles each time (from 1 s, at most MAX_RESTART_PAUSE_S); one that ran longer, at once.
+STEADY_S = 10.0
+MAX_RESTART_PAUSE_S = 60.0
 
 
 class LaunchError(RuntimeError):
@@ -56,6 +60,7 @@ class Running:
     service: Service
     proc: subprocess.Popen[bytes]
     log_path: Path
+    started: float = field(default_factory=time.monotonic)
 
 
 def _environment(service: Service) -> dict[str, str]:
@@ -162,33 +167,65 @@ class Launcher:
         write_record(self.root, RunRecord(launcher, alive))
 
     def wait(self) -> int:
-        """Until a stop is asked (returns 0) or a service exits on its own and its restart
-        policy does not bring it back (returns 1). A restarted service waits for its health
-        check again; the others keep running meanwhile."""
+        """Until a stop is asked (returns 0) or no service is left (returns 1). A service that
+        exits is restarted if its policy says so, after a pause that grows while it keeps
+        failing quickly (and again if the restart itself fails), waiting for its health check
+        again; one whose policy says no stays stopped. Either way the others keep running, as
+        under docker compose."""
+        pending: dict[str, tuple[float, float]] = {}  # service -> (restart at, its pause)
+        pauses: dict[str, float] = {}
         while not self.stopping.wait(POLL_S):
             for index, running in enumerate(list(self.running)):
                 code = running.proc.poll()
                 if code is None:
                     continue
-                name = running.service.name
-                print(
-                    f"infermesh: {name} exited with {code}; see {running.log_path}",
-                    file=sys.stderr,
-                )
-                if not running.service.restarts_after(code):
-                    return 1
+                service, name = running.service, running.service.name
+                print(f"infermesh: {name} exited with {code}; see {running.log_path}",
+                      file=sys.stderr)  # fmt: skip
                 self.running.pop(index)
                 self.healthy.discard(name)
-                print(f"infermesh: {name} restarting ({running.service.restart})", flush=True)
-                try:
-                    self._start(running.service)
-                except LaunchError as exc:
-                    print(f"infermesh: {exc}", file=sys.stderr)
-                    return 1
-                if self.running and self.running[-1].service is running.service:
-                    self.running.insert(index, self.running.pop())  # keep the stop order
+                if not service.restarts_after(code):
+                    print(f"infermesh: {name} not restarted (restart: {service.restart}); "
+                          "the others keep running", file=sys.stderr)  # fmt: skip
+                    break
+                quick = time.monotonic() - running.started < STEADY_S
+                pause = min(MAX_RESTART_PAUSE_S, pauses.get(name, 0.5) * 2) if quick else 0.0
+                pauses[name] = pause
+                pending[name] = (time.monotonic() + pause, pause)
+                print(f"infermesh: {name} restarting in {pause:g} s ({service.restart})",
+                      flush=True)  # fmt: skip
                 break  # the list changed: look again from the start
+            for name, (due, pause) in list(pending.items()):
+                if time.monotonic() >= due and not self.stopping.is_set():
+                    del pending[name]
+                    self._restart(name, pause, pending, pauses)
+            if not self.running and not pending:
+                print("infermesh: no service is left running", file=sys.stderr)
+                return 1
         return 0
+
+    def _restart(
+        self,
+        name: str,
+        pause: float,
+        pending: dict[str, tuple[float, float]],
+        pauses: dict[str, float],
+    ) -> None:
+        service = next(s for s in self.services if s.name == name)
+        try:
+            self._start(service)
+        except LaunchError as exc:  # not healthy in time, or exited at once: stop, try again
+            for running in [r for r in self.running if r.service is service]:
+                if running.proc.poll() is None:
+                    running.proc.kill()
+                    running.proc.wait(timeout=10)
+                self.running.remove(running)
+            retry = min(MAX_RESTART_PAUSE_S, max(1.0, pause * 2))
+            pauses[name] = retry
+            pending[name] = (time.monotonic() + retry, retry)
+            print(f"infermesh: {exc}; trying again in {retry:g} s", file=sys.stderr)
+        order = {s.name: i for i, s in enumerate(self.services)}
+        self.running.sort(key=lambda r: order[r.service.name])  # the stop order: reversed
 
     def stop_all(self) -> None:
         for running in reversed(self.running):

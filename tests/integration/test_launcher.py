@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from tritonclient.utils import InferenceServerException
 from infermesh import pki
 from infermesh.api_keys import client_headers
 from infermesh.compose import ComposeError, interpolate, load_services, parse_duration
+from infermesh.launcher import Launcher
 from tests.scenarios.harness import ComposeMesh
 from tests.support import wait_for
 
@@ -155,3 +157,51 @@ def test_restart_policies(tmp_path: Path) -> None:
     compose.write_text("services:\n  a: {command: [x], restart: sometimes}\n")
     with pytest.raises(ComposeError, match="restart: expected one of"):
         load_services(compose, env={})
+
+
+def test_one_service_exiting_leaves_the_others_running_and_a_crash_loop_slows_down(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Before, a service that exited for good (restart: no), or whose restart failed, ended
+    `infermesh up` and stopped every other service; and a service that kept crashing was
+    restarted at once, forever. Now it is like docker compose: the others keep running, and
+    quick failures back off (1 s, 2 s, ...)."""
+    python = sys.executable
+    compose = tmp_path / "compose.yaml"
+    compose.write_text(
+        "services:\n"
+        f"  steady: {{command: [{python}, -c, 'import time; time.sleep(120)']}}\n"
+        f"  quits: {{command: [{python}, -c, 'raise SystemExit(1)']}}\n"
+        f"  loops: {{command: [{python}, -c, 'raise SystemExit(3)'], restart: on-failure}}\n"
+    )
+    launcher = Launcher(compose, tmp_path, tmp_path / "logs")
+    loops_pids: set[int] = set()
+    checked: list[bool] = []
+
+    def watch() -> None:  # the launcher must run in the main thread: this one watches it
+        def restarted_twice() -> bool:
+            loops_pids.update(r.proc.pid for r in list(launcher.running)
+                              if r.service.name == "loops")  # fmt: skip
+            return len(loops_pids) >= 3
+
+        try:
+            wait_for(restarted_twice, 20, "loops started three times", interval=0.02)
+            checked.append(steady.poll() is None)  # the others keep running
+        finally:
+            launcher.stopping.set()
+
+    try:
+        launcher.start_all()
+        steady = next(r.proc for r in launcher.running if r.service.name == "steady")
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        outcome = launcher.wait()
+        watcher.join(10)
+    finally:
+        launcher.stopping.set()
+        launcher.stop_all()
+    seen = "".join(capfd.readouterr())
+    assert outcome == 0 and checked == [True], seen
+    assert "quits not restarted (restart: no); the others keep running" in seen
+    assert "loops restarting in 1 s" in seen and "loops restarting in 2 s" in seen
+    assert steady.poll() is not None  # and stop_all stopped it
