@@ -461,8 +461,15 @@ def test_arbitrary_requests_never_crash(data: bytes) -> None:
         parsed = ExportMetricsServiceRequest.FromString(data)
     except DecodeError:
         return
-    result = TelemetryStore().ingest(parsed, received_at=1.0)
-    assert result.points >= 0
+    store = TelemetryStore()
+    result = store.ingest(parsed, received_at=1.0)
+    taken = sum(1 for _ in store.snapshot(1.0))  # and the store still answers
+    assert result.points >= 0 and taken >= 0
+    assert result.points <= sum(  # never more points than the request holds
+        len(m.gauge.data_points) + len(m.sum.data_points) + len(m.histogram.data_points)
+        + len(m.exponential_histogram.data_points) + len(m.summary.data_points)
+        for rm in parsed.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+    )  # fmt: skip
 
 
 def test_many_endpoints_random_traffic_stays_bounded() -> None:
