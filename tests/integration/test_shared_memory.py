@@ -265,11 +265,13 @@ def test_without_the_restriction_shared_memory_is_off_and_regions_go_at_shutdown
         server = start_server(
             repo, tmp_path / "on", "--restricted-api", f"shared-memory:{HEADER}=@{key_file}"
         )
-        client = grpcclient.InferenceServerClient(server.url)
-        assert "system_shared_memory" in client.get_server_metadata().extensions
-        client.register_system_shared_memory("left", in_key, SIZE, headers=AUTH)
-        assert _held(server, in_key)
-        server.stop()  # SIGINT: drain, then every region closed
+        try:
+            client = grpcclient.InferenceServerClient(server.url)
+            assert "system_shared_memory" in client.get_server_metadata().extensions
+            client.register_system_shared_memory("left", in_key, SIZE, headers=AUTH)
+            assert _held(server, in_key)
+        finally:
+            server.stop()  # SIGINT: drain, then every region closed (a failed check: still)
         assert server.proc.returncode == 0, server.log()
         assert "system shared memory 'left' unregistered" in server.log()
     finally:
