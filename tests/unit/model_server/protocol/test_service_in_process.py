@@ -175,13 +175,20 @@ async def test_a_completion_past_its_deadline_ends_and_frees_its_sequence(
 # -- hostile tensors and parameters: refused by name, never an INTERNAL ----------------------
 
 
-@pytest.fixture
-async def dynamic(repository: ModelRepository) -> InferenceService:
-    """An identity model whose input is [-1, -1] (no batching): every dim is the client's."""
-    write_model(build_identity_model("FP32", [-1, -1]), repository.root / "ident/1/model.onnx")
-    await repository.load("ident")
+async def _identity_service(
+    repository: ModelRepository, name: str, datatype: str
+) -> InferenceService:
+    """The service over an identity model ``name`` of ``datatype`` [-1, -1]: the client says
+    every dim (the first is the batch)."""
+    write_model(build_identity_model(datatype, [-1, -1]), repository.root / f"{name}/1/model.onnx")
+    await repository.load(name)
     gate = ServingGate(ready=lambda: True)
     return InferenceService(repository, repository.metrics, gate, 64 << 20, lambda n, loaded: None)
+
+
+@pytest.fixture
+async def dynamic(repository: ModelRepository) -> InferenceService:
+    return await _identity_service(repository, "ident", "FP32")
 
 
 def _ident(shape: list[int], data: bytes = b"") -> service_pb2.ModelInferRequest:
@@ -246,11 +253,7 @@ async def test_a_model_name_is_one_directory_of_the_repository(
 
 @pytest.fixture
 async def strings(repository: ModelRepository) -> InferenceService:
-    """An identity model of BYTES [batch, -1]: the client says how many strings."""
-    write_model(build_identity_model("BYTES", [-1, -1]), repository.root / "strings/1/model.onnx")
-    await repository.load("strings")
-    gate = ServingGate(ready=lambda: True)
-    return InferenceService(repository, repository.metrics, gate, 64 << 20, lambda n, loaded: None)
+    return await _identity_service(repository, "strings", "BYTES")
 
 
 def _strings(count: int) -> service_pb2.ModelInferRequest:
