@@ -172,8 +172,8 @@ class Launcher:
         failing quickly (and again if the restart itself fails), waiting for its health check
         again; one whose policy says no stays stopped. Either way the others keep running, as
         under docker compose."""
-        pending: dict[str, tuple[float, float]] = {}  # service -> (restart at, its pause)
-        pauses: dict[str, float] = {}
+        pending: dict[str, tuple[float, Service]] = {}  # name -> (restart at, the service)
+        pauses: dict[str, float] = {}  # name -> the pause before its last restart
         while not self.stopping.wait(POLL_S):
             for index, running in enumerate(list(self.running)):
                 code = running.proc.poll()
@@ -191,14 +191,14 @@ class Launcher:
                 quick = time.monotonic() - running.started < STEADY_S
                 pause = min(MAX_RESTART_PAUSE_S, pauses.get(name, 0.5) * 2) if quick else 0.0
                 pauses[name] = pause
-                pending[name] = (time.monotonic() + pause, pause)
+                pending[name] = (time.monotonic() + pause, service)
                 print(f"infermesh: {name} restarting in {pause:g} s ({service.restart})",
                       flush=True)  # fmt: skip
                 break  # the list changed: look again from the start
-            for name, (due, pause) in list(pending.items()):
+            for name, (due, service) in list(pending.items()):
                 if time.monotonic() >= due and not self.stopping.is_set():
                     del pending[name]
-                    self._restart(name, pause, pending, pauses)
+                    self._restart(service, pending, pauses)
             if not self.running and not pending:
                 print("infermesh: no service is left running", file=sys.stderr)
                 return 1
@@ -206,12 +206,11 @@ class Launcher:
 
     def _restart(
         self,
-        name: str,
-        pause: float,
-        pending: dict[str, tuple[float, float]],
+        service: Service,
+        pending: dict[str, tuple[float, Service]],
         pauses: dict[str, float],
     ) -> None:
-        service = next(s for s in self.services if s.name == name)
+        name = service.name
         try:
             self._start(service)
         except LaunchError as exc:  # not healthy in time, or exited at once: stop, try again
@@ -220,9 +219,9 @@ class Launcher:
                     running.proc.kill()
                     running.proc.wait(timeout=10)
                 self.running.remove(running)
-            retry = min(MAX_RESTART_PAUSE_S, max(1.0, pause * 2))
+            retry = min(MAX_RESTART_PAUSE_S, max(1.0, pauses[name] * 2))
             pauses[name] = retry
-            pending[name] = (time.monotonic() + retry, retry)
+            pending[name] = (time.monotonic() + retry, service)
             print(f"infermesh: {exc}; trying again in {retry:g} s", file=sys.stderr)
         order = {s.name: i for i, s in enumerate(self.services)}
         self.running.sort(key=lambda r: order[r.service.name])  # the stop order: reversed

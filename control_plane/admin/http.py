@@ -129,7 +129,7 @@ def presented_token(headers: Any) -> str | None:
     """The token a request presents: ``Bearer TOKEN``, or the password of HTTP Basic."""
     scheme, _, value = str(headers.get("authorization") or "").partition(" ")
     if scheme.lower() == "bearer":
-        return bearer_token(headers)
+        return value.strip() or None
     if scheme.lower() == "basic":
         try:
             decoded = base64.b64decode(value.strip(), validate=True).decode()

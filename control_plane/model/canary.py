@@ -199,9 +199,11 @@ def breach(run: CanaryRun, canary: VersionStats, stable: VersionStats) -> str | 
     if canary.requests < policy.min_requests:
         return None  # too little evidence either way
     over = over_sla(run, canary)
-    if over and shared_breach(run, canary, stable) is None:
+    if over:  # a limit the stable version (with evidence) is over too holds instead (judge)
         theirs = over_sla(run, stable) if stable.requests >= policy.min_requests else {}
-        return next(text for kind, text in over.items() if kind not in theirs)
+        own = [text for kind, text in over.items() if kind not in theirs]
+        if own:
+            return own[0]
     if stable.requests < policy.min_requests:
         return None
     if (

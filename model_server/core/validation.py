@@ -44,6 +44,12 @@ def slow_to_decode(request: service_pb2.ModelInferRequest) -> bool:
     return size > OFFLOAD_DECODE_BYTES
 
 
+def is_decimal(text: str) -> bool:
+    """Whether ``text`` is ASCII digits only: ``str.isdigit`` alone takes "²", which ``int``
+    refuses."""
+    return text.isascii() and text.isdigit()
+
+
 # The longest axis a request may claim (int32): a longer one can only come with an empty tensor
 # (another dim 0), which numpy then refuses to shape ("array is too big").
 MAX_DIM = (1 << 31) - 1
@@ -287,7 +293,7 @@ def request_scheduling(
     if priority is None:
         header = next((str(v) for k, v in metadata if k == PRIORITY_HEADER), None)
         if header is not None:
-            if not (header.isascii() and header.isdigit()):  # "²" passes isdigit alone
+            if not is_decimal(header):
                 raise InvalidInput(
                     f"header {PRIORITY_HEADER}: expected a number >= 0, got {header!r}"
                 )

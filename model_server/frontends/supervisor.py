@@ -86,7 +86,7 @@ class Supervisor:
                 proc = await self._spawn(index)
             except OSError as exc:  # fork or exec failed (memory, process limits): try again
                 failures += 1
-                pause = RESTART_PAUSE_S[min(failures, len(RESTART_PAUSE_S)) - 1]
+                pause = _restart_pause(failures)
                 log.error("front end %d could not start (%s); retrying in %.1fs", index, exc,
                           pause)  # fmt: skip
                 await asyncio.sleep(pause)
@@ -95,7 +95,7 @@ class Supervisor:
             if self.stopping:
                 return
             failures = 0 if time.monotonic() - started > STEADY_S else failures + 1
-            pause = RESTART_PAUSE_S[min(failures, len(RESTART_PAUSE_S)) - 1] if failures else 0.0
+            pause = _restart_pause(failures)
             log.warning("front end %d (pid %d) exited with %s; restarting in %.1fs", index,
                         proc.pid, _exit_text(code), pause)  # fmt: skip
             self.on_restart(index)
@@ -124,6 +124,11 @@ class Supervisor:
         log.info("front ends stopped: %s", ", ".join(
             f"{index}={_exit_text(proc.returncode)}" for index, proc in sorted(self.procs.items())
         ))  # fmt: skip
+
+
+def _restart_pause(failures: int) -> float:
+    """The pause before the next start after ``failures`` quick failures in a row (0: none)."""
+    return RESTART_PAUSE_S[min(failures, len(RESTART_PAUSE_S)) - 1] if failures else 0.0
 
 
 def _exit_text(code: int | None) -> str:

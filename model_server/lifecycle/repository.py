@@ -33,6 +33,7 @@ from model_server.core.model_config import (
     select_versions,
 )
 from model_server.core.runtime import DeviceChoice
+from model_server.core.validation import is_decimal
 from model_server.lifecycle.version import ModelState, ModelVersion
 from model_server.observability.metrics import ServerMetrics
 
@@ -85,10 +86,6 @@ def check_model_name(name: str) -> None:
         )
 
 
-def _is_number(text: str) -> bool:
-    return text.isascii() and text.isdigit()
-
-
 def _fingerprint(paths: Iterable[Path]) -> str:
     digest = hashlib.sha256()
     for path in sorted(paths):
@@ -120,7 +117,7 @@ class ModelRepository:
     def _version_dirs(self, model_dir: Path, filename: str) -> dict[int, Path]:
         found = {}
         for child in model_dir.iterdir():
-            if child.is_dir() and _is_number(child.name) and (child / filename).is_file():
+            if child.is_dir() and is_decimal(child.name) and (child / filename).is_file():
                 found[int(child.name)] = child / filename
         return found
 
@@ -250,14 +247,14 @@ class ModelRepository:
                 newest = entry.newest_ready()
                 if newest is not None:
                     return newest
-            elif _is_number(version):
+            elif is_decimal(version):
                 chosen = entry.serving.get(int(version))
                 if chosen is not None and chosen.state is ModelState.READY:
                     return chosen
         if entry is None or (not entry.visible() and not entry.error):
             raise ModelNotFound(f"model {name!r} is not loaded (loaded: {self.loaded_names()})")
         if version:
-            if not _is_number(version):
+            if not is_decimal(version):
                 raise InvalidInput(f"model {name!r}: version {version!r} is not a number")
             chosen = next((v for v in entry.visible() if v.version == int(version)), None)
             if chosen is None:

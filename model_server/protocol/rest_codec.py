@@ -24,7 +24,7 @@ from tritonclient.grpc import service_pb2
 
 from model_server.core.datatypes import DATATYPES, Datatype, deserialize_bytes, serialize_bytes
 from model_server.core.errors import InvalidInput
-from model_server.core.validation import MAX_DIM
+from model_server.core.validation import MAX_DIM, is_decimal
 from model_server.protocol.json_checks import check_unicode
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -50,7 +50,7 @@ def header_length(value: str | None, body_size: int) -> int | None:
     if value is None:
         return None
     text = value.strip()
-    if not (text.isascii() and text.isdigit()):  # "²" is a digit to str.isdigit, not to int
+    if not is_decimal(text):
         raise InvalidInput(f"header {HEADER_LENGTH}: expected a byte count >= 0, got {value!r}")
     length = int(text)
     if length > body_size:

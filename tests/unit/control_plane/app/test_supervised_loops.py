@@ -11,10 +11,20 @@ from control_plane.app import loops
 from control_plane.metrics import ControlPlaneMetrics
 
 
-def test_a_failing_loop_is_counted_and_restarted(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def supervisor(monkeypatch: pytest.MonkeyPatch) -> loops.Loops:
+    """Loops with their own metrics, restarting at once."""
     monkeypatch.setattr(loops, "LOOP_RESTART_DELAY_S", 0.0)
-    metrics = ControlPlaneMetrics()
-    supervisor = loops.Loops(metrics)
+    return loops.Loops(ControlPlaneMetrics())
+
+
+def failures(supervisor: loops.Loops, loop: str) -> float | None:
+    return supervisor.metrics.registry.get_sample_value(
+        "control_loop_failures_total", {"loop": loop}
+    )
+
+
+def test_a_failing_loop_is_counted_and_restarted(supervisor: loops.Loops) -> None:
     runs: list[int] = []
 
     async def _route_by_telemetry() -> None:
@@ -32,21 +42,13 @@ def test_a_failing_loop_is_counted_and_restarted(monkeypatch: pytest.MonkeyPatch
 
     asyncio.run(asyncio.wait_for(main(), 10))
     assert runs == [0, 1, 2]  # failed twice, restarted each time, then returned
-    failures = metrics.registry.get_sample_value(
-        "control_loop_failures_total", {"loop": "route_by_telemetry"}
-    )
-    assert failures == 2
+    assert failures(supervisor, "route_by_telemetry") == 2
 
 
-def test_a_loop_cancelled_from_below_is_counted_and_restarted(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_loop_cancelled_from_below_is_counted_and_restarted(supervisor: loops.Loops) -> None:
     """Closing a gRPC channel cancels its calls in flight: the CancelledError reached the loop
     that awaited one (discovery, the topology watch) though nobody cancelled the loop, and the
     supervisor, catching Exception only, let the loop end without a word."""
-    monkeypatch.setattr(loops, "LOOP_RESTART_DELAY_S", 0.0)
-    metrics = ControlPlaneMetrics()
-    supervisor = loops.Loops(metrics)
     runs: list[int] = []
 
     async def follow_slices() -> None:
@@ -70,7 +72,4 @@ def test_a_loop_cancelled_from_below_is_counted_and_restarted(
 
     asyncio.run(asyncio.wait_for(main(), 10))
     assert runs == [0, 1]
-    failures = metrics.registry.get_sample_value(
-        "control_loop_failures_total", {"loop": "follow_slices"}
-    )
-    assert failures == 1
+    assert failures(supervisor, "follow_slices") == 1
