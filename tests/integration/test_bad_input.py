@@ -28,6 +28,7 @@ def server(demo_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     repo = tmp_path_factory.mktemp("repo")
     shutil.copytree(demo_repo / "classifier", repo / "classifier")
     write_model(build_identity_model("BYTES", [-1]), repo / "text" / "1" / "model.onnx")
+    write_model(build_identity_model("BYTES", [-1, -1]), repo / "texts" / "1" / "model.onnx")
     write_model(build_identity_model("INT8", [-1, 4]), repo / "small_ints" / "1" / "model.onnx")
     write_model(build_identity_model("FP16", [-1, 4]), repo / "halves" / "1" / "model.onnx")
     proc = start_server(
@@ -191,9 +192,10 @@ def test_bad_request_is_refused_with_a_clear_error(server: ServerProcess, case: 
         assert fragment in error.details()
 
 
-def _bytes_request(raw: bytes, count: int) -> service_pb2.ModelInferRequest:
-    request = Request(model_name="text")
-    request.inputs.add(name="x", datatype="BYTES", shape=[count])
+def _bytes_request(raw: bytes, count: int, model: str = "text") -> service_pb2.ModelInferRequest:
+    request = Request(model_name=model)
+    shape = [count] if model == "text" else [1, count]  # texts: a batch of one row of count
+    request.inputs.add(name="x", datatype="BYTES", shape=shape)
     request.raw_input_contents.append(raw)
     return request
 
@@ -220,6 +222,19 @@ def test_bytes_that_do_not_decode_are_refused(
     assert "model 'text' input 'x'" in caught.value.details()
     for fragment in fragments:
         assert fragment in caught.value.details()
+
+
+def test_many_small_bytes_elements_count_against_the_size_limit(server: ServerProcess) -> None:
+    # 80 KB of raw contents, under the 256 KiB limit, but decoding 20,000 elements makes two
+    # Python objects each: 64 MiB of such elements once held over 1 GB in a server.
+    with pytest.raises(grpc.RpcError) as caught:
+        server.stub().ModelInfer(_bytes_request(_framed(*[b""] * 20_000), 20_000, "texts"), 10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "size limit of 0.2 MiB" in caught.value.details()
+    assert "each BYTES element counts 128 bytes" in caught.value.details()
+    many = [b"%d" % i for i in range(1_000)]  # well within the limit: still served
+    response = server.stub().ModelInfer(_bytes_request(_framed(*many), len(many), "texts"), 10)
+    assert response.raw_output_contents[0] == _framed(*many)
 
 
 def test_bytes_round_trip(server: ServerProcess) -> None:
