@@ -166,7 +166,11 @@ def test_the_circuit_breaker_answers_unavailable_at_once_past_its_limit(mesh: Me
         entries = [json.loads(line) for line in access_log.read_text().splitlines()]
         return [e for e in entries if e["model"] == "classifier" and e["grpc_status"] == 14]
 
-    logged = wait_for(lambda: len(overflowed()) >= len(refused) and overflowed(), 5, "UO")
+    def all_logged() -> list[dict[str, Any]] | None:
+        entries = overflowed()
+        return entries if len(entries) >= len(refused) else None
+
+    logged = wait_for(all_logged, 5, "the refused calls in the access log")
     assert all("UO" in e["flags"].split(",") for e in logged), logged
     # Envoy counts them (":" in cluster names becomes "_" in stat names).
     stats = dict(

@@ -166,9 +166,12 @@ def test_a_stopped_server_goes_stale(
     )
     os.kill(server.proc.pid, signal.SIGSTOP)
     try:
-        stale = wait_for(
-            lambda: (e := endpoint(plane, server)).get("stale") is True and e, 5, "stale", 0.02
-        )
+
+        def stale_view() -> dict[str, Any] | None:
+            view = endpoint(plane, server)
+            return view if view.get("stale") is True else None
+
+        stale = wait_for(stale_view, 5, "stale", 0.02)
         # Stale once the last report is 3 intervals old (the topology's default), by the plane's
         # own clock: never before, and the wait's deadline bounds how late.
         assert float(stale["age_s"]) > 3 * float(stale["interval_s"]), stale
