@@ -57,7 +57,7 @@ from model_server.protocol.openai_schema import (
     parse_completion,
 )
 from model_server.protocol.service import InferenceService
-from model_server.security.tenancy import header_value
+from model_server.security.tenancy import check_model_header, header_value
 
 JSON = "application/json"
 OWNER = "infermesh"
@@ -201,8 +201,10 @@ class OpenAIApi:
     def _parse(
         self, body: dict[str, Any], chat: bool, metadata: Metadata
     ) -> tuple[Generation, int, int]:
+        named = body.get("model")
+        if isinstance(named, str):  # before anything is looked up: no probing other models
+            check_model_header(metadata, named)
         if chat:  # the template is the model's: its version first
-            named = body.get("model")
             found = self._version(named, metadata) if isinstance(named, str) and named else None
             config = found.spec.config if found is not None and found.spec else None
             generation = parse_chat(body, chat_template(config) if config else None)

@@ -26,7 +26,7 @@ from model_server.core.errors import InferenceError, InvalidInput, http_status
 from model_server.core.memory import format_bytes
 from model_server.core.validation import OFFLOAD_DECODE_BYTES
 from model_server.generative.text import prompt_tokens
-from model_server.protocol.json_checks import check_unicode
+from model_server.protocol.json_checks import load_json_object
 from model_server.protocol.openai import (
     OpenAIApi,
     is_openai_path,
@@ -291,19 +291,7 @@ class RestServer:
     async def _json_body(self, request: web.Request) -> dict[str, Any]:
         """The request's JSON object; an empty body is ``{}``."""
         body = await self._read_body(request)
-        if not body.strip():
-            return {}
-        try:
-            document = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise InvalidInput(f"request body: expected a JSON object ({exc})") from None
-        except RecursionError:  # arrays or objects nested thousands deep
-            raise InvalidInput("request body: JSON nested too deeply") from None
-        if not isinstance(document, dict):
-            kind = type(document).__name__
-            raise InvalidInput(f"request body: expected a JSON object, got {kind}")
-        check_unicode(body, document)
-        return document
+        return load_json_object(body) if body.strip() else {}
 
     # -- inference ----------------------------------------------------------------------------
     @contextlib.asynccontextmanager

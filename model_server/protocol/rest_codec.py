@@ -25,7 +25,7 @@ from tritonclient.grpc import service_pb2
 from model_server.core.datatypes import DATATYPES, Datatype, deserialize_bytes, serialize_bytes
 from model_server.core.errors import InvalidInput
 from model_server.core.validation import MAX_DIM, is_decimal
-from model_server.protocol.json_checks import check_unicode
+from model_server.protocol.json_checks import load_json_object
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 BINARY_OUTPUT_PARAMETER = "binary_data_output"  # REST only: every output as binary data
@@ -66,7 +66,7 @@ def decode_infer(
 ) -> RestInferRequest:
     """A REST infer body as a ModelInferRequest for ``model`` (``version``: "" for any)."""
     json_length = len(body) if json_length is None else json_length
-    document = _load_json(body[:json_length])
+    document = load_json_object(body[:json_length])
     binary = memoryview(body)[json_length:]
     request = service_pb2.ModelInferRequest(model_name=model, model_version=version)
     decoded = RestInferRequest(request)
@@ -296,22 +296,6 @@ def _int64_as_numbers(desc: Any, document: dict[str, Any]) -> None:
                     _int64_as_numbers(fd.message_type, item)
         elif fd.cpp_type in wide:
             document[key] = [int(v) for v in value] if isinstance(value, list) else int(value)
-
-
-def _load_json(data: bytes) -> dict[str, Any]:
-    try:
-        document = json.loads(data)
-    except UnicodeDecodeError as exc:
-        raise InvalidInput(f"request body: JSON is not UTF-8 ({exc.reason})") from None
-    except json.JSONDecodeError as exc:
-        hint = "" if len(data) else " (it is empty)"
-        raise InvalidInput(f"request body is not valid JSON{hint}: {exc}") from None
-    except ValueError as exc:  # an integer literal of more digits than Python converts
-        raise InvalidInput(f"request body: {exc}") from None
-    except RecursionError:
-        raise InvalidInput("request body: JSON nests too deeply") from None
-    check_unicode(data, document)
-    return _object(document, "request body")
 
 
 def _set_parameters(target: Any, parameters: dict[str, Any], where: str) -> None:

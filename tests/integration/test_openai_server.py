@@ -173,10 +173,26 @@ def test_unknown_model_is_404_in_openais_shape(client: openai.OpenAI) -> None:
     assert isinstance(caught.value.body, dict) and caught.value.body["code"] == "model_not_found"
 
 
-def _post(server: ServerProcess, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
+def test_the_routed_model_is_checked_before_the_body_model_is_looked_up(
+    server: ServerProcess,
+) -> None:
+    """The edge routed by the header's model: a body naming another one is refused the same way
+    whether that model exists or not, so a tenant cannot probe for models it may not use."""
+    answers = []
+    for other in ("nope", "classifier", MODEL + "-missing"):
+        body = json.dumps({"model": other, "prompt": "x", "max_tokens": 1}).encode()
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            answers.append(_post(server, path, body, {"x-model-name": MODEL}))
+    assert {code for code, _ in answers} == {400}, answers
+    assert all("header x-model-name: names model" in a["error"]["message"] for _, a in answers)
+
+
+def _post(
+    server: ServerProcess, path: str, body: bytes, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, Any]]:
     request = urllib.request.Request(
         f"http://127.0.0.1:{server.http_port}{path}", data=body,
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **(headers or {})},
     )  # fmt: skip
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
@@ -188,9 +204,26 @@ def _post(server: ServerProcess, path: str, body: bytes) -> tuple[int, dict[str,
 @pytest.mark.parametrize(
     ("body", "status", "words"),
     [
-        (b"not json", 400, "JSON object"),
+        (b"not json", 400, "not valid JSON"),
         (b"[1, 2]", 400, "JSON object"),
-        (b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
+        (b"[" * 100_000 + b"]" * 100_000, 400, "nests too deeply"),
+        # The edge reserves tokens from the first max_tokens; the parser would keep the last.
+        (
+            b'{"model": "demo_lm", "prompt": "x", "max_tokens": 1, "max_tokens": null}',
+            400,
+            "key 'max_tokens' appears more than once",
+        ),
+        # UTF-16 hides max_tokens from the edge's byte patterns; json.loads(bytes) took it.
+        (
+            '{"model": "demo_lm", "prompt": "x", "max_tokens": 480}'.encode("utf-16-le"),
+            400,
+            "not valid JSON",
+        ),
+        (
+            '{"model": "demo_lm", "prompt": "\u00e9"}'.encode("latin-1"),
+            400,
+            "JSON must be UTF-8; byte 32 is not",
+        ),
         (b'{"model": "demo_lm", "prompt": "' + b"a" * MAX_REQUEST_BYTES + b'"}', 413, "limit"),
         (b'{"model": 5, "prompt": "x"}', 400, "model"),
         (b'{"model": "demo_lm", "prompt": [1, 2, 3]}', 400, "token ids"),
