@@ -47,6 +47,7 @@ from control_plane.config.kubernetes_source import (
     SERVICE_ACCOUNT,
     KubernetesEndpoint,
 )
+from control_plane.discovery.pod_addresses import api_on_loopback, pod_address
 from control_plane.model.mesh import EndpointAddress
 from control_plane.model.schema import show
 
@@ -61,10 +62,13 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 _POD_NAME = re.compile(r"[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?")  # DNS-1123 subdomain
 
 
-def slice_addresses(item: Mapping[str, Any], port: str | int) -> dict[EndpointAddress, str]:
+def slice_addresses(
+    item: Mapping[str, Any], port: str | int, allow_loopback: bool = False
+) -> dict[EndpointAddress, str]:
     """The routable addresses of one EndpointSlice object on the named or numbered port, each
     with the pod behind it (``NAMESPACE/POD`` from its ``targetRef``; "" when it names none):
-    a model server's certificate names its pod (``pki.model_server_pod``)."""
+    a model server's certificate names its pod (``pki.model_server_pod``). Addresses no pod
+    serves from are left out (``pod_address``)."""
     if item.get("addressType") not in ("IPv4", "IPv6"):
         return {}  # FQDN slices: not addresses Envoy can take as they are
     ports = [p for p in item.get("ports") or () if p.get("protocol", "TCP") == "TCP"]
@@ -83,8 +87,10 @@ def slice_addresses(item: Mapping[str, Any], port: str | int) -> dict[EndpointAd
         if conditions.get("ready") is False or conditions.get("terminating") is True:
             continue
         with contextlib.suppress(IndexError, TypeError, ValueError):
-            host = str(ipaddress.ip_address(endpoint["addresses"][0]))
-            found[EndpointAddress(host, number)] = _pod(endpoint.get("targetRef"), namespace)
+            ip = ipaddress.ip_address(endpoint["addresses"][0])
+            if not pod_address(ip, allow_loopback, item):
+                continue
+            found[EndpointAddress(str(ip), number)] = _pod(endpoint.get("targetRef"), namespace)
     return found
 
 
@@ -150,6 +156,7 @@ class SliceWatcher:
         backoff: Backoff = Backoff(),
     ) -> None:
         self.source, self.config, self.on_change, self.backoff = source, config, on_change, backoff
+        self.allow_loopback = config is not None and api_on_loopback(config.url)
         self.slices: dict[str, dict[EndpointAddress, str]] = {}
         self.addresses: frozenset[EndpointAddress] = frozenset()
         self.pods: dict[str, str] = {}  # HOST:PORT -> NAMESPACE/POD
@@ -218,7 +225,9 @@ class SliceWatcher:
         data = json.loads(body)
         self.resource_version = str(data.get("metadata", {}).get("resourceVersion", ""))
         self.slices = {
-            str(item.get("metadata", {}).get("name", "")): slice_addresses(item, self.source.port)
+            str(item.get("metadata", {}).get("name", "")): slice_addresses(
+                item, self.source.port, self.allow_loopback
+            )
             for item in data.get("items") or ()
         }
         self._publish()
@@ -244,7 +253,7 @@ class SliceWatcher:
             self.resource_version = str(rv)
         name = str(metadata.get("name", ""))
         if kind in ("ADDED", "MODIFIED"):
-            self.slices[name] = slice_addresses(item, self.source.port)
+            self.slices[name] = slice_addresses(item, self.source.port, self.allow_loopback)
         elif kind == "DELETED":
             self.slices.pop(name, None)
         else:

@@ -34,6 +34,7 @@ from control_plane.discovery.kubernetes import (
     EndpointSlices,
     slice_addresses,
 )
+from control_plane.discovery.pod_addresses import api_on_loopback
 from control_plane.discovery.resolver import EndpointResolver
 from control_plane.model.mesh import EndpointAddress
 from tests.envoy_support import free_port
@@ -175,6 +176,27 @@ def test_not_ready_and_terminating_endpoints_are_not_routed_to() -> None:
         },
     )
     assert {a.key for a in slice_addresses(item, "grpc")} == {"10.0.0.1:8001", "10.0.0.5:8001"}
+
+
+def test_addresses_no_pod_serves_from_are_not_routed_to(caplog: pytest.LogCaptureFixture) -> None:
+    """Whoever may write an EndpointSlice must not point the mesh at the control plane's own
+    host or a cloud's metadata service."""
+    special = ["127.0.0.1", "169.254.169.254", "0.0.0.0", "224.0.0.1"]
+    item = endpoint_slice("evil", {ip: READY for ip in ["10.0.0.1", *special]})
+    with caplog.at_level(logging.WARNING):
+        assert {a.key for a in slice_addresses(item, "grpc")} == {"10.0.0.1:8001"}
+        assert {a.key for a in slice_addresses(item, "grpc")} == {"10.0.0.1:8001"}
+    assert sum("169.254.169.254" in r.getMessage() for r in caplog.records) == 1  # once
+    special6 = ["::1", "fe80::1", "::", "::ffff:169.254.169.254", "::ffff:127.0.0.1"]
+    item = endpoint_slice("evil6", {ip: READY for ip in ["fd00::1", *special6]}, None, "IPv6")
+    assert {a.host for a in slice_addresses(item, "grpc")} == {"fd00::1"}
+    # From a Kubernetes API on this host's loopback (a development cluster), loopback is a pod.
+    item = endpoint_slice("dev", {ip: READY for ip in ["127.0.0.1", "169.254.169.254"]})
+    dev = slice_addresses(item, "grpc", allow_loopback=True)
+    assert {a.key for a in dev} == {"127.0.0.1:8001"}
+    assert api_on_loopback("https://127.0.0.1:6443") and api_on_loopback("http://localhost:1")
+    assert not api_on_loopback("https://kubernetes.default.svc")
+    assert not api_on_loopback("https://10.96.0.1:443")
 
 
 def test_each_address_keeps_the_pod_its_target_ref_names() -> None:
