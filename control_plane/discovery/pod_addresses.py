@@ -17,6 +17,8 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
+from infermesh.addresses import is_loopback
+
 log = logging.getLogger(__name__)
 
 IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -49,10 +51,4 @@ def pod_address(ip: IpAddress, allow_loopback: bool, item: Mapping[str, Any]) ->
 
 def api_on_loopback(url: str) -> bool:
     """Whether the Kubernetes API at ``url`` is on this host's loopback."""
-    host = urllib.parse.urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(urllib.parse.urlsplit(url).hostname or "")
