@@ -36,8 +36,14 @@ def sample(logits: np.ndarray, request: GenerationRequest, rng: np.random.Genera
     with np.errstate(over="ignore"):
         scaled = (wide - wide.max()) / request.temperature
     if 0 < request.top_k < scaled.size:
+        # Exactly k: of the logits equal to the k-th, the lowest token ids (ties are common in
+        # fp16 or quantized logits; ">= cutoff" kept them all, so top_k=1 was not greedy).
         cutoff = np.partition(scaled, -request.top_k)[-request.top_k]
-        scaled = np.where(scaled >= cutoff, scaled, -np.inf)
+        above = np.flatnonzero(scaled > cutoff)
+        tied = np.flatnonzero(scaled == cutoff)[: request.top_k - above.size]
+        kept = np.full_like(scaled, -np.inf)
+        kept[above], kept[tied] = scaled[above], scaled[tied]
+        scaled = kept
     probabilities = np.exp(scaled - scaled.max())
     probabilities /= probabilities.sum()
     if request.top_p < 1:

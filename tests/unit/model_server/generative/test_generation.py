@@ -190,6 +190,10 @@ def test_sampling_greedy_temperature_and_top_k() -> None:
         sample(logits, GenerationRequest((1,), temperature=1.0, top_k=2), rng) for _ in range(200)
     }
     assert picks == {1, 2}
+    tied = np.array([5.0, 5.0, 5.0, 5.0, 0.0, 0.0])  # fp16 or quantized logits tie often
+    for k, expected in ((1, {0}), (2, {0, 1})):
+        request = GenerationRequest((1,), temperature=1.0, top_k=k)
+        assert {sample(tied, request, rng) for _ in range(200)} == expected
     again = [
         sample(logits, GenerationRequest((1,), temperature=2.0), np.random.default_rng(3))
         for _ in range(5)
