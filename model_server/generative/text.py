@@ -260,6 +260,14 @@ def engine_settings(config: model_config_pb2.ModelConfig) -> tuple[dict[str, int
         if when_full not in WHEN_FULL:
             raise ValueError(f"parameters['kv_when_full']: expected one of {WHEN_FULL}")
     prefix_caching(config)  # a bad value fails the load, named
+    cache_tokens = settings["kv_cache_blocks"] * settings["kv_block_tokens"]
+    if cache_tokens < settings["max_positions"]:  # a full context could never run
+        raise ValueError(
+            f"parameters['kv_cache_blocks']: {settings['kv_cache_blocks']} blocks of "
+            f"{settings['kv_block_tokens']} tokens hold {cache_tokens} tokens, fewer than one "
+            f"sequence of the context (max_positions {settings['max_positions']}); raise "
+            "kv_cache_blocks or lower max_positions"
+        )
     return settings, when_full
 
 

@@ -35,6 +35,11 @@ def test_prefix_caching_is_on_unless_the_config_turns_it_off() -> None:
     with pytest.raises(ValueError, match=r"parameters\['prefix_caching'\]: expected true or"):
         engine_settings(config(prefix_caching="sometimes"))  # fails the load, named
     assert engine_settings(config(max_prefill_sequences="8"))[0]["max_prefill_sequences"] == 8
+    # A cache that cannot hold one whole context: every long request would be refused as
+    # "retry later" (429) for ever, and chat without max_tokens asks for the whole context.
+    with pytest.raises(ValueError, match=r"kv_cache_blocks.*16 blocks of 16 tokens hold 256"):
+        engine_settings(config(kv_cache_blocks="16"))
+    assert engine_settings(config(kv_cache_blocks="32"))[0]["kv_cache_blocks"] == 32  # 512
 
 
 def fill(cache: KvCache, name: str, tokens: list[int]) -> None:
