@@ -62,6 +62,7 @@ from infermesh.wire import (
 OPENAI_LUA_FILTER = "infermesh.lua.openai"
 ROUTER_SCRIPT = "openai_router"
 MODELS_SCRIPT = "visible_models"
+MODELS_ROUTE = "openai:models"  # GET /v1/models: the list, narrowed by MODELS_SCRIPT
 BEARER_LUA_FILTER = "infermesh.lua.bearer"
 BODY_PREFIX_BYTES = 1 << 20  # a body's first bytes the scanner reads
 MAX_MODEL_CHARS = 256
@@ -294,7 +295,7 @@ def entry_routes(to_servers: rc_pb2.RouteAction, auth: EdgeAuth) -> list[rc_pb2.
     narrowed = MODELS_SCRIPT if visible_models(auth) else None
     routes = [
         _plain(rc_pb2.Route(
-            name="openai:models", match=rc_pb2.RouteMatch(path=OPENAI_MODELS_PATH),
+            name=MODELS_ROUTE, match=rc_pb2.RouteMatch(path=OPENAI_MODELS_PATH),
             route=to_servers,
         ), script=narrowed),
         _plain(_direct(

@@ -139,7 +139,9 @@ def http_filters(
     if auth.mode == "api_keys":  # the OpenAI client's "Bearer KEY", for basic_auth
         filters.append(openai_edge.bearer_filter())
     filters += identity.authentication_filters(auth)
-    if body_routing:  # /v1 bodies' "model", on its entry routes only; before the affinity key
+    # /v1 bodies' "model", on its entry routes only, before the affinity key; and GET
+    # /v1/models narrowed to what a tenant limited to some models may use, body routing or not
+    if body_routing or openai_edge.visible_models(auth):
         filters.append(openai_edge.router_filter(auth))
     if body_routing or affinities:
         source = base_pb2.DataSource(inline_string=lua_source(affinities))
@@ -478,12 +480,13 @@ def build_route_config(state: MeshState) -> route_pb2.RouteConfiguration:
             token_admission.skip_unlimited(item, state.listener.auth)
     if not state.listener.body_routing and not affinities(state):
         for item in routes:
-            for name in (LUA_FILTER, openai_edge.OPENAI_LUA_FILTER):  # no Lua filter to configure
-                if name in item.typed_per_filter_config:
-                    del item.typed_per_filter_config[name]
+            item.typed_per_filter_config.pop(LUA_FILTER, None)  # no Lua filter to configure
+            if item.name != openai_edge.MODELS_ROUTE:  # its list is narrowed all the same
+                item.typed_per_filter_config.pop(openai_edge.OPENAI_LUA_FILTER, None)
     elif not state.listener.body_routing:  # the Lua filter is there for affinity only
         for item in routes:
-            item.typed_per_filter_config.pop(openai_edge.OPENAI_LUA_FILTER, None)
+            if item.name != openai_edge.MODELS_ROUTE:
+                item.typed_per_filter_config.pop(openai_edge.OPENAI_LUA_FILTER, None)
             if item.name == "no-model-name":
                 item.typed_per_filter_config[LUA_FILTER].Pack(lua_pb2.LuaPerRoute(disabled=True))
     host = rc_pb2.VirtualHost(name=LISTENER_NAME, domains=["*"], routes=routes)

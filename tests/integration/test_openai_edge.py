@@ -216,3 +216,29 @@ def test_a_client_gone_mid_stream_through_envoy_frees_its_sequence(edge: Edge) -
         return used == 0 and counted("CANCELLED") == before + 1
 
     wait_for(freed, 20, "the stream Envoy cut to leave the engine")
+
+
+def test_without_body_routing_the_list_is_still_narrowed(
+    demo_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The narrowing step used to come with the body router: with body_routing off every tenant
+    listed every generative model. Clients name the model in x-model-name there."""
+    workdir = tmp_path_factory.mktemp("openai-edge-header-routed")
+    keys = {name: new_key(name) for name in ("team-a", "team-b")}
+    for key in keys.values():
+        add_key(workdir / "api-keys", key)
+    listener = {
+        "auth": {"mode": "api_keys", "api_keys_file": str(workdir / "api-keys")},
+        "body_routing": False,
+    }
+    top = {"tenants": {"team-a": {"models": [LM]}, "team-b": {"models": ["classifier"]}}}
+    with edge_mesh(demo_repo, workdir, listener, top, lm=True) as mesh:
+        edge = Edge(mesh, keys)
+        for who, listed in (("team-a", [LM]), ("team-b", [])):
+            with edge.client(who) as client:
+                assert [m.id for m in client.models.list()] == listed, who
+        with edge.client("team-a") as client:  # and the model still answers by its header
+            answer = client.completions.create(
+                model=LM, prompt=PROMPT, max_tokens=4, extra_headers={"x-model-name": LM}
+            )
+            assert answer.choices[0].text == expected(PROMPT, 4)

@@ -151,6 +151,13 @@ def test_only_a_tenant_limited_to_some_models_has_its_list_narrowed() -> None:
     filter_config, lua = rc_pb2.FilterConfig(), lua_pb2.LuaPerRoute()
     assert config.Unpack(filter_config) and filter_config.config.Unpack(lua)
     assert lua.name == openai_edge.MODELS_SCRIPT
+    # body routing off: the list is narrowed all the same (its filter is there for it alone)
+    listener = dataclasses.replace(ListenerOptions(), auth=auth, body_routing=False)
+    built = build_resources(state(listener))
+    assert openai_edge.OPENAI_LUA_FILTER in [f.name for f in manager_of(built).http_filters]
+    narrowed = [r.name for r in routes_of(built)
+                if openai_edge.OPENAI_LUA_FILTER in r.typed_per_filter_config]  # fmt: skip
+    assert narrowed == [openai_edge.MODELS_ROUTE]
     # with authentication off, or every tenant free, the route runs no script
     for free in (EdgeAuth(), EdgeAuth(mode="api_keys", tenants=(TenantPolicy("team-any"),))):
         assert not openai_edge.visible_models(free)
