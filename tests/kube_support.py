@@ -28,6 +28,7 @@ class FakeKubeApi:
         self.compacted = 0  # a watch from a resourceVersion below this gets 410 Gone
         self.generation = 0  # drop_watches() bumps it: open watches are cut (or ended)
         self.clean_end = False
+        self.short_watches = False  # every watch ends at once, with no event (a bad proxy)
         self.requests: list[tuple[str, str]] = []  # (path and query, Authorization)
         self.cond = threading.Condition()
         self.closed = False
@@ -149,6 +150,9 @@ class FakeKubeApi:
                     if since < api.compacted:
                         return self._json(410, {"kind": "Status", "code": 410})
                     generation = api.generation
+                    short = api.short_watches
+                if short:
+                    return self._json(200, {})  # a body of no event: the watch is over
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Transfer-Encoding", "chunked")

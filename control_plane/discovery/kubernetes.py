@@ -58,6 +58,9 @@ CONNECT_TIMEOUT_S = 10.0
 LIST_TIMEOUT_S = 30.0
 WATCH_TIMEOUT_S = 300  # the API server ends a watch after this; it is then resumed at once
 WATCH_IDLE_S = WATCH_TIMEOUT_S + 30.0  # nothing at all for this long: the connection is dead
+# A watch that ends sooner with no event is a failure (as client-go treats it): resumed at
+# once, an API server or proxy that closes watches at once would get a request a turn.
+MIN_WATCH_S = 1.0
 MAX_BODY_BYTES = 64 * 1024 * 1024
 _POD_NAME = re.compile(r"[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?")  # DNS-1123 subdomain
 
@@ -136,7 +139,7 @@ class ApiError(Exception):
 
 
 class _Gone(Exception):
-    """The resourceVersion is too old (410) or the watch reported an error: list again."""
+    """The resourceVersion is too old (410, as an answer or an ERROR event): list again."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,7 @@ class SliceWatcher:
         self.pods: dict[str, str] = {}  # HOST:PORT -> NAMESPACE/POD
         self.synced = asyncio.Event()  # set by the first successful LIST
         self.resource_version = ""
+        self.events = 0  # watch events taken in (ERROR events aside)
         self.failing = False
         self._task: asyncio.Task[None] | None = None
 
@@ -181,9 +185,12 @@ class SliceWatcher:
                 await self._list()
                 listed_at = time.monotonic()
                 self._recovered()
-                delay = self.backoff.initial_s
                 while True:
+                    started, events = time.monotonic(), self.events
                     await self._watch()  # returns when the server ends the watch: resume
+                    if self.events == events and time.monotonic() - started < MIN_WATCH_S:
+                        raise ApiError(200, "the watch ended at once with no event")
+                    delay = self.backoff.initial_s  # a watch that worked: back-off over
             except _Gone:
                 if time.monotonic() - listed_at > 1.0:
                     continue  # list again at once; but never in a tight loop:
@@ -246,9 +253,13 @@ class SliceWatcher:
     def _event(self, event: Mapping[str, Any]) -> None:
         kind, item = event.get("type"), event.get("object") or {}
         metadata = item.get("metadata") or {}
-        if kind == "ERROR":
-            log.info("endpoint %s: watch error, listing again: %s", self.source.key, show(item))
-            raise _Gone
+        if kind == "ERROR":  # a Status: 410 lists again at once, anything else backs off
+            if item.get("code") == 410:
+                log.info("endpoint %s: watch expired, listing again: %s", self.source.key,
+                         show(item))  # fmt: skip
+                raise _Gone
+            raise ApiError(int(item.get("code") or 0), f"watch ERROR event: {show(item)}")
+        self.events += 1
         if rv := metadata.get("resourceVersion"):
             self.resource_version = str(rv)
         name = str(metadata.get("name", ""))

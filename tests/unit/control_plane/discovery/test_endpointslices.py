@@ -279,6 +279,11 @@ async def test_error_event_and_410_gone_list_again(api: FakeKubeApi, token_file:
         await watched.wait_keys({"10.0.0.2:8001"}, "the re-list after an ERROR event")
         assert api.lists() == 2
         await until(lambda: api.count("watch=1") == 2, "the second watch")
+        # A bookmark, so the watch is not one that ended at once with no event (backed off).
+        mark = str(api.rv + 1)  # the version send() gives it
+        api.send({"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": mark}}})
+        watcher = watched.slices.watchers[SOURCE]
+        await until(lambda: watcher.resource_version == mark, "the bookmark")
         # The watch ends (its timeoutSeconds): resumed from its version, now compacted: 410.
         api.expire()
         api.slices["a"] = endpoint_slice("a", {"10.0.0.3": READY})
@@ -286,6 +291,33 @@ async def test_error_event_and_410_gone_list_again(api: FakeKubeApi, token_file:
         await watched.wait_keys({"10.0.0.3:8001"}, "the re-list after 410 Gone")
         assert api.lists() >= 3
         await until(lambda: api.count("watch=1") >= 4, "watching again")
+    finally:
+        await watched.slices.stop()
+
+
+async def test_other_error_events_and_short_watches_back_off(
+    api: FakeKubeApi, token_file: Path
+) -> None:
+    """Only an expired version lists again at once: an ERROR event of any other code (an
+    overloaded API server's 429 or 500) and a watch that ends at once with no event are
+    failures, retried with back-off, or each would cost the API server a LIST a turn."""
+    api.apply(endpoint_slice("a", {"10.0.0.1": READY}))
+    watched = Watched(api, token_file)
+    try:
+        await watched.slices.sync([SOURCE])
+        watcher = watched.slices.watchers[SOURCE]
+        await until(lambda: api.count("watch=1") == 1, "the watch")
+        api.send({"type": "ERROR", "object": {"kind": "Status", "code": 500, "reason": "x"}})
+        await until(lambda: watcher.failing, "a 500 ERROR event taken as a failure")
+        await until(lambda: not watcher.failing, "recovered by the next LIST")
+        await until(lambda: api.count("watch=1") == 2, "watching again")
+        api.short_watches = True
+        api.drop_watches(clean=True)
+        await until(lambda: watcher.failing, "watches that end at once taken as failures")
+        assert watched.keys() == {"10.0.0.1:8001"}  # the last known addresses are kept
+        api.short_watches = False
+        api.apply(endpoint_slice("b", {"10.0.0.2": READY}))
+        await watched.wait_keys({"10.0.0.1:8001", "10.0.0.2:8001"}, "watching properly again")
     finally:
         await watched.slices.stop()
 
