@@ -46,3 +46,15 @@ class TextAssembler:
                     longest = size
                     break
         return longest
+
+
+def incomplete_utf8_tail(data: bytes) -> int:
+    """How many bytes at the end of ``data`` start a UTF-8 character that more bytes could
+    still complete (0 to 3). Held back from a streamed response, every response's text is
+    whole characters where the model made any, and the bytes, joined, are unchanged."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # not a continuation byte: the character's lead (or ASCII)
+            need = 2 if 0xC2 <= byte <= 0xDF else 3 if 0xE0 <= byte <= 0xEF else 4
+            return back if 0xC2 <= byte <= 0xF4 and back < need else 0
+    return 0

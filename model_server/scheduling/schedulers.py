@@ -35,6 +35,7 @@ from tritonclient.grpc import service_pb2
 from model_server.core.model_config import ModelSpec
 from model_server.core.validation import DecodedRequest, decode_request, encode_response
 from model_server.generative.engine import GenerationEngine, GenerationRequest
+from model_server.generative.streaming_text import incomplete_utf8_tail
 from model_server.generative.text import BYTE_VOCAB, parse_generation, text_response
 from model_server.scheduling.batching import DeadlineExceeded, DynamicBatcher, QueueFull
 
@@ -206,6 +207,7 @@ class GenerationScheduler:
     ) -> AsyncIterator[service_pb2.ModelInferResponse]:
         deadline = ticket.deadline
         events = self.engine.generate(prepared.work)
+        held = b""  # the start of a character split over tokens (the vocabulary is bytes)
         try:
             while True:
                 try:
@@ -221,7 +223,11 @@ class GenerationScheduler:
                         f"model {prepared.request.model_name!r}: the completion passed its "
                         f"deadline ({ticket.timeout_s:g} s)"
                     ) from None
-                text = bytes([event.token]) if event.token < BYTE_VOCAB else b""
+                # One response per token, each text whole UTF-8 characters: tritonclient's
+                # users decode every response's text_output on its own.
+                data = held + (bytes([event.token]) if event.token < BYTE_VOCAB else b"")
+                keep = 0 if event.final else incomplete_utf8_tail(data)
+                text, held = data[: len(data) - keep], data[len(data) - keep :]
                 yield text_response(
                     prepared.request, self.model, self.version, text, event.final,
                     event.finish_reason,
