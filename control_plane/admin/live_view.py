@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import math
 import threading
@@ -138,12 +139,21 @@ def timeline(status: Mapping[str, Any]) -> list[dict[str, Any]]:
     return events[-DECISIONS_SHOWN:]
 
 
+# The most sparkline points a page's first event carries, over every endpoint together: at
+# 1,000 endpoints x 300 points it was 27 MB of JSON and about a second of serialising with the
+# GIL held (the control plane's loop stalled), repeated on every reconnect. A large fleet's
+# lines start shorter and fill in from the frames that follow.
+OPENING_POINTS = 30_000
+OPENING_MIN_POINTS = 10  # every line gets at least this many
+
+
 @dataclass
 class History:
-    """The last ``points`` values of each (pool, endpoint)'s sparkline fields."""
+    """The last ``points`` values of each (pool, endpoint)'s sparkline fields, kept as tuples
+    (``at`` then SPARK_FIELDS): a dict per point held three times the memory."""
 
     points: int = HISTORY_POINTS
-    series: dict[tuple[str, str], collections.deque[dict[str, Any]]] = field(default_factory=dict)
+    series: dict[tuple[str, str], collections.deque[tuple[Any, ...]]] = field(default_factory=dict)
 
     def add(self, frame: Mapping[str, Any]) -> None:
         seen = set()
@@ -152,14 +162,18 @@ class History:
                 key = (pool["model"], row["endpoint"])
                 seen.add(key)
                 line = self.series.setdefault(key, collections.deque(maxlen=self.points))
-                line.append({"at": frame["at"], **{f: row.get(f) for f in SPARK_FIELDS}})
+                line.append((frame["at"], *(row.get(f) for f in SPARK_FIELDS)))
         for gone in set(self.series) - seen:  # an endpoint that left: forget it
             del self.series[gone]
 
     def as_json(self) -> dict[str, dict[str, list[dict[str, Any]]]]:
+        """Each line's newest points, within OPENING_POINTS over all of them."""
+        each = max(OPENING_MIN_POINTS, OPENING_POINTS // max(1, len(self.series)))
+        names = ("at", *SPARK_FIELDS)
         out: dict[str, dict[str, list[dict[str, Any]]]] = {}
         for (pool, endpoint), line in sorted(self.series.items()):
-            out.setdefault(pool, {})[endpoint] = list(line)
+            tail = itertools.islice(line, max(0, len(line) - each), None)
+            out.setdefault(pool, {})[endpoint] = [dict(zip(names, p, strict=True)) for p in tail]
         return out
 
 

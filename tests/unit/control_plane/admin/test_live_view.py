@@ -17,6 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from control_plane.admin import http as admin_module
+from control_plane.admin import live_view
 from control_plane.admin.http import AdminExposureError, AdminServer, AdminTokens, check_exposure
 from control_plane.admin.live_view import History, LiveFeed, build_frame, endpoint_state
 from control_plane.app.cli import read_token
@@ -145,6 +146,23 @@ def test_history_keeps_the_last_points_and_forgets_endpoints_that_left() -> None
     del status["routing"]["classifier"]["endpoints"]["b:1"]
     history.add(build_frame(status, telemetry, 5.0))
     assert set(history.as_json()["classifier"]) == {"a:1"}
+
+
+def test_a_large_fleets_opening_carries_shorter_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page's first event is bounded over all lines together (27 MB of JSON at 1,000
+    endpoints x 300 points stalled the control plane on every page open); the newest points."""
+    monkeypatch.setattr(live_view, "OPENING_POINTS", 4)
+    status, telemetry = status_and_telemetry()  # two endpoints
+    history = History(points=300)
+    for at in range(5):
+        history.add(build_frame(status, telemetry, float(at)))
+    monkeypatch.setattr(live_view, "OPENING_MIN_POINTS", 1)
+    lines = history.as_json()["classifier"]
+    assert {e: [p["at"] for p in line] for e, line in lines.items()} == {
+        "a:1": [3.0, 4.0], "b:1": [3.0, 4.0],
+    }  # fmt: skip
+    monkeypatch.setattr(live_view, "OPENING_MIN_POINTS", 3)  # never fewer than this
+    assert [p["at"] for p in history.as_json()["classifier"]["a:1"]] == [2.0, 3.0, 4.0]
 
 
 def test_a_reader_waits_for_the_next_frame_or_times_out() -> None:
