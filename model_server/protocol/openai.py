@@ -291,9 +291,14 @@ class Reply:
     ) -> web.Response:
         text, reason = self._push(first)
         pieces = [text]
-        async for response in rest:
-            text, reason = self._push(response)
-            pieces.append(text)
+        try:
+            async for response in rest:
+                text, reason = self._push(response)
+                pieces.append(text)
+        except InferenceError as exc:  # cut off (an unload, a deadline) after work was done:
+            answer = openai_exception(exc)  # the edge charges what was made, never refunds it
+            answer.headers[TOKENS_USED_HEADER] = str(self.prompt_tokens + self.tokens)
+            return answer
         content = "".join(pieces)
         if self.chat:
             choice: dict[str, Any] = {

@@ -60,6 +60,35 @@ async def test_an_error_mid_stream_is_one_error_event_then_the_end(
     assert "[DONE]" not in events
 
 
+async def test_a_whole_answer_cut_off_charges_the_tokens_it_made(
+    api: tuple[TestClient[Any, Any], InferenceService],
+) -> None:
+    """Cut off after two tokens (a model failing, or unloading: UNAVAILABLE, which before any
+    work means a full refund), the edge is told what was made: the prompt and two tokens."""
+    client, service = api
+    engine: Any = service.repository.resolve("demo_lm", "").scheduler
+    decode: Callable[[Mapping[str, np.ndarray]], Any] = engine.engine._decoder
+    calls = []
+
+    def failing(feeds: Mapping[str, np.ndarray]) -> Any:
+        calls.append(1)
+        if len(calls) > 2:  # the prefill and one decode step: two tokens, then it fails
+            raise RuntimeError("device lost")
+        return decode(feeds)
+
+    chat = {"model": "demo_lm", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    chat_prompt = (await (await client.post("/v1/chat/completions", json=chat)).json())["usage"]
+    engine.engine._decoder = failing
+    for path, body, prompt in (
+        ("/v1/completions", BODY, 6),  # BOS and "hello"
+        ("/v1/chat/completions", chat, chat_prompt["prompt_tokens"]),
+    ):
+        calls.clear()
+        response = await client.post(path, json=body)
+        assert response.status == 500, await response.text()
+        assert response.headers["x-infermesh-tokens-used"] == str(prompt + 2), path
+
+
 async def test_faults_and_the_drain_apply_as_on_every_path(
     api: tuple[TestClient[Any, Any], InferenceService],
 ) -> None:
