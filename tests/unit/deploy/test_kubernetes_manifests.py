@@ -271,6 +271,27 @@ def test_a_misspelled_field_is_refused() -> None:
         kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
 
 
+def test_each_part_of_the_mesh_keeps_all_but_one_pod_through_disruptions() -> None:
+    """A node drain takes one pod of each workload at a time (its PodDisruptionBudget selects
+    exactly its pods), and replicas spread over nodes and zones without ever blocking a
+    one-node cluster."""
+    for _, doc in documents():
+        if doc["kind"] not in WORKLOADS:
+            continue
+        name, spec = doc["metadata"]["name"], doc["spec"]
+        budget = named("PodDisruptionBudget", name)["spec"]
+        assert budget["selector"] == spec["selector"], name
+        assert budget["maxUnavailable"] == 1 and spec["replicas"] >= 2, name
+        spread = spec["template"]["spec"]["topologySpreadConstraints"]
+        keys = {c["topologyKey"] for c in spread}
+        assert keys == {"kubernetes.io/hostname", "topology.kubernetes.io/zone"}, name
+        for constraint in spread:
+            assert constraint["whenUnsatisfiable"] == "ScheduleAnyway", name
+            assert constraint["labelSelector"] == spec["selector"], name
+            labels = spec["template"]["metadata"]["labels"]
+            assert constraint["labelSelector"]["matchLabels"].items() <= labels.items(), name
+
+
 def test_the_kustomization_lists_every_file() -> None:
     kustomization = yaml.safe_load((MANIFESTS / "kustomization.yaml").read_text())
     assert kustomization["namespace"] == NAMESPACE
