@@ -10,7 +10,7 @@ from typing import Any
 from control_plane.discovery.placement import EndpointReport
 from control_plane.model.mesh import EndpointAddress
 from control_plane.scoring.types import EndpointSignals, Labels
-from control_plane.telemetry.values import EndpointTelemetry
+from control_plane.telemetry.values import EndpointTelemetry, ModelTelemetry
 
 
 def _value(signal: Any) -> float | None:
@@ -35,8 +35,9 @@ def ready_members(
 
 
 # model -> endpoint -> (the telemetry, labels and server readiness its signals were made
-# from, the signals)
-SignalsMade = dict[str, dict[str, tuple[EndpointTelemetry | None, Labels, bool, EndpointSignals]]]
+# from, the signals); readiness is (the server's, whether the model is its only one)
+Made = tuple[EndpointTelemetry | None, Labels, tuple[bool, bool], EndpointSignals]
+SignalsMade = dict[str, dict[str, Made]]
 
 
 def pool_signals(
@@ -59,16 +60,21 @@ def pool_signals(
         seen = telemetry.get(key)
         known = labels.get(key, ()) if labels is not None else ()
         report = reports.get(address)
-        ready = report is not None and report.server_ready
+        ready = (report is not None and report.server_ready, _alone(model, report))
         before = last.get(key)
         if before is not None and before[0] is seen and before[1] == known and before[2] == ready:
             this[key] = before
             signals.append(before[3])
             continue
-        signal = _signals(model, address, seen, known, labels is not None, ready)
+        signal = _signals(model, address, seen, known, labels is not None, *ready)
         this[key] = (seen, known, ready, signal)
         signals.append(signal)
     return signals
+
+
+def _alone(model: str, report: EndpointReport | None) -> bool:
+    """Whether ``model`` is the only model READY on the server."""
+    return report is not None and all(m == model for m, _ in report.ready_models)
 
 
 def _signals(
@@ -78,10 +84,16 @@ def _signals(
     known: Labels,
     labelled: bool,
     server_ready: bool = False,
+    alone: bool = True,
 ) -> EndpointSignals:
     if seen is None:
         return EndpointSignals(address.key, stale=True, labels=known)
     per_model = next((m for m in seen.models if m.model == model), None)
+    if per_model is None and not alone:
+        # The server's figures are its other models' (this one has not served yet): none of
+        # them is evidence about this model, and reading them ejected the server from every
+        # other pool when one model failed there (then it got no traffic to prove otherwise).
+        per_model = ModelTelemetry(model, None, None)
     return EndpointSignals(
         endpoint=address.key,
         stale=seen.stale,

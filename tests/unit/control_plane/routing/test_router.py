@@ -216,3 +216,34 @@ def test_the_per_try_timeout_follows_the_pools_healthy_p99_and_is_explained() ->
     assert router.pool_hedges()["m"].per_try_ms == 20.0  # the median of the healthy ones
     decisions = [d["decision"] for d in router.decisions if d["decision"].startswith("hedging")]
     assert decisions == [f"hedging: {why}"]  # logged once
+
+
+def test_a_model_failing_on_a_shared_server_keeps_it_in_a_pool_without_its_own_figures() -> None:
+    """A server with two models where only the broken one has served yet (the other has no
+    series of its own): on the code before, the other model's pool read the server's figures,
+    the broken model's 100% errors, and ejected the server, which then never got the traffic
+    that would have made its own series, and was ejected again after every back-off."""
+    topo = parse_topology({"models": [
+        {"name": name, "sla_p99_ms": SLA, "capacity_qps": 100, "routing": {"ewma_alpha": 1.0}}
+        for name in ("good", "broken")
+    ]})  # fmt: skip
+    both = frozenset({("good", "1"), ("broken", "1")})
+    reports = {a: EndpointReport(a, True, both, True) for a in (A, B, C)}
+    fine = Signal(10.0, 0.1)
+
+    def serving(address: EndpointAddress, errors: float) -> EndpointTelemetry:
+        # Only "broken" has been asked anything here: the server's figures are its figures.
+        return EndpointTelemetry(
+            address.key, age_s=0.1, interval_s=0.2, stale=False, p99_ms=fine, qps=fine,
+            error_rate=Signal(errors, 0.1),
+            models=(ModelTelemetry("broken", fine, fine, Signal(errors, 0.1)),),
+        )  # fmt: skip
+
+    router = Router()
+    telemetry = {A.key: serving(A, 0.0), B.key: serving(B, 0.0), C.key: serving(C, 1.0)}
+    for now in (0.0, 1.0, 2.0, 3.0):
+        router.recompute(topo, telemetry, reports, now)
+    health = router.pool_health()
+    assert health["broken"][C] is EndpointHealth.UNHEALTHY
+    assert health["good"][C] is EndpointHealth.HEALTHY  # nothing says "good" fails there
+    assert "error rate" not in str(router.explain()["good"]["endpoints"][C.key]["reason"])
