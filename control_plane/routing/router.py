@@ -35,6 +35,7 @@ from control_plane.scoring.ejection import (
     EjectionState,
     decide_ejections,
 )
+from control_plane.scoring.filters import REQUIRED_LABELS
 from control_plane.scoring.pipeline import PoolDecision, PoolState, decide_pool
 from control_plane.scoring.slow_start import apply_slow_start
 from control_plane.scoring.types import RECOMPUTE_PERIOD_S, EndpointSignals, Labels, PoolPolicy
@@ -196,7 +197,12 @@ class Router:
             last, memory.computed_at = memory.computed_at, now
             elapsed = RECOMPUTE_PERIOD_S if last is None else now - last
             decision, memory.state = decide_pool(signals, policy, memory.state, elapsed)
-            ejection = decide_ejections(signals, policy, memory.ejections, now)
+            # Ejection, its share cap and failing open judge the pool the model is routed to:
+            # endpoints its placement rule leaves out are not in it.
+            pool = signals
+            if policy.require_labels:
+                pool = [s for s in signals if not REQUIRED_LABELS.mismatch(s, policy)]
+            ejection = decide_ejections(pool, policy, memory.ejections, now)
             for event in ejection.events:
                 self.log(model.name, event, wall)
             for endpoint in ejection.states.keys() - memory.ejections.keys():
@@ -214,7 +220,7 @@ class Router:
                 if now_state.ejected and (was is None or not was.ejected):
                     new_ejections.append(ejection_cause(now_state.causes))
             memory.ejections = dict(ejection.states)
-            p99 = pool_p99_ms(signals, ejection.health)  # hedging from the pool's healthy P99
+            p99 = pool_p99_ms(pool, ejection.health)  # hedging from the pool's healthy P99
             hedged = retry_share(model.name) if model.hedging and retry_share else None
             hedging = follow(model.hedging, model.sla_p99_ms, p99, now, memory.hedging, hedged)
             if (hedge := hedging.per_try) != memory.hedging.per_try:

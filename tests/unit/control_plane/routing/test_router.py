@@ -247,3 +247,42 @@ def test_a_model_failing_on_a_shared_server_keeps_it_in_a_pool_without_its_own_f
     assert health["broken"][C] is EndpointHealth.UNHEALTHY
     assert health["good"][C] is EndpointHealth.HEALTHY  # nothing says "good" fails there
     assert "error rate" not in str(router.explain()["good"]["endpoints"][C.key]["reason"])
+
+
+def test_endpoints_a_placement_rule_leaves_out_take_no_part_in_the_pools_ejections() -> None:
+    """On the code before, the endpoints ``placement.require`` keeps out of a model's clusters
+    were judged with its pool: failing ones used up its share of ejections, and fine ones kept
+    it from failing open, so every routed server could be ejected (and then put back by the
+    data plane's fail-open, the one over its memory watermark with them)."""
+    D = EndpointAddress("127.0.0.1", 9004)
+    topo = parse_topology({"models": [
+        {"name": "m", "sla_p99_ms": SLA, "capacity_qps": 100,
+         "placement": {"require": {"device_class": "a100"}}}
+    ]})  # fmt: skip
+    reports = {a: EndpointReport(a, True, frozenset({("m", "1")}), True) for a in (A, B, C, D)}
+
+    def server(
+        address: EndpointAddress, card: str, errors: float = 0.0, used: float = 0.1
+    ) -> EndpointTelemetry:
+        return EndpointTelemetry(
+            address.key, age_s=0.1, interval_s=0.2, stale=False, p99_ms=Signal(10.0, 0.1),
+            qps=Signal(10.0, 0.1), error_rate=Signal(errors, 0.1),
+            memory_used_bytes=Signal(used, 0.1), memory_total_bytes=Signal(1.0, 0.1),
+            labels=(("device_class", card),),
+        )  # fmt: skip
+
+    # The share cap: the routed pool is A and B, so A's errors may take A out.
+    router = Router()
+    cpus_full = {C.key: server(C, "cpu", used=0.99), D.key: server(D, "cpu", used=0.99)}
+    a100s = {A.key: server(A, "a100", errors=1.0), B.key: server(B, "a100")}
+    router.recompute(topo, {**a100s, **cpus_full}, reports, 0.0)
+    assert router.pool_health()["m"][A] is EndpointHealth.UNHEALTHY
+    assert router.pool_health()["m"][B] is EndpointHealth.HEALTHY
+    # Failing open: both routed servers look bad; only the one over its memory stays out.
+    router = Router()
+    cpus_fine = {C.key: server(C, "cpu"), D.key: server(D, "cpu")}
+    a100s = {A.key: server(A, "a100", used=0.99), B.key: server(B, "a100", errors=1.0)}
+    router.recompute(topo, {**a100s, **cpus_fine}, reports, 0.0)
+    assert router.pool_health()["m"][A] is EndpointHealth.UNHEALTHY
+    assert router.pool_health()["m"][B] is EndpointHealth.HEALTHY
+    assert router.explain()["m"]["fail_open"]
