@@ -73,15 +73,20 @@ def _probation(
     """Endpoints back from a latency ejection keep weight 1 (a trickle that measures them)
     until their p99 is within the SLA, or no worse than the rest of the pool's median (an
     ejection is relative to the pool, so is the way back: when every server is over the SLA,
-    one kept at 1 is capacity lost and no safer); then slow start ramps them up from then."""
+    one kept at 1 is capacity lost and no safer); then slow start ramps them up from then.
+
+    Every median leaves out the endpoints on probation as this recompute found them: one that
+    leaves does not count in the next one's, so the outcome does not depend on the order
+    (a set's, which PYTHONHASHSEED sets: two replicas could disagree)."""
     by_endpoint = {s.endpoint: s for s in signals}
-    for endpoint in list(memory.probation):
+    found = frozenset(memory.probation)
+    for endpoint in sorted(found):
         signal = by_endpoint.get(endpoint)
         state = states.get(endpoint)
         if signal is None or state is None or state.ejected:
             memory.probation.discard(endpoint)  # gone, or out again (a new back-off)
         elif signal.p99_ms is not None and signal.p99_ms <= max(
-            policy.sla_p99_ms, _others_p99_ms(endpoint, signals, states, memory.probation)
+            policy.sla_p99_ms, _others_p99_ms(endpoint, signals, states, found)
         ):
             memory.probation.discard(endpoint)
             memory.joined_at[endpoint] = now
@@ -92,7 +97,7 @@ def _others_p99_ms(
     endpoint: str,
     signals: list[EndpointSignals],
     states: Mapping[str, EjectionState],
-    probation: set[str],
+    probation: frozenset[str],
 ) -> float:
     """The median p99 of the pool's serving endpoints but ``endpoint`` and those on probation
     (0 when none reports one)."""

@@ -286,3 +286,29 @@ def test_endpoints_a_placement_rule_leaves_out_take_no_part_in_the_pools_ejectio
     assert router.pool_health()["m"][A] is EndpointHealth.UNHEALTHY
     assert router.pool_health()["m"][B] is EndpointHealth.HEALTHY
     assert router.explain()["m"]["fail_open"]
+
+
+def test_two_servers_leave_probation_whatever_order_they_are_looked_at_in() -> None:
+    """Two servers back from a latency ejection, each no slower than the rest of the pool's
+    median (150 ms): both leave probation. On the code before, the first one looked at left
+    and then counted in the second one's median, which it could pull under the second's
+    p99: which one stayed at weight 1 depended on a set's order (PYTHONHASHSEED), so two
+    control-plane replicas could disagree."""
+    D, E = EndpointAddress("127.0.0.1", 9004), EndpointAddress("127.0.0.1", 9005)
+    everyone = (A, B, C, D, E)
+    reports = {a: EndpointReport(a, True, frozenset({("m", "1")}), True) for a in everyone}
+
+    def tick(router: Router, now: float, p99: dict[EndpointAddress, float | None]) -> None:
+        router.recompute(topology(), {a.key: seen(a, p99.get(a, 10.0)) for a in everyone},
+                         reports, now)  # fmt: skip
+
+    for first, second in ((D, E), (E, D)):  # either may come first out of a set
+        router = Router()
+        tick(router, 0.0, {})
+        tick(router, 1.0, {D: 400.0, E: 400.0})  # both ejected (one window)
+        tick(router, 6.5, {D: None, E: None})  # back, on probation
+        states = router.explain()["m"]["endpoints"]
+        assert states[D.key]["state"] == states[E.key]["state"] == "probation"
+        tick(router, 7.0, {A: 100.0, B: 150.0, C: 200.0, first: 120.0, second: 140.0})
+        states = router.explain()["m"]["endpoints"]
+        assert states[first.key]["state"] == states[second.key]["state"] == "slow_start"
