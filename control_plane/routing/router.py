@@ -216,6 +216,8 @@ class Router:
                 del memory.joined_at[endpoint]  # left the pool (not ready, removed)
             for endpoint, before in memory.ejections.items():
                 after = ejection.states.get(endpoint)
+                if before.draining and after is not None and not after.draining:
+                    memory.joined_at[endpoint] = now  # back from draining: ramp up again
                 if before.ejected and after is not None and not after.ejected:
                     memory.joined_at[endpoint] = now  # returning: ramp up again
                     if EjectionCause.LATENCY in before.causes:

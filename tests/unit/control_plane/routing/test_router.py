@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from control_plane.config.topology import Topology, parse_topology
 from control_plane.discovery.placement import EndpointReport
 from control_plane.model.mesh import EndpointAddress, EndpointHealth
 from control_plane.routing.router import Router
 from control_plane.scoring.ejection import EjectionCause
-from control_plane.telemetry.values import EndpointTelemetry, ModelTelemetry, Signal
+from control_plane.telemetry.values import EndpointTelemetry, Flag, ModelTelemetry, Signal
 
 A, B, C = (EndpointAddress("127.0.0.1", p) for p in (9001, 9002, 9003))
 SLA = 50.0
@@ -312,3 +314,20 @@ def test_two_servers_leave_probation_whatever_order_they_are_looked_at_in() -> N
         tick(router, 7.0, {A: 100.0, B: 150.0, C: 200.0, first: 120.0, second: 140.0})
         states = router.explain()["m"]["endpoints"]
         assert states[first.key]["state"] == states[second.key]["state"] == "slow_start"
+
+
+def test_a_server_that_stops_draining_ramps_up_again() -> None:
+    """On the code before, a server back from a drain (a drain called off) kept its first
+    join time: at once the heaviest weight in the pool."""
+    router = Router()
+    for now in (0.0, 20.0):
+        step(router, now, 10.0)  # long past slow start
+    draining = {**REPORTS, C: EndpointReport(C, True, frozenset({("m", "1")}), False)}
+    telemetry = {a.key: seen(a, 10.0) for a in (A, B, C)}
+    telemetry[C.key] = dataclasses.replace(telemetry[C.key], draining=Flag(True, 0.1))
+    router.recompute(topology(), telemetry, draining, 21.0)
+    assert router.pool_health()["m"][C] is EndpointHealth.DRAINING
+    back = step(router, 22.0, 10.0)  # serving again
+    assert back[C.key]["health"] == "HEALTHY" and back[C.key]["state"] == "slow_start"
+    assert int(back[C.key]["weight"]) < int(back[A.key]["weight"])  # type: ignore[call-overload]
+    assert step(router, 32.5, 10.0)[C.key]["weight"] == back[A.key]["weight"]
