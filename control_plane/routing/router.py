@@ -251,6 +251,8 @@ class Router:
             outcome = (memory.state, memory.ejections)
             still = at_rest(previous, outcome, memory.joined_at, on_probation, policy, now)
             memory.rest = (signals, policy) if still else None
+        for gone in self.pools.keys() - {m.name for m in topology.models}:
+            del self.pools[gone]  # removed by a reload: not routed, and it starts anew if back
         self._made = made[1]
         return RecomputeResult(
             changed, tuple(new_ejections), self.pools_computed - computed,

@@ -331,3 +331,27 @@ def test_a_server_that_stops_draining_ramps_up_again() -> None:
     assert back[C.key]["health"] == "HEALTHY" and back[C.key]["state"] == "slow_start"
     assert int(back[C.key]["weight"]) < int(back[A.key]["weight"])  # type: ignore[call-overload]
     assert step(router, 32.5, 10.0)[C.key]["weight"] == back[A.key]["weight"]
+
+
+def test_a_model_removed_from_the_topology_leaves_routing_and_comes_back_fresh() -> None:
+    """On the code before, a removed model's pool stayed in the weights, health and /status,
+    and a model of that name added back started from what the old one had left."""
+
+    def topo(*names: str) -> Topology:
+        return parse_topology({"models": [
+            {"name": n, "sla_p99_ms": SLA, "capacity_qps": 100, "routing": {"slow_start_s": 10}}
+            for n in names
+        ]})  # fmt: skip
+
+    both = frozenset({("m", "1"), ("n", "1")})
+    reports = {a: EndpointReport(a, True, both, True) for a in (A, B, C)}
+    telemetry = {a.key: seen(a, 10.0) for a in (A, B, C)}
+    router = Router()
+    for now in (0.0, 20.0):
+        router.recompute(topo("m", "n"), telemetry, reports, now)
+    assert router.explain()["n"]["endpoints"][A.key]["state"] == ""  # ramped up long ago
+    router.recompute(topo("m"), telemetry, reports, 21.0)
+    assert "n" not in router.pool_weights() and "n" not in router.pool_health()
+    assert list(router.explain()) == ["m"]
+    router.recompute(topo("m", "n"), telemetry, reports, 22.0)
+    assert router.explain()["n"]["endpoints"][A.key]["state"] == "slow_start"  # a new pool
