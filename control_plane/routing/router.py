@@ -239,7 +239,14 @@ class Router:
             ramped.update({ep: 1 for ep in on_probation if ep in ramped})
             weights = {_address(k): v for k, v in ramped.items()}
             health = {_address(k): EndpointHealth(v) for k, v in ejection.health.items()}
-            pushed = self._push_wanted(policy, memory, weights, health)
+            # A ramp that ended since the last recompute (probation's too: its end starts one)
+            # is pushed whatever the size of its last move: under the hysteresis, a weight of
+            # 11 or less ramping from 1 was never pushed, and at rest it stayed at 1 for good.
+            settled = last is not None and any(
+                last < t + policy.slow_start_s <= now for t in memory.joined_at.values()
+            )
+            pushed = settled and weights != memory.weights
+            pushed = pushed or self._push_wanted(policy, memory, weights, health)
             if pushed:
                 self.log(model.name, f"weights {_describe(weights)}", wall)
                 memory.weights, memory.health = weights, health
@@ -319,7 +326,8 @@ def _explain(explanation: Explanation | None, hedge: PerTry | None = None) -> di
                     "rest of the pool's median"
                     if s.endpoint in on_probation
                     else _ramp(decision.weights.get(s.endpoint), ramped.get(s.endpoint))
-                ),
+                )
+                + _pushed(ramped.get(s.endpoint), weights.get(_address(s.endpoint))),
             }
             for s in signals
         },
@@ -363,6 +371,12 @@ def _ramp(computed: int | None, ramped: int | None) -> str:
     if computed is None or ramped is None or computed == ramped:
         return ""
     return f", slow start -> {ramped}"
+
+
+def _pushed(computed: int | None, pushed: int | None) -> str:
+    if computed is None or pushed is None or computed == pushed:
+        return ""
+    return f"; pushed {pushed} (moves within the hysteresis wait)"
 
 
 def ejection_cause(causes: frozenset[EjectionCause]) -> str:

@@ -355,3 +355,33 @@ def test_a_model_removed_from_the_topology_leaves_routing_and_comes_back_fresh()
     assert list(router.explain()) == ["m"]
     router.recompute(topo("m", "n"), telemetry, reports, 22.0)
     assert router.explain()["n"]["endpoints"][A.key]["state"] == "slow_start"  # a new pool
+
+
+def test_a_server_with_a_small_weight_reaches_it_after_slow_start() -> None:
+    """A server at its capacity and near its SLA is worth 6 of the best's 100. On the code
+    before, its ramp from 1 never moved more than the hysteresis (10), so nothing was pushed,
+    and once the ramp ended the pool was at rest: Envoy kept weight 1 for good while /status
+    said "-> weight 6"."""
+    routing = {"ewma_alpha": 1.0, "max_step": 1.0}  # the default hysteresis, 10 of 100
+    topo = parse_topology(
+        {"models": [{"name": "m", "sla_p99_ms": SLA, "capacity_qps": 100, "routing": routing}]}
+    )
+
+    def server(address: EndpointAddress, qps: float, p99: float) -> EndpointTelemetry:
+        return EndpointTelemetry(address.key, age_s=0.1, interval_s=0.2, stale=False,
+                                 p99_ms=Signal(p99, 0.1), qps=Signal(qps, 0.1))  # fmt: skip
+
+    telemetry = {A.key: server(A, 10.0, 10.0), B.key: server(B, 10.0, 10.0)}
+    router = Router()
+    router.recompute(topo, telemetry, {a: REPORTS[a] for a in (A, B)}, 0.0)
+    telemetry[C.key] = server(C, 100.0, 45.0)  # joins, busy
+    for now in (20.0, 25.0):
+        router.recompute(topo, telemetry, REPORTS, now)
+    c = router.explain()["m"]["endpoints"][C.key]  # half way: 3, but moves under 10 wait
+    assert c["weight"] == router.pool_weights()["m"][C] == 1
+    assert "slow start -> 3; pushed 1 (" in str(c["reason"])  # /status says what Envoy has
+    for now in (30.0, 31.0, 40.0):  # ramped up, then at rest
+        router.recompute(topo, telemetry, REPORTS, now)
+    c = router.explain()["m"]["endpoints"][C.key]
+    assert router.pool_weights()["m"][C] == c["weight"] == 6
+    assert str(c["reason"]).endswith("-> weight 6")
