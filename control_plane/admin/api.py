@@ -49,6 +49,11 @@ class OperatorApi:
         changed = self.plane.rebuild(f"operator override of {key}")
         return {"endpoint": key, "changed": changed, **(await self.status())["endpoints"][key]}
 
+    async def healthy(self) -> bool:
+        """What /healthz asks: is there a snapshot to serve? Open to anyone, so it reads one
+        reference and never builds the status."""
+        return self.plane.cache.snapshot_for("*") is not None
+
     async def telemetry_json(self, ages: bool = True) -> dict[str, Any]:
         # The store locks while it computes windows: keep that off the event loop.
         now = time.monotonic()

@@ -5,7 +5,8 @@ changes state exactly where the rest of the control plane does.
 
 GET  /status                     endpoints, clusters, snapshot versions, Envoy nodes (JSON)
 GET  /metrics                    Prometheus text
-GET  /healthz                    200 once a snapshot is set
+GET  /healthz                    200 once a snapshot is set (a cheap check: open to anyone, it
+                                 never builds the status)
 GET  /telemetry                  every endpoint's signals (P99, QPS, memory, ...) with their ages
 GET  /decisions                  recent routing decisions (weights, ejections, returns) and why
 POST /endpoints/HOST:PORT        {"weight": 9} and/or {"health": "DRAINING"|"HEALTHY"|...};
@@ -47,6 +48,7 @@ import re
 import threading
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -59,6 +61,7 @@ from infermesh.addresses import is_loopback
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 1024
+CALL_TIMEOUT_S = 10.0  # the most a request waits for the event loop (then 503)
 MAX_EVENT_STREAMS = 16  # open pages; each holds one HTTP thread
 EVENT_KEEPALIVE_S = 15.0  # a comment line when no frame came, so proxies keep the stream
 UI_FILES = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
@@ -146,13 +149,15 @@ class AdminError(Exception):
 
 
 StatusFn = Callable[[], Awaitable[dict[str, Any]]]
+HealthyFn = Callable[[], Awaitable[bool]]
 OverrideFn = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 # POST routes: a path pattern with one group (the endpoint or model) and what handles it.
 PostRoutes = Sequence[tuple[str, OverrideFn]]
 
 
 class AdminServer:
-    """``gets`` maps a path ("/status") to its handler; ``posts`` are (pattern, handler)."""
+    """``gets`` maps a path ("/status") to its handler; ``posts`` are (pattern, handler);
+    ``healthy`` is what /healthz asks, and must stay cheap: anyone may ask it, often."""
 
     def __init__(
         self,
@@ -162,6 +167,7 @@ class AdminServer:
         registry: CollectorRegistry,
         gets: Mapping[str, StatusFn],
         posts: PostRoutes,
+        healthy: HealthyFn,
         live: LiveFeed | None = None,
         tokens: AdminTokens | None = None,
     ) -> None:
@@ -189,6 +195,18 @@ class AdminServer:
                 return True
 
             def do_GET(self) -> None:
+                self._answer(self._get)
+
+            def do_POST(self) -> None:
+                self._answer(self._post)
+
+            def _answer(self, handle: Callable[[], None]) -> None:
+                try:
+                    handle()
+                except AdminError as exc:
+                    self._json(exc.status, {"error": str(exc)})
+
+            def _get(self) -> None:
                 if self._foreign_host():
                     return
                 path = self.path.split("?", 1)[0].rstrip("/") or "/"
@@ -209,59 +227,53 @@ class AdminServer:
                 elif path in gets:
                     self._json(HTTPStatus.OK, admin._call(gets[path]()))
                 elif path == "/healthz":
-                    body = admin._call(gets["/status"]())
-                    ok = bool(body.get("snapshot"))
+                    ok = bool(admin._call(healthy()))
                     self._json(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, {"ok": ok})
                 else:
                     self._json(HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path}"})
 
-            def do_POST(self) -> None:
+            def _post(self) -> None:
                 if self._foreign_host():
                     return
-                try:
-                    # Changes take the token as Bearer only, with a JSON Content-Type: a page
-                    # elsewhere can send neither without a CORS preflight this server never
-                    # answers, while a browser resends cached Basic credentials with any form
-                    # (CSRF on splits, canaries and drains).
-                    given = bearer_token(self.headers)
-                    if not guard.may_write(given):
-                        if guard.is_read_token(given):
-                            raise AdminError(
-                                HTTPStatus.FORBIDDEN, "the read token cannot change anything"
-                            )
+                # Changes take the token as Bearer only, with a JSON Content-Type: a page
+                # elsewhere can send neither without a CORS preflight this server never
+                # answers, while a browser resends cached Basic credentials with any form
+                # (CSRF on splits, canaries and drains).
+                given = bearer_token(self.headers)
+                if not guard.may_write(given):
+                    if guard.is_read_token(given):
                         raise AdminError(
-                            HTTPStatus.UNAUTHORIZED,
-                            "this control plane needs 'Authorization: Bearer TOKEN' (the write "
-                            "token) for changes; HTTP Basic is for reading only",
+                            HTTPStatus.FORBIDDEN, "the read token cannot change anything"
                         )
-                    media = str(self.headers.get("content-type") or "").split(";")[0]
-                    if media.strip().lower() != "application/json":
-                        raise AdminError(
-                            HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
-                            f"changes need 'Content-Type: application/json', got {media[:60]!r}",
-                        )
-                    route = next(
-                        ((m, fn) for p, fn in posts if (m := re.fullmatch(p, self.path))), None
+                    raise AdminError(
+                        HTTPStatus.UNAUTHORIZED,
+                        "this control plane needs 'Authorization: Bearer TOKEN' (the write "
+                        "token) for changes; HTTP Basic is for reading only",
                     )
-                    if route is None:
-                        raise AdminError(HTTPStatus.NOT_FOUND, f"no such path {self.path}")
-                    length = int(self.headers.get("content-length") or 0)
-                    if length > MAX_BODY_BYTES:
-                        raise AdminError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "body too large")
-                    try:
-                        body = json.loads(self.rfile.read(length) or b"{}")
-                    except json.JSONDecodeError as exc:
-                        raise AdminError(
-                            HTTPStatus.BAD_REQUEST, f"body is not JSON: {exc}"
-                        ) from exc
-                    if not isinstance(body, dict):
-                        raise AdminError(HTTPStatus.BAD_REQUEST, "body must be a JSON object")
-                    match, handler = route
-                    # Percent-decoded: a browser sends "127.0.0.1%3A8001" for an endpoint.
-                    target = urllib.parse.unquote(match.group(1))
-                    self._json(HTTPStatus.OK, admin._call(handler(target, body)))
-                except AdminError as exc:
-                    self._json(exc.status, {"error": str(exc)})
+                media = str(self.headers.get("content-type") or "").split(";")[0]
+                if media.strip().lower() != "application/json":
+                    raise AdminError(
+                        HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+                        f"changes need 'Content-Type: application/json', got {media[:60]!r}",
+                    )
+                route = next(
+                    ((m, fn) for p, fn in posts if (m := re.fullmatch(p, self.path))), None
+                )
+                if route is None:
+                    raise AdminError(HTTPStatus.NOT_FOUND, f"no such path {self.path}")
+                length = int(self.headers.get("content-length") or 0)
+                if length > MAX_BODY_BYTES:
+                    raise AdminError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "body too large")
+                try:
+                    body = json.loads(self.rfile.read(length) or b"{}")
+                except json.JSONDecodeError as exc:
+                    raise AdminError(HTTPStatus.BAD_REQUEST, f"body is not JSON: {exc}") from exc
+                if not isinstance(body, dict):
+                    raise AdminError(HTTPStatus.BAD_REQUEST, "body must be a JSON object")
+                match, handler = route
+                # Percent-decoded: a browser sends "127.0.0.1%3A8001" for an endpoint.
+                target = urllib.parse.unquote(match.group(1))
+                self._json(HTTPStatus.OK, admin._call(handler(target, body)))
 
             def _ui(self, name: str) -> None:
                 if name == "config":
@@ -337,7 +349,15 @@ class AdminServer:
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
     def _call(self, coro: Awaitable[Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=10)  # type: ignore[arg-type]
+        future: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
+        try:
+            return future.result(timeout=CALL_TIMEOUT_S)
+        except TimeoutError:  # a busy loop: the client still gets an answer
+            raise AdminError(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                f"the control plane's event loop did not answer within {CALL_TIMEOUT_S:g} s "
+                "(a change asked for may still be made)",
+            ) from None
 
     def start(self) -> None:
         self._thread.start()

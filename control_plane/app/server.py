@@ -224,6 +224,7 @@ class ControlPlane:
                 (r"/models/([^/]+)/split", self.api.set_split),
                 (r"/models/([^/]+)/canary", self.api.canary_request),
             ],
+            healthy=self.api.healthy,
             live=self.live,
             tokens=tokens,
         )

@@ -193,6 +193,9 @@ class Admin:
         async def status() -> dict[str, Any]:
             return {"snapshot": {"CDS": "v1"}}
 
+        async def healthy() -> bool:
+            return True
+
         async def split(model: str, body: dict[str, Any]) -> dict[str, Any]:
             self.posts.append(body)
             self.split_models.append(model)
@@ -200,7 +203,7 @@ class Admin:
 
         self.server = AdminServer(
             "127.0.0.1", 0, self.loop, CollectorRegistry(), gets={"/status": status},
-            posts=[(r"/models/([^/]+)/split", split)], live=self.feed,
+            posts=[(r"/models/([^/]+)/split", split)], healthy=healthy, live=self.feed,
             tokens=AdminTokens(read, token),
         )  # fmt: skip
         self.server.start()
