@@ -51,18 +51,23 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from control_plane.admin.bounded_server import BoundedHTTPServer
 from control_plane.admin.live_view import LiveFeed
 from infermesh.addresses import is_loopback
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 1024
 CALL_TIMEOUT_S = 10.0  # the most a request waits for the event loop (then 503)
-MAX_EVENT_STREAMS = 16  # open pages; each holds one HTTP thread
+# Each read of a request (line, headers, body) and each write of an answer, a live view's
+# frames included, may stall this long; then the connection is closed and its slot freed.
+REQUEST_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 64  # served at once, live views included; more are closed when accepted
+MAX_EVENT_STREAMS = 16  # open pages; each holds one HTTP thread (of MAX_CONNECTIONS)
 EVENT_KEEPALIVE_S = 15.0  # a comment line when no frame came, so proxies keep the stream
 UI_FILES = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
             "style.css": "text/css; charset=utf-8"}  # fmt: skip
@@ -177,6 +182,8 @@ class AdminServer:
         streams = threading.BoundedSemaphore(MAX_EVENT_STREAMS)
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = REQUEST_TIMEOUT_S  # the socket's: a client that stalls is let go
+
             def log_message(self, format: str, *args: Any) -> None:
                 log.debug("admin: " + format, *args)
 
@@ -266,6 +273,9 @@ class AdminServer:
                     raise AdminError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "body too large")
                 try:
                     body = json.loads(self.rfile.read(length) or b"{}")
+                except TimeoutError:
+                    message = f"the body did not arrive within {REQUEST_TIMEOUT_S:g} s"
+                    raise AdminError(HTTPStatus.REQUEST_TIMEOUT, message) from None
                 except json.JSONDecodeError as exc:
                     raise AdminError(HTTPStatus.BAD_REQUEST, f"body is not JSON: {exc}") from exc
                 if not isinstance(body, dict):
@@ -300,6 +310,9 @@ class AdminServer:
                     streams.release()
 
             def _stream(self, feed: LiveFeed) -> None:
+                # Waiting for a frame reads nothing from the socket, so the read timeout never
+                # ends a healthy stream; a write a page does not read within the timeout
+                # raises TimeoutError, which ends the stream and frees its slot (_events).
                 self.send_response(HTTPStatus.OK)
                 self.send_header("content-type", "text/event-stream")
                 self.send_header("cache-control", "no-cache")
@@ -343,8 +356,7 @@ class AdminServer:
 
         self.loop = loop
         self.stopping = threading.Event()
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = BoundedHTTPServer((host, port), Handler, MAX_CONNECTIONS)
         self.port = int(self.httpd.server_address[1])
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 

@@ -8,6 +8,7 @@ import asyncio
 import json
 import socket
 import threading
+import urllib.request
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any, cast
@@ -19,6 +20,7 @@ from control_plane.admin import http as admin_module
 from control_plane.admin.api import OperatorApi
 from control_plane.admin.http import AdminServer, HealthyFn, OverrideFn, StatusFn
 from control_plane.admin.live_view import LiveFeed
+from tests.support import wait_for
 
 
 async def always() -> bool:
@@ -125,3 +127,125 @@ def test_a_busy_loop_still_gets_the_probe_an_answer(
     finally:
         release.set()
     assert status == 503 and "did not answer within 0.2 s" in body["error"]
+
+
+# -- slow clients: the socket timeout and the connection cap ------------------------------------
+
+
+class Splits:
+    """A POST route that records what reached it."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+
+    async def __call__(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.bodies.append(body)
+        return {"model": model}
+
+    def route(self) -> list[tuple[str, OverrideFn]]:
+        return [(r"/models/([^/]+)/split", self)]
+
+
+def test_a_client_that_stops_mid_request_line_is_let_go(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, half a request line held its thread (and socket) for as long as the client
+    liked."""
+    monkeypatch.setattr(admin_module, "REQUEST_TIMEOUT_S", 0.3)
+    admin = serve()
+    with connect(admin.port) as sock:
+        sock.sendall(b"GET /heal")
+        assert sock.recv(1024) == b""  # closed by the admin, well within the client's 10 s
+
+
+def test_a_body_that_never_arrives_gets_408(serve: Serve, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(admin_module, "REQUEST_TIMEOUT_S", 0.3)
+    splits = Splits()
+    admin = serve(posts=splits.route())
+    head = (
+        b"POST /models/m/split HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b'Content-Type: application/json\r\nContent-Length: 10\r\n\r\n{"1"'
+    )
+    status, body = exchange(admin.port, head)
+    assert status == 408 and "did not arrive within 0.3 s" in body["error"]
+    assert splits.bodies == []
+
+
+def answers(port: int) -> bool:
+    """Whether a GET /healthz on a new connection gets its 200."""
+    try:
+        with connect(port) as sock:
+            sock.sendall(get("/healthz"))
+            return sock.recv(1024).startswith(b"HTTP/1.0 200")
+    except ConnectionError:
+        return False
+
+
+def test_connections_past_the_cap_are_closed_until_one_ends(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, every connection got a thread of its own, without limit (slowloris)."""
+    monkeypatch.setattr(admin_module, "MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(admin_module, "REQUEST_TIMEOUT_S", 60.0)  # the holders stay
+    admin = serve()
+    holders = [connect(admin.port) for _ in range(2)]
+    try:
+        for holder in holders:
+            holder.sendall(b"GET /hea")  # half a request line: each holds a slot
+        # Connections are taken in order, so this one finds both slots held: closed at once.
+        with connect(admin.port) as refused:
+            assert refused.recv(1024) == b""
+        holders.pop().close()
+        wait_for(lambda: answers(admin.port), 10, "a freed slot served again")
+    finally:
+        for holder in holders:
+            holder.close()
+
+
+def test_a_page_that_stops_reading_ends_its_stream_and_frees_its_slot(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, a frame written to a page that no longer read blocked its thread for good, and
+    the stream kept its slot."""
+    monkeypatch.setattr(admin_module, "REQUEST_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(admin_module, "MAX_EVENT_STREAMS", 1)
+    feed = LiveFeed()
+    admin = serve(live=feed)
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once
+    stalled.settimeout(10)
+    try:
+        stalled.connect(("127.0.0.1", admin.port))
+        stalled.sendall(get("/events"))  # and never reads
+        wait_for(lambda: feed.viewers == 1, 10, "the page counted")
+        big = {"at": 1.0, "pools": [], "padding": "x" * 2**18}
+
+        def ended() -> bool:
+            feed.publish(big)
+            return feed.viewers == 0
+
+        wait_for(ended, 20, "the stalled page's stream ended")
+        url = f"http://127.0.0.1:{admin.port}/events"
+        with urllib.request.urlopen(url, timeout=10) as page:  # the one slot is free
+            assert page.status == 200 and page.readline().startswith(b"retry:")
+    finally:
+        stalled.close()
+
+
+def test_a_quiet_stream_outlives_the_read_timeout(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A live view waits between frames longer than the socket timeout: only a write that
+    stalls ends it."""
+    monkeypatch.setattr(admin_module, "REQUEST_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(admin_module, "EVENT_KEEPALIVE_S", 0.6)
+    feed = LiveFeed()
+    admin = serve(live=feed)
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin.port}/events", timeout=10) as page:
+        assert b"event: history\n" in [page.readline() for _ in range(3)]
+        while page.readline() != b": keep-alive\n":  # 0.6 s without a write: still open
+            pass
+        feed.publish({"at": 2.0, "pools": []})
+        while (line := page.readline()) != b"event: frame\n":
+            assert line, "the stream ended"
+        assert json.loads(page.readline().removeprefix(b"data: "))["at"] == 2.0
