@@ -7,7 +7,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from control_plane.admin.http import AdminExposureError
+from control_plane.admin.tokens import AdminExposureError
 from control_plane.app.server import ControlPlaneSettings, serve
 from control_plane.config.topology import TopologyError
 from control_plane.gc_tuning import tune_gc

@@ -34,8 +34,9 @@ from envoy.service.discovery.v3 import ads_pb2_grpc
 from envoy.service.ratelimit.v3 import rls_pb2_grpc
 
 from control_plane.admin.api import OperatorApi
-from control_plane.admin.http import AdminServer, AdminTokens, check_exposure
+from control_plane.admin.http import AdminServer
 from control_plane.admin.live_view import LiveFeed
+from control_plane.admin.tokens import AdminTokens, check_exposure
 from control_plane.app.loops import Loops
 from control_plane.app.rebuilder import Rebuilder
 from control_plane.config.tenants import security_warnings

@@ -18,8 +18,9 @@ from prometheus_client import CollectorRegistry
 
 from control_plane.admin import http as admin_module
 from control_plane.admin import live_view
-from control_plane.admin.http import AdminExposureError, AdminServer, AdminTokens, check_exposure
+from control_plane.admin.http import AdminServer
 from control_plane.admin.live_view import History, LiveFeed, build_frame, endpoint_state
+from control_plane.admin.tokens import AdminExposureError, AdminTokens, check_exposure
 from control_plane.app.cli import read_token
 from tests.support import wait_for
 
