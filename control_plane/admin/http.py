@@ -80,6 +80,29 @@ class AdminError(Exception):
         self.status = status
 
 
+def body_length(headers: Any) -> int:
+    """A change's body length: one Content-Length of decimal digits, at most MAX_BODY_BYTES.
+    Any Transfer-Encoding is refused: this server decodes none, and a chunked body taken as
+    empty would be ``{}`` (which resets a split)."""
+    if headers.get("transfer-encoding") is not None:
+        raise AdminError(
+            HTTPStatus.NOT_IMPLEMENTED,
+            "Transfer-Encoding is not accepted here: send the body with a Content-Length",
+        )
+    given = headers.get_all("content-length") or []
+    if not given:
+        raise AdminError(HTTPStatus.LENGTH_REQUIRED, "a change needs a Content-Length header")
+    digits = given[0].strip()
+    if len(given) > 1 or not re.fullmatch(r"[0-9]+", digits):
+        message = "Content-Length must be one non-negative decimal integer"
+        raise AdminError(HTTPStatus.BAD_REQUEST, message)
+    significant = digits.lstrip("0") or "0"
+    if len(significant) > 9 or int(significant) > MAX_BODY_BYTES:  # int() of a few digits only
+        message = f"body too large: at most {MAX_BODY_BYTES} bytes"
+        raise AdminError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, message)
+    return int(significant)
+
+
 StatusFn = Callable[[], Awaitable[dict[str, Any]]]
 HealthyFn = Callable[[], Awaitable[bool]]
 OverrideFn = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -195,14 +218,16 @@ class AdminServer:
                 )
                 if route is None:
                     raise AdminError(HTTPStatus.NOT_FOUND, f"no such path {self.path}")
-                length = int(self.headers.get("content-length") or 0)
-                if length > MAX_BODY_BYTES:
-                    raise AdminError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "body too large")
+                length = body_length(self.headers)
                 try:
-                    body = json.loads(self.rfile.read(length) or b"{}")
+                    data = self.rfile.read(length)
                 except TimeoutError:
                     message = f"the body did not arrive within {REQUEST_TIMEOUT_S:g} s"
                     raise AdminError(HTTPStatus.REQUEST_TIMEOUT, message) from None
+                if len(data) < length:
+                    raise AdminError(HTTPStatus.BAD_REQUEST, "the body ended before Content-Length")
+                try:
+                    body = json.loads(data or b"{}")
                 except json.JSONDecodeError as exc:
                     raise AdminError(HTTPStatus.BAD_REQUEST, f"body is not JSON: {exc}") from exc
                 if not isinstance(body, dict):

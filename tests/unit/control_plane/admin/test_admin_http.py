@@ -74,11 +74,14 @@ def connect(port: int) -> socket.socket:
     return socket.create_connection(("127.0.0.1", port), timeout=10)
 
 
-def exchange(port: int, request: bytes) -> tuple[int, dict[str, Any]]:
-    """Sends ``request`` as it is and reads the answer to the end (the admin closes after it):
-    its status and JSON body. A connection closed with no answer fails the test."""
+def exchange(port: int, request: bytes, end: bool = False) -> tuple[int, dict[str, Any]]:
+    """Sends ``request`` as it is (then ends the stream if ``end``) and reads the answer to
+    the end (the admin closes after it): its status and JSON body. A connection closed with no
+    answer fails the test."""
     with connect(port) as sock:
         sock.sendall(request)
+        if end:
+            sock.shutdown(socket.SHUT_WR)
         answer = b""
         while chunk := sock.recv(65536):
             answer += chunk
@@ -249,3 +252,54 @@ def test_a_quiet_stream_outlives_the_read_timeout(
         while (line := page.readline()) != b"event: frame\n":
             assert line, "the stream ended"
         assert json.loads(page.readline().removeprefix(b"data: "))["at"] == 2.0
+
+
+# -- request bodies: framed by one Content-Length, nothing else ---------------------------------
+
+
+def post(path: str, headers: bytes, body: bytes = b"") -> bytes:
+    start = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    return start.encode() + headers + b"\r\n" + body
+
+
+@pytest.mark.parametrize(
+    ("headers", "status", "named"),
+    [
+        (b"Content-Length: -1\r\n", 400, "Content-Length"),  # passed the size check, read to EOF
+        (b"Content-Length: x\r\n", 400, "Content-Length"),  # ValueError: no answer at all
+        (b"Content-Length: \xb2\r\n", 400, "Content-Length"),  # "\u00b2".isdigit(), int() fails
+        (b"Content-Length: 5\r\nContent-Length: 7\r\n", 400, "Content-Length"),
+        (b"Content-Length: 65537\r\n", 413, "at most 65536 bytes"),
+        (b"Content-Length: 00000000000000000000000000070000\r\n", 413, "at most 65536 bytes"),
+        (b"", 411, "Content-Length"),  # was read as {}: a split reset
+        (b"Transfer-Encoding: chunked\r\n", 501, "Transfer-Encoding"),  # likewise
+        (b"Transfer-Encoding: chunked\r\nContent-Length: 8\r\n", 501, "Transfer-Encoding"),
+    ],
+)
+def test_a_body_is_framed_by_one_content_length(
+    serve: Serve, headers: bytes, status: int, named: str
+) -> None:
+    splits = Splits()
+    admin = serve(posts=splits.route())
+    got, body = exchange(admin.port, post("/models/m/split", headers))
+    assert (got, named in body["error"]) == (status, True), body
+    assert splits.bodies == []  # nothing reached the route
+
+
+def test_a_body_that_ends_before_its_length_is_refused(serve: Serve) -> None:
+    splits = Splits()
+    admin = serve(posts=splits.route())
+    request = post("/models/m/split", b"Content-Length: 10\r\n", b'{"1":')
+    got, body = exchange(admin.port, request, end=True)
+    assert got == 400 and "ended before Content-Length" in body["error"]
+    assert splits.bodies == []
+
+
+def test_a_framed_body_reaches_its_route(serve: Serve) -> None:
+    splits = Splits()
+    admin = serve(posts=splits.route())
+    assert exchange(admin.port, post("/models/m/split", b"Content-Length: 0\r\n"))[0] == 200
+    body = b'{"1": 90, "2": 10}'
+    request = post("/models/m/split", b"Content-Length: %d\r\n" % len(body), body)
+    assert exchange(admin.port, request)[0] == 200
+    assert splits.bodies == [{}, {"1": 90, "2": 10}]
