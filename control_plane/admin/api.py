@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import time
 from http import HTTPStatus
 from typing import Any
@@ -37,8 +38,11 @@ class OperatorApi:
 
     async def override(self, key: str, body: dict[str, Any]) -> dict[str, Any]:
         host, _, port = key.rpartition(":")
-        if not host or not port.isdigit():
-            raise AdminError(HTTPStatus.BAD_REQUEST, f"endpoint {key!r}: expected HOST:PORT")
+        # ASCII digits, no leading zero: "08001" or "\u00b2" would name no endpoint's key
+        if not host or not re.fullmatch(r"[1-9][0-9]{0,4}", port) or int(port) > 65535:
+            raise AdminError(
+                HTTPStatus.BAD_REQUEST, f"endpoint {key!r}: expected HOST:PORT, a port 1-65535"
+            )
         address = EndpointAddress(host, int(port))
         if address not in self.plane.endpoints:
             raise AdminError(HTTPStatus.NOT_FOUND, f"endpoint {key} is not in the topology")
@@ -46,8 +50,9 @@ class OperatorApi:
             self.plane.operator.override(address, body)
         except InvalidChange as exc:
             raise AdminError(HTTPStatus.BAD_REQUEST, str(exc)) from None
-        changed = self.plane.rebuild(f"operator override of {key}")
-        return {"endpoint": key, "changed": changed, **(await self.status())["endpoints"][key]}
+        changed = self.plane.rebuild(f"operator override of {address.key}")
+        found = (await self.status())["endpoints"][address.key]
+        return {"endpoint": address.key, "changed": changed, **found}
 
     async def healthy(self) -> bool:
         """What /healthz asks: is there a snapshot to serve? Open to anyone, so it reads one

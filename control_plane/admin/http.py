@@ -158,10 +158,20 @@ class AdminServer:
                 self._answer(self._post)
 
             def _answer(self, handle: Callable[[], None]) -> None:
+                """Every request gets an answer: a refusal's, or 500 for anything else (its
+                traceback to the log; its text, which may carry a secret, never to the client)."""
                 try:
                     handle()
                 except AdminError as exc:
                     self._json(exc.status, {"error": str(exc)})
+                except (BrokenPipeError, ConnectionResetError, TimeoutError):
+                    # The client went or stopped reading (waits for the loop are AdminErrors and
+                    # no route talks to the network): nobody is left to answer.
+                    self.close_connection = True
+                except Exception:
+                    path = self.path.split("?", 1)[0][:200]
+                    log.exception("admin: %s %r failed", self.command, path)
+                    self._json(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": "internal error"})
 
             def _get(self) -> None:
                 if self._foreign_host():

@@ -20,6 +20,8 @@ from control_plane.admin import http as admin_module
 from control_plane.admin.api import OperatorApi
 from control_plane.admin.http import AdminServer, HealthyFn, OverrideFn, StatusFn
 from control_plane.admin.live_view import LiveFeed
+from control_plane.model.mesh import EndpointAddress, EndpointHealth
+from control_plane.model.operator_state import OperatorState
 from tests.support import wait_for
 
 
@@ -303,3 +305,78 @@ def test_a_framed_body_reaches_its_route(serve: Serve) -> None:
     request = post("/models/m/split", b"Content-Length: %d\r\n" % len(body), body)
     assert exchange(admin.port, request)[0] == 200
     assert splits.bodies == [{}, {"1": 90, "2": 10}]
+
+
+# -- every request gets an answer ---------------------------------------------------------------
+
+
+def endpoint_api(monkeypatch: pytest.MonkeyPatch) -> tuple[OperatorApi, OperatorState]:
+    """An OperatorApi over one endpoint, 10.0.0.5:8001; its status lists that endpoint."""
+    operator = OperatorState()
+    plane = SimpleNamespace(
+        endpoints=(EndpointAddress("10.0.0.5", 8001),), operator=operator,
+        rebuild=lambda reason: True,
+    )  # fmt: skip
+    api = OperatorApi(cast(Any, plane))
+
+    async def status() -> dict[str, Any]:
+        health = {a.key: h.value for a, h in operator.health.items()}
+        return {"endpoints": {"10.0.0.5:8001": {"health_override": health.get("10.0.0.5:8001")}}}
+
+    monkeypatch.setattr(api, "status", status)
+    return api, operator
+
+
+@pytest.mark.parametrize("port", ["08001", "%C2%B2", "8001%20", "+8001", "65537", ""])
+def test_an_endpoint_port_is_ascii_digits_without_a_leading_zero(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch, port: str
+) -> None:
+    """Before, "08001" passed isdigit(): the override was made, then the answer looked the
+    endpoint up as "10.0.0.5:08001" and the KeyError left the client with no answer; "\u00b2"
+    (%C2%B2) passed isdigit() and failed int()."""
+    api, operator = endpoint_api(monkeypatch)
+    admin = serve(posts=[(r"/endpoints/([^/]+)", api.override)])
+    body = b'{"health": "DRAINING"}'
+    request = post(f"/endpoints/10.0.0.5:{port}", b"Content-Length: %d\r\n" % len(body), body)
+    status, answer = exchange(admin.port, request)
+    assert status == 400 and "a port 1-65535" in answer["error"]
+    assert operator.health == {}  # nothing changed
+
+
+def test_an_override_answers_with_the_endpoint_it_changed(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    api, operator = endpoint_api(monkeypatch)
+    admin = serve(posts=[(r"/endpoints/([^/]+)", api.override)])
+    body = b'{"health": "DRAINING"}'
+    request = post("/endpoints/10.0.0.5:8001", b"Content-Length: %d\r\n" % len(body), body)
+    assert exchange(admin.port, request) == (
+        200, {"endpoint": "10.0.0.5:8001", "changed": True, "health_override": "DRAINING"},
+    )  # fmt: skip
+    assert operator.health == {EndpointAddress("10.0.0.5", 8001): EndpointHealth.DRAINING}
+
+
+SECRET = "a-secret-that-must-not-reach-the-client"
+
+
+def test_an_unforeseen_error_gets_a_500_that_does_not_repeat_it(
+    serve: Serve, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before, anything but an AdminError left the client with a closed connection."""
+
+    async def broken_get() -> dict[str, Any]:
+        raise RuntimeError(SECRET)
+
+    async def broken_post(target: str, body: dict[str, Any]) -> dict[str, Any]:
+        raise KeyError(SECRET)
+
+    admin = serve(gets={"/status": broken_get}, posts=[(r"/models/([^/]+)/split", broken_post)])
+    caplog.set_level("ERROR", logger=admin_module.__name__)
+    request = post("/models/m/split", b"Content-Length: 2\r\n", b"{}")
+    for sent in (get("/status"), request):
+        assert exchange(admin.port, sent) == (500, {"error": "internal error"})
+    failed = [r for r in caplog.records if r.exc_info and "failed" in r.getMessage()]
+    assert [r.getMessage() for r in failed] == [
+        "admin: GET '/status' failed",
+        "admin: POST '/models/m/split' failed",
+    ]
