@@ -221,6 +221,19 @@ def kv_full_factor(headroom: float | None, policy: PoolPolicy) -> float:
     return headroom / (1.0 - policy.kv_full_at)
 
 
+def errors_factor(error_rate: float | None, policy: PoolPolicy) -> float:
+    """1 - error_rate / error_rate_eject, from 1 with no errors to 0 at the ejection threshold.
+
+    No scorer reads the error rate, so a server failing 40% of its requests (under the 50%
+    that ejects it, or held in by the ejection cap, or in a pool failing open) kept its full
+    weight, and failing fast even raised its latency headroom. Now it keeps a fifth of its
+    score at 40% (threshold 50%), half at 25%, and 0.998 at 0.1%: noise costs nothing.
+    """
+    if not error_rate or policy.error_rate_eject <= 0:
+        return 1.0
+    return _clamp01(1.0 - error_rate / policy.error_rate_eject)
+
+
 def scorer_weights(policy: PoolPolicy, scorers: Sequence[Scorer] = SCORERS) -> dict[str, float]:
     """Each scorer's weight in the pool's policy (0.0 for a scorer ScoreWeights does not name)."""
     return {s.name: float(getattr(policy.score_weights, s.name, 0.0)) for s in scorers}
@@ -245,9 +258,10 @@ def combine(
     factors = {
         "over_sla": over_sla_factor(endpoint.p99_ms, policy) if latency_counts else 1.0,
         "kv_full": kv_full_factor(parts.get("kv_cache"), policy),
+        "errors": errors_factor(endpoint.error_rate, policy),
     }
     for name, factor in factors.items():
         if score is not None and factor < 1.0:
-            parts[name] = factor  # shown in the reason: "over_sla 0.25", "kv_full 0.15"
+            parts[name] = factor  # in the reason: "over_sla 0.25", "kv_full 0.15", "errors 0.5"
             score *= factor
     return EndpointScore(endpoint.endpoint, score, parts)

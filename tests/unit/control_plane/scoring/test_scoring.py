@@ -19,6 +19,7 @@ from control_plane.scoring.scorers import (
     QueueScorer,
     Scorer,
     combine,
+    errors_factor,
     kv_full_factor,
     over_sla_factor,
 )
@@ -228,6 +229,37 @@ def test_a_server_whose_kv_cache_is_nearly_full_loses_most_of_its_score() -> Non
     # A pool that does not score the KV cache is not judged by it either.
     plain = combine(full, [empty, full], POLICY)
     assert "kv_full" not in plain.parts
+
+
+@pytest.mark.parametrize(
+    ("error_rate", "eject_at", "factor"),
+    [
+        (None, 0.5, 1.0),
+        (0.0, 0.5, 1.0),
+        (0.001, 0.5, 0.998),  # noise costs nothing
+        (0.25, 0.5, 0.5),
+        (0.4, 0.5, 0.2),
+        (0.5, 0.5, 0.0),  # at the threshold (where ejection takes over, if allowed)
+        (0.9, 0.5, 0.0),
+        (0.4, 0.0, 1.0),  # ejection on errors off: so is this
+    ],
+)
+def test_errors_factor(error_rate: float | None, eject_at: float, factor: float) -> None:
+    assert errors_factor(error_rate, PoolPolicy(100.0, 100.0, error_rate_eject=eject_at)) == (
+        pytest.approx(factor)
+    )
+
+
+def test_a_server_failing_requests_loses_weight_even_where_it_is_not_ejected() -> None:
+    """Under the ejection threshold, held in by the cap, or in a pool failing open, a server
+    failing 40% of its requests kept its whole score (failing fast even helped its latency)."""
+    common = {"qps": 50.0, "p99_ms": 20.0}
+    good, failing = sig("g:1", error_rate=0.0, **common), sig("f:1", error_rate=0.4, **common)
+    best = combine(good, [good, failing], POLICY)
+    worst = combine(failing, [good, failing], POLICY)
+    assert best.score is not None and worst.score is not None
+    assert "errors" not in best.parts and worst.parts["errors"] == pytest.approx(0.2)
+    assert worst.score == pytest.approx(0.2 * best.score)
 
 
 def test_combine_no_signal_is_neutral() -> None:
