@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from control_plane.xds import envoy_drain
 from infermesh import pki
 from infermesh.addresses import is_ip
 from infermesh.wire import ENVOY_NODE_TAG
@@ -423,6 +424,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="exec Envoy on the bootstrap (given inline with --config-yaml unless --out)",
     )
+    parser.add_argument(
+        "--drain-on-stop",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="with --run: keep Envoy as a child and, on SIGTERM or SIGINT, drain its listeners "
+        "for up to SECONDS before stopping it (control_plane.xds.envoy_drain; give Envoy "
+        "--drain-strategy immediate). 0 (default): exec Envoy, which exits at once on SIGTERM",
+    )
     return parser
 
 
@@ -453,8 +463,10 @@ def main(argv: list[str] | None = None) -> int:
             print(path)
             return 0
         command = envoy_command(path, envoy_args)
-    # exec: Envoy takes this process's PID, so a supervisor's SIGTERM reaches it directly.
     raise_open_file_limit()
+    if args.drain_on_stop > 0:
+        return envoy_drain.run_draining(command, args.admin_port, args.drain_on_stop)
+    # exec: Envoy takes this process's PID, so a supervisor's SIGTERM reaches it directly.
     os.execv(command[0], command)
 
 
