@@ -195,7 +195,7 @@ def test_rest_repository_bad_bodies_name_the_field(restricted: ServerProcess) ->
     cases = [
         ("/index", b'{"ready": "yes"}', "'ready'"),
         ("/index", b"[1, 2]", "JSON object"),
-        ("/index", b"{not json", "JSON object"),
+        ("/index", b"{not json", "not valid JSON"),
         ("/models/classifier/load", b'{"parameters": []}', "'parameters'"),
         ("/models/classifier/load", b'{"parameters": {"config": {"a": 1}}}', "parameters.config"),
         ("/models/classifier/load", b'{"parameters": {"config": "{]"}}', "classifier"),
