@@ -3,9 +3,10 @@
 ``GenerationEngine.generate(request)`` yields one ``TokenEvent`` per generated token, the last
 one flagged ``final``. One scheduler task on the event loop runs the model on a worker thread:
 
-- **Admission**: a waiting sequence joins when its prompt plus one token fits in the KV cache.
-  When it does not, the sequence waits (``when_full="wait"``) or is refused at once with
-  RESOURCE_EXHAUSTED (``"reject"``). A running sequence's blocks are never taken.
+- **Admission** (``admission.py``): a waiting sequence joins when its prompt plus one token
+  fits in the KV cache, FIFO. When it does not, the sequence waits (``when_full="wait"``) or
+  is refused at once with RESOURCE_EXHAUSTED (``"reject"``). A running sequence's blocks are
+  never taken.
 - **Prefill**: a new sequence shares the cached blocks of its prompt's longest cached prefix
   (``KvCache.admit``, prefix caching) and computes only the rest, alone or with up to
   ``max_prefill_rows`` other new sequences in one run (``prefill.py``: grouped by length,
@@ -38,6 +39,7 @@ import grpc
 import numpy as np
 
 from model_server.core.errors import InferenceError, InvalidInput
+from model_server.generative.admission import admit
 from model_server.generative.kv_cache import KvCache, KvCacheFull
 from model_server.generative.prefill import prefill_groups, prefill_inputs
 from model_server.generative.sampling import ignored_at_greedy, sample
@@ -239,17 +241,7 @@ class GenerationEngine:
                 self._finish(sequence, error)
 
     def _admit(self) -> list[_Sequence]:
-        admitted: list[_Sequence] = []
-        while self.waiting and len(self.running) + len(admitted) < self.max_running:
-            sequence = self.waiting[0]
-            tokens = sequence.tokens
-            try:  # what the cache holds of its prefix is shared, not computed again
-                self.cache.admit(sequence.name, tokens, len(tokens) + 1)
-            except KvCacheFull:
-                break  # it waits (FIFO) until running sequences give blocks back
-            self.waiting.popleft()
-            admitted.append(sequence)
-        return admitted
+        return admit(self.waiting, self.cache, self.max_running - len(self.running))
 
     def _drop_gone(self) -> None:
         for sequence in [s for s in self.running if s.gone]:
