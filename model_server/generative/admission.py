@@ -4,14 +4,26 @@ The line is FIFO: the first waiting sequence joins when its tokens (its prompt, 
 generated before a preemption) plus one fit in the KV cache (``KvCache.admit``, which shares
 its longest cached prefix), and nobody passes it while it does not fit, up to ``slots``
 sequences a round (the engine's ``max_running``).
+
+**A prefix being written is waited for.** A block becomes shareable only once a prefill has
+written its keys/values, and a round admits all its sequences before prefilling any: two
+identical prompts admitted together would each compute, and hold, the same blocks (after a
+cold start, N streams with one system prompt held N copies of it). So a waiting sequence
+whose leading full blocks, past those the cache holds, equal blocks that a sequence admitted
+in this round is about to write ends the round: it joins in the next one, after that prefill,
+and shares them. It waits one round at most: the next round starts with nothing admitted, so
+whatever became of the first sequence (prefilled, finished, failed, gone) it then joins with
+what the cache holds. The sequences behind it wait that round too (FIFO). With prefix caching
+off nothing is deferred.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
-from model_server.generative.kv_cache import KvCache, KvCacheFull
+from model_server.generative.kv_cache import KvCache, KvCacheFull, block_keys
 
 
 class Waiting(Protocol):
@@ -29,13 +41,27 @@ def admit(waiting: deque[S], cache: KvCache, slots: int) -> list[S]:
     """Takes from the front of ``waiting`` the sequences this round admits (their blocks held,
     their cached prefix shared)."""
     admitted: list[S] = []
+    unwritten: set[bytes] = set()  # keys of the full blocks the admitted ones will write
     while waiting and len(admitted) < slots:
         sequence = waiting[0]
         tokens = sequence.tokens
+        if unwritten and _waits_for_prefix(cache, tokens, unwritten):
+            break  # the next round shares what this round's prefill writes
         try:
             cache.admit(sequence.name, tokens, len(tokens) + 1)
         except KvCacheFull:
             break  # it waits until running sequences give blocks back
         waiting.popleft()
         admitted.append(sequence)
+        if cache.prefix_caching and waiting:
+            unwritten.update(block_keys(tokens, cache.shape.block_tokens))
     return admitted
+
+
+def _waits_for_prefix(cache: KvCache, tokens: Sequence[int], unwritten: set[bytes]) -> bool:
+    """Whether the first of ``tokens``' full blocks that the cache lacks is about to be
+    written by a sequence admitted in this round."""
+    for key in block_keys(tokens, cache.shape.block_tokens):
+        if not cache.holds(key):
+            return key in unwritten
+    return False

@@ -4,9 +4,10 @@
 one flagged ``final``. One scheduler task on the event loop runs the model on a worker thread:
 
 - **Admission** (``admission.py``): a waiting sequence joins when its prompt plus one token
-  fits in the KV cache, FIFO. When it does not, the sequence waits (``when_full="wait"``) or
-  is refused at once with RESOURCE_EXHAUSTED (``"reject"``). A running sequence's blocks are
-  never taken.
+  fits in the KV cache, FIFO; one whose leading blocks a sequence admitted in the same round
+  is about to write waits a round, to share them. When it does not fit, the sequence waits
+  (``when_full="wait"``) or is refused at once with RESOURCE_EXHAUSTED (``"reject"``). A
+  running sequence's blocks are never taken.
 - **Prefill**: a new sequence shares the cached blocks of its prompt's longest cached prefix
   (``KvCache.admit``, prefix caching) and computes only the rest, alone or with up to
   ``max_prefill_rows`` other new sequences in one run (``prefill.py``: grouped by length,

@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,6 +76,14 @@ def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     """The key of a full block: its parent's key and its own tokens, stable across runs."""
     data = np.asarray(tokens, dtype=np.int64).tobytes()
     return hashlib.blake2b(parent + data, digest_size=16).digest()
+
+
+def block_keys(tokens: Sequence[int], block_tokens: int) -> Iterator[bytes]:
+    """The keys of ``tokens``' full blocks, first to last (computed as they are asked for)."""
+    parent = ROOT_HASH
+    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        parent = block_hash(parent, tokens[start : start + block_tokens])
+        yield parent
 
 
 class KvCache:
@@ -135,14 +143,17 @@ class KvCache:
         """The cached blocks holding the longest chain of ``tokens``' full blocks."""
         if not self.prefix_caching:
             return []
-        found, parent, size = [], ROOT_HASH, self.shape.block_tokens
-        for start in range(0, len(tokens) - size + 1, size):
-            parent = block_hash(parent, tokens[start : start + size])
-            block = self._by_hash.get(parent)
+        found = []
+        for key in block_keys(tokens, self.shape.block_tokens):
+            block = self._by_hash.get(key)
             if block is None:
                 break
             found.append(block)
         return found
+
+    def holds(self, key: bytes) -> bool:
+        """Whether a block with this key (``block_keys``) is cached, shareable."""
+        return key in self._by_hash
 
     def admit(self, sequence: str, tokens: Sequence[int], room: int) -> int:
         """Makes a new sequence whose first ``len(tokens)`` tokens are ``tokens``, with

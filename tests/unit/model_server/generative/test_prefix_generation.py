@@ -120,7 +120,9 @@ def test_shared_prefixes_hit_evict_and_preempt_without_changing_a_token() -> Non
     base = tuple(range(1, 30))
     first = [GenerationRequest((*base, i), max_tokens=12) for i in range(3)]
     later = [GenerationRequest((*base[:20], 40 + i), max_tokens=12) for i in range(4)]
-    shape = KvShape(1, 1, 2, block_tokens=4, total_blocks=20)  # 4 sequences of 11 blocks
+    # 4 sequences of 11 blocks, up to 7 shared (a wave waits for its first prefill): 14 blocks
+    # are still too few for all of them to grow, so some are preempted.
+    shape = KvShape(1, 1, 2, block_tokens=4, total_blocks=14)
     waves = [first, later, first]
     on, stats, preempted = asyncio.run(run_waves(fake_decoder, shape, EOS, waves, True, 4, 4))
     assert on == [expected_tokens(r.prompt, 12) for wave in waves for r in wave]
