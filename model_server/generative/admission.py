@@ -15,6 +15,13 @@ and shares them. It waits one round at most: the next round starts with nothing 
 whatever became of the first sequence (prefilled, finished, failed, gone) it then joins with
 what the cache holds. The sequences behind it wait that round too (FIFO). With prefix caching
 off nothing is deferred.
+
+**Reject** (``kv_when_full="reject"``): the engine refuses a request on arrival unless its
+prompt fits in the free blocks beside what the sequences already waiting need
+(``blocks_to_admit``). Blocks can still go between that check and admission (a running
+sequence's decode step takes its next block first), so when the first waiting sequence does
+not fit here, every new sequence waiting is refused rather than left to wait; a preempted one
+(it has streamed tokens already) waits for its blocks.
 """
 
 from __future__ import annotations
@@ -31,15 +38,23 @@ class Waiting(Protocol):
     def name(self) -> str: ...
 
     @property
+    def generated(self) -> list[int]: ...
+
+    @property
     def tokens(self) -> list[int]: ...
 
 
 S = TypeVar("S", bound=Waiting)
 
 
-def admit(waiting: deque[S], cache: KvCache, slots: int) -> list[S]:
+def blocks_to_admit(cache: KvCache, tokens: Sequence[int]) -> int:
+    """The blocks admitting these tokens takes at most (sharing a cached prefix takes fewer)."""
+    return cache.blocks_for(len(tokens) + 1)
+
+
+def admit(waiting: deque[S], cache: KvCache, slots: int, reject: bool) -> tuple[list[S], list[S]]:
     """Takes from the front of ``waiting`` the sequences this round admits (their blocks held,
-    their cached prefix shared)."""
+    their cached prefix shared) and, with ``reject``, the new ones refused."""
     admitted: list[S] = []
     unwritten: set[bytes] = set()  # keys of the full blocks the admitted ones will write
     while waiting and len(admitted) < slots:
@@ -50,12 +65,17 @@ def admit(waiting: deque[S], cache: KvCache, slots: int) -> list[S]:
         try:
             cache.admit(sequence.name, tokens, len(tokens) + 1)
         except KvCacheFull:
-            break  # it waits until running sequences give blocks back
+            if not reject:
+                break  # it waits until running sequences give blocks back
+            refused = [s for s in waiting if not s.generated]  # a preempted one waits
+            for s in refused:
+                waiting.remove(s)
+            return admitted, refused
         waiting.popleft()
         admitted.append(sequence)
         if cache.prefix_caching and waiting:
             unwritten.update(block_keys(tokens, cache.shape.block_tokens))
-    return admitted
+    return admitted, []
 
 
 def _waits_for_prefix(cache: KvCache, tokens: Sequence[int], unwritten: set[bytes]) -> bool:

@@ -6,8 +6,9 @@ one flagged ``final``. One scheduler task on the event loop runs the model on a 
 - **Admission** (``admission.py``): a waiting sequence joins when its prompt plus one token
   fits in the KV cache, FIFO; one whose leading blocks a sequence admitted in the same round
   is about to write waits a round, to share them. When it does not fit, the sequence waits
-  (``when_full="wait"``) or is refused at once with RESOURCE_EXHAUSTED (``"reject"``). A
-  running sequence's blocks are never taken.
+  (``when_full="wait"``) or is refused with RESOURCE_EXHAUSTED (``"reject"``: on arrival,
+  counting what the sequences waiting need, or else when its turn comes). A running
+  sequence's blocks are never taken.
 - **Prefill**: a new sequence shares the cached blocks of its prompt's longest cached prefix
   (``KvCache.admit``, prefix caching) and computes only the rest, alone or with up to
   ``max_prefill_rows`` other new sequences in one run (``prefill.py``: grouped by length,
@@ -40,7 +41,7 @@ import grpc
 import numpy as np
 
 from model_server.core.errors import InferenceError, InvalidInput
-from model_server.generative.admission import admit
+from model_server.generative.admission import admit, blocks_to_admit
 from model_server.generative.kv_cache import KvCache, KvCacheFull
 from model_server.generative.prefill import prefill_groups, prefill_inputs
 from model_server.generative.sampling import ignored_at_greedy, sample
@@ -186,13 +187,12 @@ class GenerationEngine:
             raise KvBudgetExhausted(
                 f"the sequence may need {longest} KV blocks, more than the cache's {total}"
             )
-        needed = self.cache.blocks_for(len(request.prompt) + 1)
-        if self.when_full == "reject" and (needed > self.cache.free_blocks or self.waiting):
-            self.stats.refused += 1
-            raise KvBudgetExhausted(
-                f"KV cache full: the prompt needs {needed} blocks, "
-                f"{self.cache.free_blocks} free of {total}; retry later"
-            )
+        if self.when_full == "reject":  # room for it beside what the waiting ones will take
+            waiting = [s.tokens for s in self.waiting if not s.gone]  # a gone one takes none
+            promised = sum(blocks_to_admit(self.cache, tokens) for tokens in waiting)
+            if blocks_to_admit(self.cache, request.prompt) + promised > self.cache.free_blocks:
+                self.stats.refused += 1
+                raise self._full(request.prompt, promised)
         sequence = _Sequence(
             f"seq-{next(self._names)}", request, asyncio.Queue(), self._clock(),
             np.random.default_rng(request.seed),
@@ -242,7 +242,20 @@ class GenerationEngine:
                 self._finish(sequence, error)
 
     def _admit(self) -> list[_Sequence]:
-        return admit(self.waiting, self.cache, self.max_running - len(self.running))
+        slots, reject = self.max_running - len(self.running), self.when_full == "reject"
+        admitted, refused = admit(self.waiting, self.cache, slots, reject)
+        for sequence in refused:  # blocks went between its arrival and now
+            self.stats.refused += 1
+            self._finish(sequence, self._full(sequence.request.prompt, 0))
+        return admitted
+
+    def _full(self, prompt: tuple[int, ...], promised: int) -> KvBudgetExhausted:
+        needed, free = blocks_to_admit(self.cache, prompt), self.cache.free_blocks
+        waiting = f" ({promised} for sequences waiting)" if promised else ""
+        return KvBudgetExhausted(
+            f"KV cache full: the prompt needs {needed} blocks, {free} free of "
+            f"{self.cache.shape.total_blocks}{waiting}; retry later"
+        )
 
     def _drop_gone(self) -> None:
         for sequence in [s for s in self.running if s.gone]:

@@ -1,8 +1,10 @@
 """Admission: identical prompts arriving together share their blocks (the second waits one
-round for the first's prefill), FIFO.
+round for the first's prefill), FIFO, and ``kv_when_full: reject`` refuses instead of making
+a request wait, counting what the waiting sequences need and nothing for departed ones.
 
 The engine's offload runs each model call on the event loop after a hook, so a test can act
-at a chosen point: a client leaving during the first prefill."""
+at a chosen point: a client leaving during the first prefill, a request arriving between
+another's check and admission."""
 
 from __future__ import annotations
 
@@ -14,7 +16,12 @@ import numpy as np
 import pytest
 
 from model_server.core.errors import InferenceError
-from model_server.generative.engine import Decoder, GenerationEngine, GenerationRequest
+from model_server.generative.engine import (
+    Decoder,
+    GenerationEngine,
+    GenerationRequest,
+    KvBudgetExhausted,
+)
 from model_server.generative.kv_cache import KvCache, KvShape
 from tests.unit.model_server.generative.test_generation import EOS, expected_tokens, fake_decoder
 
@@ -50,6 +57,17 @@ async def tokens(engine: GenerationEngine, request: GenerationRequest) -> list[i
 
 async def _drain(stream: Any) -> list[int]:
     return [event.token async for event in stream]
+
+
+async def arrive(engine: GenerationEngine, request: GenerationRequest) -> asyncio.Task[list[int]]:
+    """A request's task, once the engine has it waiting (or has answered it)."""
+    before = len(engine.waiting)
+    task = asyncio.create_task(tokens(engine, request))
+    for _ in range(10):
+        await asyncio.sleep(0)
+        if task.done() or len(engine.waiting) > before:
+            break
+    return task
 
 
 async def burst(
@@ -127,4 +145,79 @@ async def test_a_sequence_waiting_for_a_prefix_goes_on_whatever_became_of_the_fi
         assert isinstance(outcome, asyncio.CancelledError)
         assert engine.cache.stats.hit_tokens == 12
     assert engine.cache.used_blocks == 0
+    await engine.stop()
+
+
+async def test_reject_counts_what_requests_arriving_together_need() -> None:
+    """Two requests arriving in one tick both run when their blocks fit together (before, the
+    second was refused whenever the first was still waiting), and the second is refused at
+    once when they do not."""
+    engine = make(8, when_full="reject")
+    small = [GenerationRequest((i,) * 9, max_tokens=3) for i in (1, 2)]  # 3 blocks each
+    assert await asyncio.gather(*(tokens(engine, r) for r in small)) == [
+        expected_tokens(r.prompt, 3) for r in small
+    ]
+    large = [GenerationRequest((i,) * 18, max_tokens=3) for i in (3, 4)]  # 5 blocks each
+    done, refused = await asyncio.gather(
+        *(tokens(engine, r) for r in large), return_exceptions=True
+    )
+    assert done == expected_tokens(large[0].prompt, 3)
+    assert isinstance(refused, KvBudgetExhausted) and "KV cache full" in refused.message
+    assert "(5 for sequences waiting)" in refused.message and engine.stats.refused == 1
+    await engine.stop()
+
+
+async def test_reject_ignores_a_waiting_sequence_whose_client_left() -> None:
+    """One running sequence (``max_running`` 1), one waiting whose client left: a new request
+    fits beside the running one and is served, not refused for the departed one."""
+    tasks: list[asyncio.Task[list[int]]] = []
+    later = GenerationRequest((3,) * 11, max_tokens=4)  # 3 blocks, as the departed one
+
+    async def hook(call: int) -> None:
+        if call == 1:  # the first sequence's prefill
+            tasks.append(await arrive(engine, GenerationRequest((2,) * 11, max_tokens=4)))
+            tasks[0].cancel()
+            await asyncio.gather(tasks[0], return_exceptions=True)
+            tasks.append(await arrive(engine, later))
+
+    engine = make(6, hook=hook, when_full="reject", max_running=1)
+    first = await tokens(engine, GenerationRequest((1,) * 5, max_tokens=6))
+    assert first == expected_tokens((1,) * 5, 6)
+    assert await tasks[1] == expected_tokens(later.prompt, 4)
+    assert tasks[0].cancelled() and engine.stats.refused == 0
+    await engine.stop()
+
+
+async def test_reject_refuses_a_sequence_whose_blocks_went_before_its_admission() -> None:
+    """B arrives during C's prefill and needs every free block; the decode step after that
+    prefill gives the running A its second block first. B is refused, not left waiting."""
+    tasks: list[asyncio.Task[list[int]]] = []
+    c = GenerationRequest((2,) * 7, max_tokens=4)  # 2 blocks, then 3
+    b = GenerationRequest((3,) * 11, max_tokens=2)  # 3 blocks: all that is free then
+    waited: list[bool] = []  # each passed the check on arrival
+
+    async def hook(call: int) -> None:
+        if call in (1, 3):  # A's prefill, then C's (after A's first decode step)
+            tasks.append(await arrive(engine, c if call == 1 else b))
+            waited.append(not tasks[-1].done())
+
+    engine = make(6, hook=hook, when_full="reject")
+    a = await tokens(engine, GenerationRequest((1,) * 3, max_tokens=6))  # 1 block, then 2
+    assert a == expected_tokens((1,) * 3, 6)
+    assert await tasks[0] == expected_tokens(c.prompt, 4)
+    with pytest.raises(KvBudgetExhausted, match="KV cache full"):
+        await tasks[1]
+    assert waited == [True, True]
+    assert engine.stats.refused == 1 and engine.cache.used_blocks == 0
+    await engine.stop()
+
+
+async def test_reject_never_refuses_a_preempted_sequence() -> None:
+    """Two sequences that cannot both grow: the newer is preempted and, when it does not fit
+    again at once, waits for its blocks (it has streamed tokens) instead of being refused."""
+    engine = make(4, when_full="reject")  # 16 tokens
+    requests = [GenerationRequest((i,) * 3, max_tokens=12) for i in (1, 2)]  # 4 blocks each
+    results = await asyncio.gather(*(tokens(engine, r) for r in requests))
+    assert results == [expected_tokens(r.prompt, 12) for r in requests]
+    assert engine.stats.preempted >= 1 and engine.stats.refused == 0
     await engine.stop()
