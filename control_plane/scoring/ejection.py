@@ -298,6 +298,12 @@ def decide_ejections(
             reasons[ep] = "healthy (signals stale: not judged)"
         else:
             reasons[ep] = "healthy"
+        if fail_open and prev.ejected and prev.until is not None and now < prev.until:
+            # Served while the pool fails open, but its ejection goes on: when the pool stops
+            # failing open it is out for the rest of its back-off, not ejected anew (which
+            # flapped with the pool and doubled its back-off at every flap).
+            states[ep] = base
+            continue
         if prev.ejected:
             states[ep] = replace(
                 base, ejected=False, until=None, returned_at=now, reason=reasons[ep],

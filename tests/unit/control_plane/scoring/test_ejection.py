@@ -211,13 +211,35 @@ def test_failing_open_keeps_a_server_over_its_memory_watermark_out() -> None:
     assert d.reasons["b:1"].startswith("ejected: memory")
 
 
-def test_fail_open_returns_those_already_out() -> None:
+def test_fail_open_serves_those_already_out() -> None:
     d = decide([sig("a:1", error_rate=0.9), good("b:1"), good("c:1")])
     assert d.health["a:1"] == UNHEALTHY
     everyone_bad = [sig(n, error_rate=0.9) for n in ("a:1", "b:1", "c:1")]
     d = decide(everyone_bad, d.states, now=1.0)
     assert d.fail_open and set(d.health.values()) == {HEALTHY}
-    assert "a:1 returned: would eject" in " ".join(d.events)
+    assert d.reasons["a:1"] == (
+        "would eject (error rate 90% >= 50%), but every endpoint looks bad: failing open to weights"
+    )
+    assert d.states["a:1"].ejected and d.states["a:1"].until == 5.0  # its back-off goes on
+
+
+def test_failing_open_and_back_resumes_the_back_off_instead_of_a_new_ejection() -> None:
+    """a at 90% errors, b flapping across the 50% threshold every tick: on the code before,
+    every tick that failed open returned a (its ejection forgotten) and the next ejected it
+    anew, doubling its back-off each time (5, 10, 20, 40 s after 2 s)."""
+    served = "would eject (error rate 90% >= 50%), but every endpoint looks bad: failing open"
+    d = decide([sig("a:1", error_rate=0.9), sig("b:1", error_rate=0.49)])
+    assert d.health["a:1"] == UNHEALTHY and d.states["a:1"].until == 5.0
+    for tick in range(1, 9):  # 0.5 s apart, inside a's 5 s back-off
+        b_errors = 0.51 if tick % 2 else 0.49
+        pool = [sig("a:1", error_rate=0.9), sig("b:1", error_rate=b_errors)]
+        d = decide(pool, d.states, now=tick * 0.5)
+        assert d.fail_open == (b_errors > 0.5)
+        assert d.health["a:1"] == (HEALTHY if d.fail_open else UNHEALTHY)
+        a = d.states["a:1"]
+        assert (a.ejected, a.until, a.times_ejected, a.ejected_at) == (True, 5.0, 1, 0.0)
+        assert d.reasons["a:1"].startswith(served if d.fail_open else "ejected: error rate 90%")
+        assert not any(e.startswith("a:1") for e in d.events), d.events
 
 
 def test_draining_is_immediate_and_not_counted() -> None:
