@@ -30,6 +30,7 @@ from control_plane.routing.hedging import (
 from control_plane.routing.signals import SignalsMade, pool_signals, ready_members
 from control_plane.scoring.at_rest import at_rest, signals_moved
 from control_plane.scoring.ejection import (
+    UNHEALTHY,
     EjectionCause,
     EjectionDecision,
     EjectionState,
@@ -201,13 +202,14 @@ class Router:
             previous = (memory.state, memory.ejections)
             last, memory.computed_at = memory.computed_at, now
             elapsed = RECOMPUTE_PERIOD_S if last is None else now - last
-            decision, memory.state = decide_pool(signals, policy, memory.state, elapsed)
             # Ejection, its share cap and failing open judge the pool the model is routed to:
             # endpoints its placement rule leaves out are not in it.
             pool = signals
             if policy.require_labels:
                 pool = [s for s in signals if not REQUIRED_LABELS.mismatch(s, policy)]
             ejection = decide_ejections(pool, policy, memory.ejections, now)
+            out = {ep for ep, h in ejection.health.items() if h == UNHEALTHY}  # not the scale
+            decision, memory.state = decide_pool(signals, policy, memory.state, elapsed, out)
             for event in ejection.events:
                 self.log(model.name, event, wall)
             for endpoint in ejection.states.keys() - memory.ejections.keys():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from control_plane.scoring.filters import filter_pool
@@ -81,9 +81,14 @@ def decide_pool(
     policy: PoolPolicy,
     previous: PoolState | None,
     elapsed_s: float = RECOMPUTE_PERIOD_S,
+    ejected: Collection[str] = (),
 ) -> tuple[PoolDecision, PoolState]:
     """``elapsed_s``: since the pool's previous decision; one sooner than RECOMPUTE_PERIOD_S
-    smooths and steps by its share of a period (a longer one counts as one period)."""
+    smooths and steps by its share of a period (a longer one counts as one period).
+    ``ejected``: endpoints the ejection decision takes out (UNHEALTHY). They are still scored
+    and weighted, but set neither the best score nor the neutral median: an ejected server
+    gets no traffic, so its idle QPS headroom and missing P99 would make it the best, and the
+    served ones would share a few weight units where rounding and hysteresis hide them."""
     prev = previous or PoolState()
     share = min(max(elapsed_s, 0.0), RECOMPUTE_PERIOD_S) / RECOMPUTE_PERIOD_S
     result = filter_pool(signals, policy)
@@ -120,10 +125,10 @@ def decide_pool(
         alpha = 1.0 - (1.0 - alpha) ** share  # n short steps smooth as much as one period
     smoothed = smooth(prev_scores, raw, alpha)
     # Neutral endpoints sit at the median of the scored ones: neither favoured nor starved.
-    median = median_or_neutral(list(smoothed.values()))
+    median = median_or_neutral([v for ep, v in smoothed.items() if ep not in ejected])
     smoothed.update({ep: median for ep in neutral_why})
 
-    target = proportional_weights(smoothed, policy.max_weight)
+    target = proportional_weights(smoothed, policy.max_weight, ejected)
     step = max(1, round(policy.max_step * policy.max_weight * share))
     stepped = limit_step(prev.weights, target, step)
     # Hysteresis judges where the weights are going, not this recompute's step: a step

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 
 def _round_half_up(x: float) -> int:
@@ -11,17 +11,21 @@ def _round_half_up(x: float) -> int:
     return math.floor(x + 0.5)
 
 
-def proportional_weights(scores: Mapping[str, float], max_weight: int) -> dict[str, int]:
+def proportional_weights(
+    scores: Mapping[str, float], max_weight: int, unscaled: Collection[str] = ()
+) -> dict[str, int]:
     """Best endpoint gets max_weight, the others round(score / best x max_weight), at least 1.
 
     Each weight is rounded on its own (no largest-remainder): there is no fixed total to hit,
     so independent rounding already keeps every ratio within half a unit and is monotone in the
     score (a higher score never gets a lower weight). A routed endpoint never gets 0, since EDS
     weight 0 would silently take it out of rotation. All scores 0 (or below): all equal.
+    ``unscaled`` (ejected endpoints) get a weight but do not set ``best``: Envoy sends them
+    nothing, so their idle headroom must not squeeze the others into a few units.
     """
     if max_weight < 1:
         raise ValueError(f"max_weight must be >= 1, got {max_weight}")
-    best = max(scores.values(), default=0.0)
+    best = max((s for ep, s in scores.items() if ep not in unscaled), default=0.0)
     if best <= 0:
         return {ep: max(1, max_weight // 2) for ep in scores}
     return {

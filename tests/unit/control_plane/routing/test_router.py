@@ -385,3 +385,28 @@ def test_a_server_with_a_small_weight_reaches_it_after_slow_start() -> None:
     c = router.explain()["m"]["endpoints"][C.key]
     assert router.pool_weights()["m"][C] == c["weight"] == 6
     assert str(c["reason"]).endswith("-> weight 6")
+
+
+def test_an_ejected_idle_server_does_not_set_the_scale_of_the_served_ones() -> None:
+    """C is ejected: no traffic, so full QPS headroom and no P99. On the code before it was the
+    best score (weight 100) and A and B, both over the SLA, shared a few units: B getting
+    twice as fast moved its weight less than the hysteresis, and nothing was pushed."""
+    topo = parse_topology({"models": [{"name": "m", "sla_p99_ms": SLA, "capacity_qps": 100,
+                                       "routing": {"slow_start_s": 0}}]})  # fmt: skip
+
+    def served(address: EndpointAddress, p99_ms: float) -> EndpointTelemetry:
+        return dataclasses.replace(seen(address, p99_ms), error_rate=Signal(0.0, 0.1))
+
+    ejected = EndpointTelemetry(
+        C.key, age_s=0.1, interval_s=0.2, stale=False, qps=Signal(0.0, 0.1),
+        error_rate=Signal(0.9, 0.1),
+    )  # fmt: skip
+    router = Router()
+    router.recompute(topo, {A.key: served(A, 90.0), B.key: served(B, 90.0), C.key: ejected},
+                     REPORTS, 0.0)  # fmt: skip
+    assert router.pool_health()["m"][C] is EndpointHealth.UNHEALTHY
+    assert router.pool_weights()["m"][A] == router.pool_weights()["m"][B] == 100
+    faster = {A.key: served(A, 90.0), B.key: served(B, 60.0), C.key: ejected}
+    assert router.recompute(topo, faster, REPORTS, 0.5).changed
+    weights = router.pool_weights()["m"]
+    assert weights[B] == 100 and weights[A] == 62  # B's smoothed score is 1.6x A's
