@@ -207,7 +207,8 @@ class Router:
             pool = signals
             if policy.require_labels:
                 pool = [s for s in signals if not REQUIRED_LABELS.mismatch(s, policy)]
-            ejection = decide_ejections(pool, policy, memory.ejections, now)
+            window = topology.telemetry.window_s  # what error rates and P99s are read over
+            ejection = decide_ejections(pool, policy, memory.ejections, now, window)
             out = {ep for ep, h in ejection.health.items() if h == UNHEALTHY}  # not the scale
             decision, memory.state = decide_pool(signals, policy, memory.state, elapsed, out)
             for event in ejection.events:

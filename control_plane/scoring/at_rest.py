@@ -89,8 +89,8 @@ def at_rest(
     if dict(ejections) != dict(ejections_before) or any(on_probation):
         return False
     for e in ejections.values():
-        if e.ejected or e.latency_strikes:
-            return False  # its back-off ends with time; its next strike comes with time
+        if e.ejected or e.latency_strikes or e.grace:
+            return False  # its back-off, its grace end with time; its next strike comes with time
         returned = e.returned_at
         if e.times_ejected and returned is not None and now - returned < policy.backoff_max_s:
             return False  # its count of ejections is reset with time

@@ -1,6 +1,14 @@
 """Outlier ejection: which endpoints of a pool are taken out, for how long, and why.
 
 Pure: the previous per-endpoint states and the time come in, the new states come out.
+
+Error rates and latencies are read over the telemetry window (``window_s``, 10 s by default),
+and an ejected endpoint gets no requests: when a back-off shorter than the window ends, the
+window still holds the requests that ejected it. So an endpoint back from an ejection is not
+judged again on that ejection's causes until the window since the ejection began has passed
+(its "grace"); memory is a gauge, read as it is now, and is judged at once. A server still
+failing then serves until the window has turned over (Envoy's own outlier detection can still
+eject it on consecutive 5xx), which is the price of not re-ejecting on stale evidence.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ UNHEALTHY = "UNHEALTHY"
 DRAINING = "DRAINING"
 FAIL_OPEN_REASON = "every endpoint looks bad: failing open to weights"
 STRIKE_SPACING_S = 0.9 * RECOMPUTE_PERIOD_S  # one latency strike a period (ticks are not exact)
+WINDOW_S = 10.0  # the telemetry store's default window (topology telemetry.window_s)
 
 
 class EjectionCause(enum.Enum):
@@ -43,6 +52,9 @@ class EjectionState:
     struck_at: float | None = None  # ... the last of them counted then
     draining: bool = False
     returned_at: float | None = None  # last return to service (feeds slow start)
+    # Back from an ejection: its windowed causes, not judged again until the telemetry window
+    # since ``ejected_at`` has passed (the window still holds what ejected it); then emptied.
+    grace: frozenset[EjectionCause] = frozenset()
 
 
 _NEVER_JUDGED = EjectionState()  # an endpoint new to the pool (one value: states are frozen)
@@ -84,6 +96,7 @@ def _judge(
     now: float,
     others_p99: float | None = None,
     others_abandoned: float | None = None,
+    graced: frozenset[EjectionCause] = frozenset(),
 ) -> _Verdict:
     """Eject conditions from the current signals; stale or missing signals never eject.
 
@@ -93,6 +106,7 @@ def _judge(
     ``others_abandoned``: the median share of tries abandoned over the rest of the pool. When
     it is half the threshold or more, the whole pool's tries are being hedged (a per-try
     timeout under what tries take, which the hedging guard raises): no server is the slow one.
+    ``graced``: causes not judged (see ``_graced``).
     """
     if sig.stale:
         return _Verdict((), (0.0, 0.0, 0.0), 0)
@@ -106,11 +120,12 @@ def _judge(
             mem = ratio
             causes.append(f"memory {_pct(ratio)} >= watermark {_pct(policy.memory_watermark)}")
             kinds.add(EjectionCause.MEMORY)
-    if sig.error_rate is not None and sig.error_rate >= policy.error_rate_eject:
+    errors_judged = EjectionCause.ERRORS not in graced
+    if errors_judged and sig.error_rate is not None and sig.error_rate >= policy.error_rate_eject:
         err = sig.error_rate
         causes.append(f"error rate {_pct(sig.error_rate)} >= {_pct(policy.error_rate_eject)}")
         kinds.add(EjectionCause.ERRORS)
-    abandoned = sig.abandoned_rate
+    abandoned = None if EjectionCause.LATENCY in graced else sig.abandoned_rate
     pool_hedged = others_abandoned is not None and others_abandoned >= policy.error_rate_eject / 2
     if abandoned is not None and abandoned >= policy.error_rate_eject and not pool_hedged:
         # Hedging cancels the tries that lost their race: the server's own P99 then stops at
@@ -125,16 +140,17 @@ def _judge(
     limit = policy.latency_eject_factor * policy.sla_p99_ms
     if others_p99 is not None and policy.latency_eject_vs_pool > 0:
         limit = max(limit, policy.latency_eject_vs_pool * others_p99)
-    if sig.p99_ms is not None and sig.p99_ms > limit:
+    p99 = None if EjectionCause.LATENCY in graced else sig.p99_ms
+    if p99 is not None and p99 > limit:
         strikes, struck_at = prev.latency_strikes, prev.struck_at
         # One strike a period: recomputes that come faster than that do not make three
         # windows out of one slow report.
         if struck_at is None or now - struck_at >= STRIKE_SPACING_S or not strikes:
             strikes, struck_at = strikes + 1, now
         if strikes >= policy.latency_eject_windows:
-            lat = sig.p99_ms / policy.sla_p99_ms if policy.sla_p99_ms > 0 else math.inf
+            lat = p99 / policy.sla_p99_ms if policy.sla_p99_ms > 0 else math.inf
             causes.append(
-                f"p99 {sig.p99_ms:.0f} ms > {policy.latency_eject_factor:g} x SLA "
+                f"p99 {p99:.0f} ms > {policy.latency_eject_factor:g} x SLA "
                 f"{policy.sla_p99_ms:.0f} ms for {strikes} window{'s' if strikes != 1 else ''}"
             )
             kinds.add(EjectionCause.LATENCY)
@@ -168,6 +184,15 @@ class _PoolMedian:
         return at(middle) if left % 2 else (at(middle - 1) + at(middle)) / 2
 
 
+def _graced(prev: EjectionState, now: float, window_s: float) -> frozenset[EjectionCause]:
+    """The causes of an endpoint's last ejection that its signals cannot judge yet: until
+    ``window_s`` after the ejection began, its error rate and latency still hold the requests
+    from before it (it got none while out). Memory is a gauge: never graced."""
+    if prev.ejected_at is None or now >= prev.ejected_at + window_s:
+        return frozenset()
+    return (prev.causes if prev.ejected else prev.grace) - {EjectionCause.MEMORY}
+
+
 def _max_out(serving: int, share: float) -> int:
     # A pool of one is never emptied, whatever the share.
     if serving <= 1:
@@ -189,8 +214,11 @@ def decide_ejections(
     policy: PoolPolicy,
     previous: Mapping[str, EjectionState],
     now: float,
+    window_s: float = WINDOW_S,
 ) -> EjectionDecision:
-    """Eject, extend, return or keep each endpoint; endpoints absent from signals are dropped."""
+    """Eject, extend, return or keep each endpoint; endpoints absent from signals are dropped.
+
+    ``window_s``: the telemetry window the error rates and latencies are read over."""
     states: dict[str, EjectionState] = {}
     health: dict[str, str] = {}
     reasons: dict[str, str] = {}
@@ -221,6 +249,7 @@ def decide_ejections(
             now,
             pool_p99.without(s),
             pool_abandoned.without(s),
+            _graced(previous.get(s.endpoint, _NEVER_JUDGED), now, window_s),
         )
         for s in serving
     }
@@ -282,6 +311,7 @@ def decide_ejections(
                 until=now + out_for,
                 times_ejected=times,
                 ejected_at=prev.ejected_at if prev.ejected else now,
+                grace=frozenset(),
             )
             reasons[ep] = reason
             verb = "stays ejected" if prev.ejected else "ejected"
@@ -293,7 +323,8 @@ def decide_ejections(
             limit = FAIL_OPEN_REASON if fail_open else share_text
             reasons[ep] = f"would eject ({what}), but {limit}"
         elif prev.ejected:
-            reasons[ep] = f"returned after {backoff_s(prev.times_ejected, policy):g} s back-off"
+            out_s = now - (now if prev.ejected_at is None else prev.ejected_at)
+            reasons[ep] = f"returned after {round(out_s, 1):g} s ejected"
         elif sig.stale:
             reasons[ep] = "healthy (signals stale: not judged)"
         else:
@@ -307,7 +338,7 @@ def decide_ejections(
         if prev.ejected:
             states[ep] = replace(
                 base, ejected=False, until=None, returned_at=now, reason=reasons[ep],
-                causes=frozenset(),
+                causes=frozenset(), grace=_graced(prev, now, window_s),
             )  # fmt: skip
             early = ep in candidates  # cut by the share cap or by failing open
             events.append(f"{ep} returned: {reasons[ep]}." if early else f"{ep} {reasons[ep]}.")
@@ -315,7 +346,7 @@ def decide_ejections(
             since = prev.returned_at
             if prev.times_ejected and since is not None and now - since >= policy.backoff_max_s:
                 base = replace(base, times_ejected=0)  # a new incident starts over
-            states[ep] = _with(base, reason=reasons[ep])
+            states[ep] = _with(base, reason=reasons[ep], grace=_graced(prev, now, window_s))
     return EjectionDecision(
         states=states,
         health=health,

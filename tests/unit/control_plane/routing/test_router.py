@@ -410,3 +410,21 @@ def test_an_ejected_idle_server_does_not_set_the_scale_of_the_served_ones() -> N
     assert router.recompute(topo, faster, REPORTS, 0.5).changed
     weights = router.pool_weights()["m"]
     assert weights[B] == 100 and weights[A] == 62  # B's smoothed score is 1.6x A's
+
+
+def test_the_grace_after_an_ejection_lasts_the_topologys_telemetry_window() -> None:
+    """A server back from an ejection is judged on that ejection's cause again only once
+    the window its error rate is read over (telemetry.window_s) has turned over."""
+    model = {"name": "m", "sla_p99_ms": SLA, "capacity_qps": 100}
+    topo = parse_topology({"telemetry": {"window_s": 30}, "models": [model]})
+
+    def errors(address: EndpointAddress, rate: float) -> EndpointTelemetry:
+        return dataclasses.replace(seen(address, 10.0), error_rate=Signal(rate, 0.1))
+
+    telemetry = {A.key: errors(A, 0.0), B.key: errors(B, 0.0), C.key: errors(C, 0.9)}
+    router = Router()
+    health = []
+    for now in (0.0, 5.0, 29.5, 30.0):  # ejected; back after 5 s; the window turns over at 30
+        router.recompute(topo, telemetry, REPORTS, now)
+        health.append(router.pool_health()["m"][C].name)
+    assert health == ["UNHEALTHY", "HEALTHY", "HEALTHY", "UNHEALTHY"]

@@ -14,7 +14,7 @@ from control_plane.discovery.placement import EndpointReport
 from control_plane.model.mesh import EndpointAddress
 from control_plane.routing.router import Router
 from control_plane.scoring.at_rest import at_rest, near, signals_moved
-from control_plane.scoring.ejection import EjectionState
+from control_plane.scoring.ejection import EjectionCause, EjectionState
 from control_plane.scoring.pipeline import PoolState
 from control_plane.scoring.types import EndpointSignals, PoolPolicy
 from control_plane.telemetry.decode import PointTuple
@@ -98,6 +98,13 @@ STATE = PoolState(scores={"a:1": 0.8}, weights={"a:1": 100})
             {},
             (),
             False,  # its ejection count is forgotten at 50 + backoff_max_s
+        ),
+        (
+            (STATE, {"a:1": EjectionState(grace=frozenset({EjectionCause.ERRORS}))}),
+            (STATE, {"a:1": EjectionState(grace=frozenset({EjectionCause.ERRORS}))}),
+            {},
+            (),
+            False,  # its error rate is judged again when the window has turned over
         ),
         ((STATE, {}), (STATE, {}), {"a:1": 95.0}, (), False),  # ramping up (slow start)
         ((STATE, {}), (STATE, {}), {"a:1": 80.0}, (), True),  # ramped

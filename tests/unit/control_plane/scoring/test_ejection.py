@@ -143,18 +143,19 @@ def test_stays_out_until_backoff_ends_then_returns_only_when_healthy() -> None:
     d = decide([good("x:1"), *pool], d.states, now=4.9)
     assert d.health["x:1"] == UNHEALTHY and d.reasons["x:1"] == "ejected: error rate 90% >= 50%"
     assert not d.events
-    # Back-off over but still bad: extended with a doubled back-off.
-    d = decide([bad, *pool], d.states, now=5.0)
+    # Back-off over, and the telemetry window since the ejection too (its error rate is
+    # then its own, not the one that ejected it), but still bad: extended, doubled.
+    d = decide([bad, *pool], d.states, now=10.0)
     assert d.health["x:1"] == UNHEALTHY
-    assert d.states["x:1"].times_ejected == 2 and d.states["x:1"].until == 15.0
+    assert d.states["x:1"].times_ejected == 2 and d.states["x:1"].until == 20.0
     assert d.states["x:1"].ejected_at == 0.0
     assert d.events == ["x:1 stays ejected for 10 s: error rate 90% >= 50%."]
     # Over and healthy: returns, with returned_at for slow start.
-    d = decide([good("x:1"), *pool], d.states, now=15.0)
+    d = decide([good("x:1"), *pool], d.states, now=20.0)
     assert d.health["x:1"] == HEALTHY
-    assert d.reasons["x:1"] == "returned after 10 s back-off"
-    assert d.events == ["x:1 returned after 10 s back-off."]
-    assert d.states["x:1"].returned_at == 15.0 and not d.states["x:1"].ejected
+    assert d.reasons["x:1"] == "returned after 20 s ejected"
+    assert d.events == ["x:1 returned after 20 s ejected."]
+    assert d.states["x:1"].returned_at == 20.0 and not d.states["x:1"].ejected
     # Ejected again later: the count carries on, so the back-off keeps doubling.
     d = decide([bad, *pool], d.states, now=100.0)
     assert d.states["x:1"].until == 120.0
@@ -218,7 +219,7 @@ def test_fail_open_serves_those_already_out() -> None:
     d = decide(everyone_bad, d.states, now=1.0)
     assert d.fail_open and set(d.health.values()) == {HEALTHY}
     assert d.reasons["a:1"] == (
-        "would eject (error rate 90% >= 50%), but every endpoint looks bad: failing open to weights"
+        "would eject (still in back-off), but every endpoint looks bad: failing open to weights"
     )
     assert d.states["a:1"].ejected and d.states["a:1"].until == 5.0  # its back-off goes on
 
@@ -227,7 +228,7 @@ def test_failing_open_and_back_resumes_the_back_off_instead_of_a_new_ejection() 
     """a at 90% errors, b flapping across the 50% threshold every tick: on the code before,
     every tick that failed open returned a (its ejection forgotten) and the next ejected it
     anew, doubling its back-off each time (5, 10, 20, 40 s after 2 s)."""
-    served = "would eject (error rate 90% >= 50%), but every endpoint looks bad: failing open"
+    served = "would eject (still in back-off), but every endpoint looks bad: failing open"
     d = decide([sig("a:1", error_rate=0.9), sig("b:1", error_rate=0.49)])
     assert d.health["a:1"] == UNHEALTHY and d.states["a:1"].until == 5.0
     for tick in range(1, 9):  # 0.5 s apart, inside a's 5 s back-off
@@ -366,10 +367,10 @@ def test_back_off_starts_over_after_a_long_healthy_stretch() -> None:
     pool = [good("b:1"), good("c:1"), good("d:1")]
     d = decide([sig("x:1", error_rate=0.9), *pool], policy=policy)  # out for 5 s
     d = decide([good("x:1"), *pool], d.states, now=6.0, policy=policy)  # back
-    d = decide([sig("x:1", error_rate=0.9), *pool], d.states, now=7.0, policy=policy)
-    assert d.states["x:1"].until == 7.0 + 10.0  # a repeat soon after: doubled
-    d = decide([good("x:1"), *pool], d.states, now=18.0, policy=policy)
-    d = decide([good("x:1"), *pool], d.states, now=18.0 + 60.0, policy=policy)  # a minute fine
+    d = decide([sig("x:1", error_rate=0.9), *pool], d.states, now=11.0, policy=policy)
+    assert d.states["x:1"].until == 11.0 + 10.0  # a repeat soon after: doubled
+    d = decide([good("x:1"), *pool], d.states, now=22.0, policy=policy)
+    d = decide([good("x:1"), *pool], d.states, now=22.0 + 60.0, policy=policy)  # a minute fine
     assert d.states["x:1"].times_ejected == 0
     d = decide([sig("x:1", error_rate=0.9), *pool], d.states, now=100.0, policy=policy)
     assert d.states["x:1"].until == 105.0  # an unrelated incident: the base back-off again
@@ -410,3 +411,30 @@ def test_abandoned_tries_eject_only_the_outlier_not_a_pool_whose_tries_are_all_h
                   for ep in ("b:1", "c:1", "d:1"))])  # fmt: skip
     assert one.health["x:1"] == UNHEALTHY and "tries abandoned 60%" in one.reasons["x:1"]
     assert {one.health[ep] for ep in ("b:1", "c:1", "d:1")} == {HEALTHY}
+
+
+def test_back_from_a_back_off_it_is_not_ejected_again_on_evidence_from_before_it() -> None:
+    """It gets no requests while out, so when a 5 s back-off ends the 10 s telemetry window
+    still holds the errors that ejected it. On the code before, they ejected it again ("stays
+    ejected for 10 s"): every first ejection lasted 15 s, and its return said "after 10 s
+    back-off"."""
+    pool = [good("b:1"), good("c:1"), good("d:1")]
+    bad = sig("x:1", error_rate=0.9)  # the window's rate: unchanged while it gets nothing
+    d = decide([bad, *pool], now=0.0)
+    d = decide([bad, *pool], d.states, now=5.0)
+    assert d.health["x:1"] == HEALTHY and d.reasons["x:1"] == "returned after 5 s ejected"
+    assert d.events == ["x:1 returned after 5 s ejected."]
+    for now in (5.5, 9.5):  # the window still reaches back before the ejection
+        d = decide([bad, *pool], d.states, now=now)
+        assert d.health["x:1"] == HEALTHY and not d.events
+    # Another cause is judged at once: the window held no abandoned tries before.
+    hedged_away = decide([sig("x:1", abandoned_rate=0.7), *pool], d.states, now=9.5)
+    assert hedged_away.health["x:1"] == UNHEALTHY
+    d = decide([bad, *pool], d.states, now=10.0)  # the window holds only what came after
+    assert d.health["x:1"] == UNHEALTHY and d.states["x:1"].times_ejected == 2
+    assert d.events == ["x:1 ejected for 10 s: error rate 90% >= 50%."]
+    # Memory is a gauge, read as it is now: still over at the back-off's end, still out.
+    full = sig("m:1", memory_used_bytes=97 * GIB)
+    d = decide([full, *pool], now=0.0)
+    d = decide([full, *pool], d.states, now=5.0)
+    assert d.health["m:1"] == UNHEALTHY and d.states["m:1"].until == 15.0
