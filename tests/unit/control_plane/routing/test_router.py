@@ -98,13 +98,25 @@ def test_a_server_that_leaves_and_comes_back_ramps_up_again() -> None:
     assert step(router, 32.5, 10.0)[C.key]["weight"] == back[A.key]["weight"]
 
 
+# "good" and "broken", both READY on A, B and C: one model failing on a shared server.
+SHARED = parse_topology({"models": [
+    {"name": name, "sla_p99_ms": SLA, "capacity_qps": 100, "routing": {"ewma_alpha": 1.0}}
+    for name in ("good", "broken")
+]})  # fmt: skip
+SHARED_REPORTS = {
+    a: EndpointReport(a, True, frozenset({("good", "1"), ("broken", "1")}), True) for a in (A, B, C)
+}
+
+
+def after_four_periods(telemetry: dict[str, EndpointTelemetry]) -> Router:
+    """A router that recomputed SHARED four periods on ``telemetry``."""
+    router = Router()
+    for now in (0.0, 1.0, 2.0, 3.0):
+        router.recompute(SHARED, telemetry, SHARED_REPORTS, now)
+    return router
+
+
 def test_a_model_failing_on_a_shared_server_ejects_it_from_its_own_pool_only() -> None:
-    topo = parse_topology({"models": [
-        {"name": name, "sla_p99_ms": SLA, "capacity_qps": 100, "routing": {"ewma_alpha": 1.0}}
-        for name in ("good", "broken")
-    ]})  # fmt: skip
-    both = frozenset({("good", "1"), ("broken", "1")})
-    reports = {a: EndpointReport(a, True, both, True) for a in (A, B, C)}
 
     def seen_by_model(address: EndpointAddress, broken_errors: float) -> EndpointTelemetry:
         fine, errors = Signal(10.0, 0.1), Signal(broken_errors, 0.1)
@@ -115,11 +127,9 @@ def test_a_model_failing_on_a_shared_server_ejects_it_from_its_own_pool_only() -
                     ModelTelemetry("broken", fine, Signal(10.0, 0.1), errors)),
         )  # fmt: skip
 
-    router = Router()
     telemetry = {A.key: seen_by_model(A, 0.0), B.key: seen_by_model(B, 0.0),
                  C.key: seen_by_model(C, 1.0)}  # fmt: skip
-    for now in (0.0, 1.0, 2.0, 3.0):
-        router.recompute(topo, telemetry, reports, now)
+    router = after_four_periods(telemetry)
     health = router.pool_health()
     assert health["broken"][C] is EndpointHealth.UNHEALTHY
     assert health["good"][C] is EndpointHealth.HEALTHY  # its server's 50% is not its own
@@ -225,12 +235,6 @@ def test_a_model_failing_on_a_shared_server_keeps_it_in_a_pool_without_its_own_f
     series of its own): on the code before, the other model's pool read the server's figures,
     the broken model's 100% errors, and ejected the server, which then never got the traffic
     that would have made its own series, and was ejected again after every back-off."""
-    topo = parse_topology({"models": [
-        {"name": name, "sla_p99_ms": SLA, "capacity_qps": 100, "routing": {"ewma_alpha": 1.0}}
-        for name in ("good", "broken")
-    ]})  # fmt: skip
-    both = frozenset({("good", "1"), ("broken", "1")})
-    reports = {a: EndpointReport(a, True, both, True) for a in (A, B, C)}
     fine = Signal(10.0, 0.1)
 
     def serving(address: EndpointAddress, errors: float) -> EndpointTelemetry:
@@ -241,10 +245,8 @@ def test_a_model_failing_on_a_shared_server_keeps_it_in_a_pool_without_its_own_f
             models=(ModelTelemetry("broken", fine, fine, Signal(errors, 0.1)),),
         )  # fmt: skip
 
-    router = Router()
     telemetry = {A.key: serving(A, 0.0), B.key: serving(B, 0.0), C.key: serving(C, 1.0)}
-    for now in (0.0, 1.0, 2.0, 3.0):
-        router.recompute(topo, telemetry, reports, now)
+    router = after_four_periods(telemetry)
     health = router.pool_health()
     assert health["broken"][C] is EndpointHealth.UNHEALTHY
     assert health["good"][C] is EndpointHealth.HEALTHY  # nothing says "good" fails there

@@ -36,21 +36,28 @@ def _events(raw: str) -> list[Any]:
     ]
 
 
-async def test_an_error_mid_stream_is_one_error_event_then_the_end(
-    api: tuple[TestClient[Any, Any], InferenceService],
-) -> None:
-    client, service = api
+def fail_after_two_steps(service: InferenceService) -> list[int]:
+    """The demo LM's decoder fails ("device lost") after the prefill and one decode step: two
+    tokens made. Returns its call count, which a test clears to start a generation over."""
     engine: Any = service.repository.resolve("demo_lm", "").scheduler
     decode: Callable[[Mapping[str, np.ndarray]], Any] = engine.engine._decoder
-    calls = []
+    calls: list[int] = []
 
     def failing(feeds: Mapping[str, np.ndarray]) -> Any:
         calls.append(1)
-        if len(calls) > 2:  # the prefill and one decode step, then the model fails
+        if len(calls) > 2:
             raise RuntimeError("device lost")
         return decode(feeds)
 
     engine.engine._decoder = failing
+    return calls
+
+
+async def test_an_error_mid_stream_is_one_error_event_then_the_end(
+    api: tuple[TestClient[Any, Any], InferenceService],
+) -> None:
+    client, service = api
+    fail_after_two_steps(service)
     response = await client.post("/v1/completions", json={**BODY, "stream": True})
     assert response.status == 200
     events = _events(await response.text())
@@ -66,19 +73,9 @@ async def test_a_whole_answer_cut_off_charges_the_tokens_it_made(
     """Cut off after two tokens (a model failing, or unloading: UNAVAILABLE, which before any
     work means a full refund), the edge is told what was made: the prompt and two tokens."""
     client, service = api
-    engine: Any = service.repository.resolve("demo_lm", "").scheduler
-    decode: Callable[[Mapping[str, np.ndarray]], Any] = engine.engine._decoder
-    calls = []
-
-    def failing(feeds: Mapping[str, np.ndarray]) -> Any:
-        calls.append(1)
-        if len(calls) > 2:  # the prefill and one decode step: two tokens, then it fails
-            raise RuntimeError("device lost")
-        return decode(feeds)
-
     chat = {"model": "demo_lm", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
     chat_prompt = (await (await client.post("/v1/chat/completions", json=chat)).json())["usage"]
-    engine.engine._decoder = failing
+    calls = fail_after_two_steps(service)
     for path, body, prompt in (
         ("/v1/completions", BODY, 6),  # BOS and "hello"
         ("/v1/chat/completions", chat, chat_prompt["prompt_tokens"]),
