@@ -12,6 +12,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from model_server.core.faults import FaultError, FaultInjector
+from model_server.core.validation import is_decimal
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +83,15 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if not self._faults_enabled():
             return
-        length = int(self.headers.get("Content-Length") or 0)
+        given = str(self.headers.get("Content-Length") or "0").strip()
+        if not is_decimal(given):  # int() would raise on "x" and read to EOF on "-1"
+            self._json(400, {"error": f"Content-Length: expected a byte count, got {given!r}"})
+            return
+        length = int(given)
         if length > MAX_BODY_BYTES:
             self._json(413, {"error": f"body: larger than {MAX_BODY_BYTES} bytes"})
             return
-        raw = self.rfile.read(length) if length > 0 else b""
+        raw = self.rfile.read(length)
         try:
             body = json.loads(raw or b"{}")
         except ValueError as exc:

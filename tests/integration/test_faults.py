@@ -7,6 +7,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from http.client import HTTPConnection
 from pathlib import Path
 
 import grpc
@@ -151,6 +152,23 @@ def test_bad_values_are_400_naming_the_field(
     status, text = http(server, "POST", "/faults", body)
     assert status == 400
     assert field in json.loads(text)["error"]
+    _, current = http(server, "GET", "/faults")
+    assert json.loads(current) == NO_FAULTS
+
+
+@pytest.mark.parametrize("length", ["x", "-1", "²"])
+def test_a_content_length_that_is_no_byte_count_is_400(server: ServerProcess, length: str) -> None:
+    """Before, int() raised on "x" and "²" and the client got no answer."""
+    connection = HTTPConnection("127.0.0.1", server.metrics_port, timeout=30)
+    try:
+        connection.putrequest("POST", "/faults")
+        connection.putheader("Content-Length", length)
+        connection.endheaders(b"{}")
+        answer = connection.getresponse()
+        assert answer.status == 400
+        assert "Content-Length" in json.loads(answer.read())["error"]
+    finally:
+        connection.close()
     _, current = http(server, "GET", "/faults")
     assert json.loads(current) == NO_FAULTS
 
